@@ -1,0 +1,240 @@
+"""Every collective the project uses, behind one object.
+
+:class:`Communicator` wraps a process group (or none: world size 1, where every collective
+is a no-op) and counts what this rank sends. Counts are taken from the tensors handed to
+each collective, under the bandwidth-optimal algorithm NCCL and gloo use for it:
+
+==================  ===============================================================
+collective          bytes this rank puts on the wire
+==================  ===============================================================
+all_reduce          ring: 2·(p-1)/p · tensor bytes
+all_gather          ring: (p-1) · bytes of this rank's input
+all_to_all          every row of the input except the one addressed to itself
+broadcast           tensor bytes on every rank except the last of the chain
+==================  ===============================================================
+
+The benchmark ``bench/comm.py`` checks these counts against the kernel's interface
+counters.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeline.distributed.compression import (
+    SCALE_BYTES,
+    ErrorFeedback,
+    combine_chunks,
+    compress_in_place,
+    frame,
+    read_scales,
+)
+from pipeline.distributed.packing import sign_table, unpack_signs
+
+
+@dataclass
+class CommStats:
+    """Running totals for one communicator; subtract two snapshots for a per-step figure."""
+
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        return CommStats(
+            self.bytes_sent - other.bytes_sent,
+            self.seconds - other.seconds,
+            self.calls - other.calls,
+        )
+
+
+class Communicator:
+    """Collectives over ``group`` for tensors on ``device``.
+
+    ``group=None`` means a world of one: nothing is sent and nothing is counted.
+    ``synchronize_timing`` makes CUDA timings exact (a device sync around each collective);
+    leave it off in production runs, where it would serialise compute and communication.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        synchronize_timing: bool = False,
+    ):
+        self.group = group
+        self.device = torch.device(device)
+        self.synchronize_timing = synchronize_timing
+        if group is None:
+            self.rank, self.world_size = 0, 1
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def snapshot(self) -> CommStats:
+        return CommStats(self.stats.bytes_sent, self.stats.seconds, self.stats.calls)
+
+    @contextmanager
+    def _count(self, nbytes: int):
+        sync = self.synchronize_timing and self.device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if sync:
+            torch.cuda.synchronize(self.device)
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.bytes_sent += int(nbytes)
+        self.stats.calls += 1
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if device not in self._tables:
+            self._tables[device] = sign_table(device)
+        return self._tables[device]
+
+    # ------------------------------------------------------------------ plain collectives
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce. ``op`` is ``sum``, ``avg``, ``max`` or ``min``."""
+        if op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"all_reduce op must be sum, avg, max or min, got {op!r}")
+        if self.world_size == 1:
+            return tensor
+        p = self.world_size
+        reduce_op = {
+            "sum": dist.ReduceOp.SUM,
+            "avg": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+        }[op]
+        with self._count(2 * (p - 1) * tensor.numel() * tensor.element_size() // p):
+            dist.all_reduce(tensor, op=reduce_op, group=self.group)
+        if op == "avg":
+            tensor.div_(p)
+        return tensor
+
+    def all_reduce_coalesced(self, tensors: list[torch.Tensor], op: str = "avg") -> None:
+        """All-reduce many tensors as one flat message (one collective, not one per tensor)."""
+        if self.world_size == 1 or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce(flat, op=op)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        last_of_chain = (src - 1) % self.world_size
+        nbytes = 0 if self.rank == last_of_chain else tensor.numel() * tensor.element_size()
+        with self._count(nbytes):
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
+        return tensor
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Gather equal-size tensors from every rank into ``output`` (rank-major)."""
+        if output.numel() != tensor.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather output has {output.numel()} elements; it needs "
+                f"{self.world_size} x {tensor.numel()}"
+            )
+        if self.world_size == 1:
+            output.view(-1).copy_(tensor.reshape(-1))
+            return output
+        with self._count((self.world_size - 1) * tensor.numel() * tensor.element_size()):
+            dist.all_gather_single(output.view(-1), tensor.reshape(-1), group=self.group)
+        return output
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Row ``j`` of ``tensor`` (first dim = world size) goes to rank ``j``; row ``i`` of
+        ``output`` comes from rank ``i``."""
+        if tensor.shape[0] != self.world_size or output.shape != tensor.shape:
+            raise ValueError(
+                f"all_to_all needs input and output of equal shape with first dimension "
+                f"{self.world_size}, got {tuple(tensor.shape)} and {tuple(output.shape)}"
+            )
+        if self.world_size == 1:
+            output.copy_(tensor)
+            return output
+        row_bytes = tensor[0].numel() * tensor.element_size()
+        with self._count((self.world_size - 1) * row_bytes):
+            dist.all_to_all_single(output, tensor, group=self.group)
+        return output
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ 1-bit all-reduce
+    def compressed_all_reduce(self, buffer: torch.Tensor, feedback: ErrorFeedback) -> torch.Tensor:
+        """Average ``buffer`` over ranks with error-compensated 1-bit compression, in place.
+
+        ``buffer`` is flat fp32 of ``feedback.padded_numel`` elements; its padding tail must
+        be zero and stays zero. Per bucket: worker compression, one all-to-all carrying
+        each chunk's signs with this rank's scale, the server step on this rank's chunk,
+        one all-gather carrying the server signs with their scale, then expansion. The
+        result is identical on every rank.
+        """
+        p = self.world_size
+        if feedback.world_size != p:
+            raise ValueError(
+                f"compression errors were built for world size {feedback.world_size} but this "
+                f"communicator has {p} ranks; build the ErrorFeedback with world_size={p}"
+            )
+        if buffer.dim() != 1 or buffer.numel() != feedback.padded_numel:
+            raise ValueError(
+                f"compressed_all_reduce needs a flat buffer of {feedback.padded_numel} elements "
+                f"(padded), got shape {tuple(buffer.shape)}"
+            )
+        if buffer.dtype != torch.float32:
+            raise ValueError(f"compressed_all_reduce needs fp32, got {buffer.dtype}")
+        table = self._table(buffer.device)
+        for bucket in feedback.buckets:
+            x = buffer[bucket.start : bucket.start + bucket.size]
+            chunk = bucket.size // p
+            server_slice = slice(bucket.start // p, (bucket.start + bucket.size) // p)
+            self._compressed_bucket(
+                x,
+                feedback.worker_error[bucket.start : bucket.start + bucket.size],
+                feedback.server_error[server_slice],
+                bucket.real,
+                bucket.chunk_real(self.rank, p),
+                chunk,
+                table,
+            )
+        return buffer
+
+    def _compressed_bucket(self, x, worker_error, server_error, real, my_real, chunk, table):
+        p = self.world_size
+        # Worker: compress the local buffer; chunk j of the signs is addressed to rank j.
+        signs, scale = compress_in_place(x, worker_error, real, table)
+        outgoing = frame(signs, scale, p)
+        incoming = torch.empty_like(outgoing)
+        self.all_to_all(incoming, outgoing)
+        # Server: average this rank's chunk over all ranks and compress it again.
+        mine = torch.empty(chunk, dtype=x.dtype, device=x.device)
+        combine_chunks(incoming, p, table, mine)
+        mine[my_real:].zero_()
+        server_signs, server_scale = compress_in_place(mine, server_error, my_real, table)
+        gathered = torch.empty(p, outgoing.shape[1], dtype=torch.uint8, device=x.device)
+        self.all_gather(gathered, frame(server_signs, server_scale, 1).view(-1))
+        # Everyone: expand every server's chunk; the padding is zeroed again.
+        body = outgoing.shape[1] - SCALE_BYTES
+        server_scales = read_scales(gathered)
+        for i in range(p):
+            unpack_signs(
+                gathered[i, :body],
+                server_scales[i],
+                out=x[i * chunk : (i + 1) * chunk],
+                table=table,
+            )
+        x[real:].zero_()

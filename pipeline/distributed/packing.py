@@ -1,0 +1,80 @@
+"""Sign bits packed eight to a byte, in pure torch (same code on CPU and CUDA).
+
+Bit ``k`` of byte ``i`` holds the sign of element ``8*i + k``; 1 means ``x >= 0`` (so
+sign(0) = +1), 0 means negative.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Multiplying eight 0/1 bytes, read as one little-endian int64, by this constant moves
+# byte k's bit into bit 56+k without carries, so one multiply and one shift pack a byte.
+_GATHER_BITS = 0x0102040810204080
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_verified: dict[torch.device, bool] = {}
+
+
+def _pack_by_multiply(nonneg: torch.Tensor) -> torch.Tensor:
+    words = nonneg.view(torch.uint8).view(-1, 8).view(torch.int64).view(-1)
+    return ((words * _GATHER_BITS) >> 56).bitwise_and_(0xFF).to(torch.uint8)
+
+
+def _pack_by_shifts(nonneg: torch.Tensor) -> torch.Tensor:
+    bits = nonneg.view(torch.uint8).view(-1, 8)
+    out = bits[:, 0].clone()
+    for k in range(1, 8):
+        out.bitwise_or_(bits[:, k] << k)
+    return out
+
+
+def _multiply_is_exact(device: torch.device) -> bool:
+    # The multiply relies on int64 products wrapping modulo 2**64, which every torch
+    # backend does in practice; check once per device and fall back if one does not.
+    if device not in _verified:
+        probe = torch.rand(4096, generator=torch.Generator().manual_seed(0)) >= 0.5
+        probe = probe.to(device)
+        _verified[device] = torch.equal(_pack_by_multiply(probe), _pack_by_shifts(probe))
+    return _verified[device]
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Pack the signs of a flat tensor whose length is a multiple of 8 into uint8 bytes."""
+    if x.dim() != 1 or x.numel() % 8:
+        raise ValueError(
+            f"pack_signs needs a flat tensor whose length is a multiple of 8, "
+            f"got shape {tuple(x.shape)}"
+        )
+    nonneg = (x >= 0).contiguous()
+    if _multiply_is_exact(x.device):
+        return _pack_by_multiply(nonneg)
+    return _pack_by_shifts(nonneg)
+
+
+def sign_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(256, 8) table: row ``b`` holds the eight ±1 signs that byte ``b`` encodes."""
+    bits = (torch.arange(256, dtype=torch.uint8).unsqueeze(1) >> _SHIFTS) & 1
+    return torch.where(bits.bool(), 1.0, -1.0).to(device=device, dtype=dtype)
+
+
+def unpack_signs(
+    packed: torch.Tensor,
+    scale: torch.Tensor | float = 1.0,
+    out: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Unpack bytes into ``scale * (±1)`` values, 8 per byte (a table lookup per byte).
+
+    ``out`` (flat, contiguous, ``8 * len(packed)`` elements) receives the result in place.
+    ``table`` may be passed in to avoid rebuilding :func:`sign_table` on every call.
+    """
+    if packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError("unpack_signs needs a flat uint8 tensor")
+    if table is None:
+        table = sign_table(packed.device)
+    scaled = table * scale
+    index = packed.to(torch.int32)
+    if out is None:
+        return scaled.index_select(0, index).view(-1)
+    torch.index_select(scaled, 0, index, out=out.view(-1, 8))
+    return out

@@ -1,0 +1,216 @@
+"""LAMB (You et al., 2019) in the form 1-bit LAMB's warmup stage uses.
+
+Per parameter tensor ("layer") ``w`` with gradient ``g``::
+
+    m = β1·m + (1-β1)·g
+    v = β2·v + (1-β2)·g²
+    u = m / (sqrt(v) + eps) + wd·w          (m/(1-β1^t), v/(1-β2^t) with bias correction)
+    r = clamp(‖w‖ / ‖u‖, min_coeff, max_coeff)   (r = 1 if either norm is 0)
+    w = w - lr·r·u
+
+Bias correction is off by default, as in the BERT recipes and in 1-bit LAMB.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch.optim import Optimizer
+
+
+def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped so each group can go through one ``torch._foreach_*``."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
+    return list(groups.values())
+
+
+def check_lamb_hyperparameters(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    max_coeff: float,
+    min_coeff: float,
+) -> None:
+    """One clear error per bad hyperparameter, before any state is allocated."""
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if not 0.0 < min_coeff <= max_coeff:
+        raise ValueError(
+            f"trust-ratio bounds need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, "
+            f"max_coeff={max_coeff}"
+        )
+
+
+def check_params_and_grads(optimizer: Optimizer, name: str) -> None:
+    """Reject parameters and gradients the optimizer cannot handle, naming the fix."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{name} optimises floating-point parameters only; got a {p.dtype} tensor "
+                    f"of shape {tuple(p.shape)}: leave it out of the parameter list"
+                )
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{name} does not support sparse gradients (parameter of shape "
+                    f"{tuple(p.shape)}); build the embedding with sparse=False"
+                )
+
+
+def check_state_shapes(optimizer: Optimizer, state_dict: dict) -> None:
+    """Refuse optimizer state whose tensors do not fit the parameters they are for
+    (torch's own check compares only parameter counts)."""
+    saved_groups = state_dict.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        return  # torch's load_state_dict names this mismatch itself
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        for index, param in zip(saved["params"], group["params"], strict=False):
+            for key, value in state_dict["state"].get(index, {}).items():
+                if key in ("exp_avg", "exp_avg_sq") and value.shape != param.shape:
+                    raise ValueError(
+                        f"optimizer state {key!r} of parameter {index} has shape "
+                        f"{tuple(value.shape)} but the parameter has shape "
+                        f"{tuple(param.shape)}: the state belongs to a different model"
+                    )
+
+
+def lamb_update(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    max_coeff: float,
+    min_coeff: float,
+    step: int,
+    bias_correction: bool,
+) -> torch.Tensor:
+    """One LAMB step on lists of same-device, same-dtype tensors; returns the trust
+    ratios ``r`` (fp32, one per tensor) without a host sync."""
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    if bias_correction:
+        torch._foreach_div_(denom, math.sqrt(1.0 - beta2**step))
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(exp_avgs, denom)
+    if bias_correction:
+        torch._foreach_div_(update, 1.0 - beta1**step)
+    if weight_decay != 0.0:
+        torch._foreach_add_(update, params, alpha=weight_decay)
+    ratios = trust_ratios(params, update, min_coeff, max_coeff)
+    torch._foreach_mul_(update, list((ratios * -lr).unbind(0)))
+    torch._foreach_add_(params, update)
+    return ratios
+
+
+def trust_ratios(
+    params: list[torch.Tensor], updates: list[torch.Tensor], min_coeff: float, max_coeff: float
+) -> torch.Tensor:
+    """``clamp(‖w‖/‖u‖, min_coeff, max_coeff)`` per tensor, 1 where either norm is 0."""
+    w_norm = torch.stack(torch._foreach_norm(params)).float()
+    u_norm = torch.stack(torch._foreach_norm(updates)).float()
+    ratio = (w_norm / u_norm).clamp_(min_coeff, max_coeff)
+    return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+
+
+class Lamb(Optimizer):
+    """Layer-wise adaptive large-batch optimizer; gradients must already be averaged.
+
+    ``last_trust_ratios`` holds the previous step's ``r`` for every parameter that had a
+    gradient, in parameter order (fp32 tensor, on the parameters' device).
+    """
+
+    syncs_internally = False  # the caller all-reduces gradients before step()
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        bias_correction: bool = False,
+    ):
+        check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+            bias_correction=bias_correction,
+        )
+        super().__init__(params, defaults)
+        check_params_and_grads(self, "LAMB")
+        self.last_trust_ratios: torch.Tensor | None = None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        check_state_shapes(self, state_dict)
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        check_params_and_grads(self, "LAMB")
+        all_ratios = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+            group_ratios = torch.empty(len(params), device=params[0].device)
+            for idx in group_by_device_and_dtype(params):
+                sub = [params[i] for i in idx]
+                beta1, beta2 = group["betas"]
+                ratios = lamb_update(
+                    sub,
+                    [p.grad for p in sub],
+                    [self.state[p]["exp_avg"] for p in sub],
+                    [self.state[p]["exp_avg_sq"] for p in sub],
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    max_coeff=group["max_coeff"],
+                    min_coeff=group["min_coeff"],
+                    step=self.state[sub[0]]["step"],
+                    bias_correction=group["bias_correction"],
+                )
+                group_ratios[idx] = ratios.to(group_ratios.device)
+            all_ratios.append(group_ratios)
+        if all_ratios:
+            self.last_trust_ratios = torch.cat(all_ratios)
+        return loss

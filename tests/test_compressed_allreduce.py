@@ -1,0 +1,213 @@
+"""Sign packing and the error-compensated 1-bit all-reduce, against a plain simulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.distributed import Communicator, ErrorFeedback
+from pipeline.distributed.packing import pack_signs, unpack_signs
+from tests.distributed_harness import run_ranks
+
+# ----------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("numel", [8, 16, 104, 8 * 1001, 8 * 4097])
+def test_pack_round_trip(numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::7] = 0.0  # sign(0) = +1
+    x[1::11] = -0.0  # -0.0 >= 0 as well
+    packed = pack_signs(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == numel // 8
+    expected = torch.where(x >= 0, 1.0, -1.0)
+    assert torch.equal(unpack_signs(packed), expected)
+    assert torch.equal(unpack_signs(packed, 2.5), 2.5 * expected)
+    out = torch.empty(numel)
+    unpack_signs(packed, torch.tensor(0.5), out=out)
+    assert torch.equal(out, 0.5 * expected)
+
+
+def test_pack_bit_order():
+    x = -torch.ones(16)
+    x[0] = 1.0  # byte 0, bit 0
+    x[10] = 1.0  # byte 1, bit 2
+    assert pack_signs(x).tolist() == [1, 4]
+
+
+def test_pack_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pack_signs(torch.randn(13))
+    with pytest.raises(ValueError, match="flat uint8"):
+        unpack_signs(torch.zeros(3, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+def simulate(inputs, worker_errors, server_errors, numel, bucket=None):
+    """The spec's two phases for p workers in one process, written out plainly.
+
+    ``inputs``/``worker_errors``: p padded fp32 tensors; ``server_errors``: p tensors of
+    padded/p elements. Updates the errors in place, returns the common output."""
+    p = len(inputs)
+    quantum = 8 * p
+    padded = inputs[0].numel()
+    step = padded if bucket is None or bucket >= padded else bucket // quantum * quantum
+    out = torch.zeros(padded)
+    for a in range(0, padded, step):
+        size = min(step, padded - a)
+        real = max(0, min(size, numel - a))
+        chunk = size // p
+        scales, signs = [], []
+        for i in range(p):
+            x = inputs[i][a : a + size] + worker_errors[i][a : a + size]
+            s = x[:real].norm() / math.sqrt(real) if real else torch.tensor(0.0)
+            sign = torch.where(x >= 0, 1.0, -1.0)
+            err = x - s * sign
+            err[real:] = 0
+            worker_errors[i][a : a + size] = err
+            scales.append(s)
+            signs.append(sign)
+        for j in range(p):
+            acc = torch.zeros(chunk)
+            for i in range(p):
+                acc = acc + scales[i] * signs[i][j * chunk : (j + 1) * chunk]
+            y = acc / p + server_errors[j][a // p : (a + size) // p]
+            real_j = max(0, min(chunk, real - j * chunk))
+            y[real_j:] = 0
+            t = y[:real_j].norm() / math.sqrt(real_j) if real_j else torch.tensor(0.0)
+            sign = torch.where(y >= 0, 1.0, -1.0)
+            err = y - t * sign
+            err[real_j:] = 0
+            server_errors[j][a // p : (a + size) // p] = err
+            out[a + j * chunk : a + (j + 1) * chunk] = t * sign
+        out[a + real : a + size] = 0
+    return out
+
+
+def _rank_inputs(rank, call, numel, padded):
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    x = torch.zeros(padded)
+    x[:numel] = torch.randn(numel, generator=g) * (1 + rank)
+    return x
+
+
+def _compressed_calls(comm, numel, calls, bucket):
+    feedback = ErrorFeedback(numel, comm.world_size, rank=comm.rank, bucket_numel=bucket)
+    outs = []
+    for call in range(calls):
+        x = _rank_inputs(comm.rank, call, numel, feedback.padded_numel)
+        comm.compressed_all_reduce(x, feedback)
+        outs.append(x.clone())
+    return {
+        "outs": outs,
+        "worker_error": feedback.worker_error.clone(),
+        "server_error": feedback.server_error.clone(),
+        "bytes": comm.stats.bytes_sent,
+    }
+
+
+@pytest.mark.parametrize(
+    "world_size,numel,bucket",
+    [(1, 13, None), (2, 13, None), (2, 1001, 64), (4, 1, None), (4, 997, None), (4, 5000, 640)],
+)
+def test_compressed_allreduce_matches_simulation(world_size, numel, bucket):
+    calls = 5
+    results = run_ranks(_compressed_calls, world_size, numel, calls, bucket)
+    padded = results[0]["outs"][0].numel()
+    assert padded % (8 * world_size) == 0 and padded - numel < 8 * world_size
+    worker_errors = [torch.zeros(padded) for _ in range(world_size)]
+    server_errors = [torch.zeros(padded // world_size) for _ in range(world_size)]
+    for call in range(calls):
+        inputs = [_rank_inputs(r, call, numel, padded) for r in range(world_size)]
+        expected = simulate(inputs, worker_errors, server_errors, numel, bucket)
+        for r, res in enumerate(results):
+            got = res["outs"][call]
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+            assert torch.equal(got, results[0]["outs"][call]), f"rank {r} differs from rank 0"
+            assert torch.all(got[numel:] == 0), "padding picked up a value"
+    for r, res in enumerate(results):
+        torch.testing.assert_close(res["worker_error"], worker_errors[r], rtol=0, atol=1e-6)
+        torch.testing.assert_close(res["server_error"], server_errors[r], rtol=0, atol=1e-6)
+        assert torch.all(res["worker_error"][numel:] == 0)
+
+
+def test_bucketing_gives_each_bucket_its_own_scales():
+    # One bucket: one server scale per chunk (2 on 2 ranks). Five buckets: ten.
+    one = run_ranks(_compressed_calls, 2, 4000, 1, None)[0]["outs"][0]
+    many = run_ranks(_compressed_calls, 2, 4000, 1, 800)[0]["outs"][0]
+    assert len(torch.unique(one[:4000].abs())) <= 2  # one scale per server chunk
+    assert len(torch.unique(many[:4000].abs())) > 2
+
+
+def _feedback_tracking(comm, numel, calls):
+    feedback = ErrorFeedback(numel, comm.world_size, rank=comm.rank)
+    g = torch.Generator().manual_seed(7 + comm.rank)
+    fixed = torch.zeros(feedback.padded_numel)
+    fixed[:numel] = torch.randn(numel, generator=g) + 0.3 * comm.rank
+    total = torch.zeros_like(fixed)
+    errors = {}
+    for call in range(1, calls + 1):
+        x = fixed.clone()
+        comm.compressed_all_reduce(x, feedback)
+        total += x
+        if call in (1, 10, calls):
+            errors[call] = total / call
+    return {"fixed": fixed, "means": errors}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_error_feedback_mean_tracks_input_mean(world_size):
+    calls = 400
+    results = run_ranks(_feedback_tracking, world_size, 300, calls)
+    target = sum(r["fixed"] for r in results) / world_size
+    rel = {c: ((m - target).norm() / target.norm()).item() for c, m in results[0]["means"].items()}
+    # One 1-bit call is a coarse estimate; error feedback makes the running mean converge.
+    assert rel[1] > 0.3
+    assert rel[calls] < 0.02
+    assert rel[calls] < rel[10] < rel[1]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_compressed_allreduce_rejects_mismatched_world_size():
+    comm = Communicator(None)
+    feedback = ErrorFeedback(100, 4, rank=0)
+    with pytest.raises(ValueError, match="world size 4 but this communicator has 1"):
+        comm.compressed_all_reduce(torch.zeros(feedback.padded_numel), feedback)
+
+
+def test_compressed_allreduce_rejects_wrong_buffer():
+    comm = Communicator(None)
+    feedback = ErrorFeedback(100, 1)
+    with pytest.raises(ValueError, match="flat buffer of 104"):
+        comm.compressed_all_reduce(torch.zeros(100), feedback)
+    with pytest.raises(ValueError, match="fp32"):
+        comm.compressed_all_reduce(torch.zeros(104, dtype=torch.float64), feedback)
+
+
+def test_error_feedback_bad_arguments():
+    with pytest.raises(ValueError, match="at least one element"):
+        ErrorFeedback(0, 2)
+    with pytest.raises(ValueError, match="outside world size"):
+        ErrorFeedback(10, 2, rank=2)
+    with pytest.raises(ValueError, match="below the minimum"):
+        ErrorFeedback(1000, 4, bucket_numel=16)
+
+
+def test_error_feedback_state_round_trip_and_reset():
+    a = ErrorFeedback(50, 2, rank=1)
+    a.worker_error.normal_()
+    a.server_error.normal_()
+    b = ErrorFeedback(50, 2, rank=1)
+    assert b.load_state_dict(a.state_dict())
+    assert torch.equal(b.worker_error, a.worker_error)
+    c = ErrorFeedback(50, 4, rank=1)
+    with pytest.warns(UserWarning, match="world size 2"):
+        assert not c.load_state_dict(a.state_dict())
+    assert torch.all(c.worker_error == 0) and torch.all(c.server_error == 0)
+    with pytest.raises(ValueError, match="different model"):
+        ErrorFeedback(51, 2, rank=1).load_state_dict(a.state_dict())
