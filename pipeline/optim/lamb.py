@@ -123,6 +123,29 @@ def lamb_update(
     return ratios
 
 
+def lamb_group_update(
+    group: dict, params: list[torch.Tensor], states: list[dict], step: int, bias_correction: bool
+) -> torch.Tensor:
+    """:func:`lamb_update` on ``params`` (with gradients) using their param group's
+    hyperparameters and their ``exp_avg``/``exp_avg_sq`` states."""
+    beta1, beta2 = group["betas"]
+    return lamb_update(
+        params,
+        [p.grad for p in params],
+        [st["exp_avg"] for st in states],
+        [st["exp_avg_sq"] for st in states],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        max_coeff=group["max_coeff"],
+        min_coeff=group["min_coeff"],
+        step=step,
+        bias_correction=bias_correction,
+    )
+
+
 def trust_ratios(
     params: list[torch.Tensor], updates: list[torch.Tensor], min_coeff: float, max_coeff: float
 ) -> torch.Tensor:
@@ -193,19 +216,10 @@ class Lamb(Optimizer):
             group_ratios = torch.empty(len(params), device=params[0].device)
             for idx in group_by_device_and_dtype(params):
                 sub = [params[i] for i in idx]
-                beta1, beta2 = group["betas"]
-                ratios = lamb_update(
+                ratios = lamb_group_update(
+                    group,
                     sub,
-                    [p.grad for p in sub],
-                    [self.state[p]["exp_avg"] for p in sub],
-                    [self.state[p]["exp_avg_sq"] for p in sub],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    max_coeff=group["max_coeff"],
-                    min_coeff=group["min_coeff"],
+                    [self.state[p] for p in sub],
                     step=self.state[sub[0]]["step"],
                     bias_correction=group["bias_correction"],
                 )

@@ -28,7 +28,7 @@ from pipeline.optim.lamb import (
     check_lamb_hyperparameters,
     check_params_and_grads,
     check_state_shapes,
-    lamb_update,
+    lamb_group_update,
 )
 
 NAME = "1-bit LAMB"
@@ -297,21 +297,8 @@ class OneBitLamb(Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                     state["lamb_coeff"] = torch.zeros((), device=p.device)
-            beta1, beta2 = group["betas"]
-            r = lamb_update(
-                params,
-                [p.grad for p in params],
-                [self.state[p]["exp_avg"] for p in params],
-                [self.state[p]["exp_avg_sq"] for p in params],
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                max_coeff=group["max_coeff"],
-                min_coeff=group["min_coeff"],
-                step=self._step,
-                bias_correction=False,
+            r = lamb_group_update(
+                group, params, [self.state[p] for p in params], self._step, bias_correction=False
             )
             coeffs = [self.state[p]["lamb_coeff"] for p in params]
             c = torch.stack(coeffs)
@@ -359,14 +346,10 @@ class OneBitLamb(Optimizer):
             if offset != numel:
                 flat = None
         if flat is None:
-            world = self.comm.world_size
-            flat = torch.zeros(padded_size(numel, world), device=self._device)
-            offset = 0
-            for p in params:
-                view = flat[offset : offset + p.numel()].view_as(p)
+            flat = torch.zeros(padded_size(numel, self.comm.world_size), device=self._device)
+            for p, view in zip(params, self._views(flat, params, 0), strict=True):
                 view.copy_(self.state[p]["exp_avg"])
                 self.state[p]["exp_avg"] = view
-                offset += p.numel()
             self._flat = flat
             self._scratch = torch.empty_like(flat)
         if self._feedback is None:
@@ -384,7 +367,9 @@ class OneBitLamb(Optimizer):
             )
         return flat
 
-    def _views(self, buffer: torch.Tensor, params: list[torch.Tensor], start: int) -> list:
+    @staticmethod
+    def _views(buffer: torch.Tensor, params: list[torch.Tensor], start: int) -> list:
+        """Slices of ``buffer`` from ``start`` on, shaped like ``params`` one after another."""
         views, offset = [], start
         for p in params:
             views.append(buffer[offset : offset + p.numel()].view_as(p))
