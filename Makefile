@@ -6,8 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RANKS ?= 4
 NUMEL ?= 25000000
+# Corpora for data preparation; the shared sample folder by default.
+DATA_ROOT ?= ../shared/data
+DATA_OUT ?=
+ARGS ?=
 
-.PHONY: setup test lint format smoke bench-comm clean
+.PHONY: setup test lint format smoke data data-sample bench-comm bench-data clean
 
 setup: $(STAMP)
 
@@ -33,9 +37,28 @@ format: setup
 smoke: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m pipeline.smoke
 
+# The BERT corpus (Wikipedia + BookCorpus): from the hub, or with DATA_ROOT=<dir> from
+# local files laid out as configs/data/bert_local.yaml describes. ARGS: key=value overrides.
+data: setup
+	@if [ "$(origin DATA_ROOT)" = "command line" ] || [ "$(origin DATA_ROOT)" = "environment" ]; then \
+		$(PY) -m data_prep --config configs/data/bert_local.yaml data_root=$(DATA_ROOT) \
+			$(if $(DATA_OUT),output=$(DATA_OUT)) $(ARGS); \
+	else \
+		$(PY) -m data_prep --config configs/data/bert.yaml $(if $(DATA_OUT),output=$(DATA_OUT)) $(ARGS); \
+	fi
+
+# The small local corpus: Wikipedia sample + Gutenberg books of DATA_ROOT (shared folder).
+data-sample: setup
+	$(PY) -m data_prep --config configs/data/sample.yaml data_root=$(DATA_ROOT) \
+		$(if $(DATA_OUT),output=$(DATA_OUT)) $(ARGS)
+
 # Compressed vs fp32 all-reduce on $(RANKS) gloo ranks, $(NUMEL) elements; JSON last line.
 bench-comm: setup
 	$(PY) bench/comm.py --world-size $(RANKS) --numel $(NUMEL)
+
+# data_prep vs the HF run_mlm-style pipeline on DATA_ROOT's Wikipedia sample; JSON last line.
+bench-data: setup
+	$(PY) bench/data.py --data-root $(DATA_ROOT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

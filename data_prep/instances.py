@@ -1,0 +1,157 @@
+"""Training sequences from tokenized documents, with Google BERT's semantics.
+
+A document is a list of sentences, each a list of token ids (no special tokens).
+
+``nsp`` mode (``create_pretraining_data.py``): sentences are gathered until a target
+length (``seq_length - 3``, or with probability ``short_seq_prob`` a random shorter one);
+(drawn once per document, as Google does); the chunk is cut at a random sentence into A
+and B; with probability ``random_next_prob``
+(always, for a one-sentence chunk) B is replaced by text from another document, label 1,
+and the unused sentences are put back; the longer segment is truncated, one token at a
+time from a random end, until the pair fits.
+
+``full_sentences`` mode (RoBERTa's): consecutive sentences are packed up to
+``seq_length - 2`` tokens, across documents (a ``[SEP]`` marks each document boundary);
+longer sentences are cut; no next-sentence label.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import chain
+
+import numpy as np
+
+from pipeline.shards import row_dtype
+
+Document = list[list[int]]
+
+
+def nsp_pairs(
+    docs: list[Document],
+    seq_length: int,
+    short_seq_prob: float,
+    random_next_prob: float,
+    rng: random.Random,
+) -> list[tuple[list[int], list[int], int]]:
+    """(A, B, is_random_next) pairs from every document, in document order."""
+    pairs = []
+    for index in range(len(docs)):
+        pairs.extend(
+            _document_pairs(docs, index, seq_length, short_seq_prob, random_next_prob, rng)
+        )
+    return pairs
+
+
+def _document_pairs(docs, index, seq_length, short_seq_prob, random_next_prob, rng):
+    document = docs[index]
+    max_tokens = seq_length - 3  # [CLS] A [SEP] B [SEP]
+    target = max_tokens
+    if rng.random() < short_seq_prob:
+        target = rng.randint(2, max_tokens)
+    pairs = []
+    chunk: list[list[int]] = []
+    chunk_len = 0
+    i = 0
+    while i < len(document):
+        chunk.append(document[i])
+        chunk_len += len(document[i])
+        if i == len(document) - 1 or chunk_len >= target:
+            a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+            a = list(chain.from_iterable(chunk[:a_end]))
+            if len(chunk) == 1 or rng.random() < random_next_prob:
+                is_random = 1
+                b = _random_segment(docs, index, target - len(a), rng)
+                i -= len(chunk) - a_end  # those sentences start the next chunk
+            else:
+                is_random = 0
+                b = list(chain.from_iterable(chunk[a_end:]))
+            truncate_pair(a, b, max_tokens, rng)
+            if a and b:
+                pairs.append((a, b, is_random))
+            chunk, chunk_len = [], 0
+        i += 1
+    return pairs
+
+
+def _random_segment(docs, index, target, rng) -> list[int]:
+    if len(docs) > 1:
+        other = rng.randrange(len(docs) - 1)
+        other += other >= index
+    else:  # a unit of one document: nothing else to draw from
+        other = index
+    document = docs[other]
+    segment: list[int] = []
+    for sentence in document[rng.randrange(len(document)) :]:
+        segment.extend(sentence)
+        if len(segment) >= target:
+            break
+    return segment
+
+
+def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
+    """Trim the longer of ``a``/``b`` until ``len(a) + len(b) <= max_tokens``, each token
+    from the front or the back at random (as Google's one-at-a-time loop, in batches)."""
+    while len(a) + len(b) > max_tokens:
+        longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+        k = min(len(a) + len(b) - max_tokens, max(1, len(longer) - len(shorter)))
+        front = rng.getrandbits(k).bit_count()  # Binomial(k, 1/2) front removals
+        del longer[:front]
+        if k > front:
+            del longer[len(longer) - (k - front) :]
+
+
+def full_sentence_chunks(docs: list[Document], seq_length: int, sep_id: int) -> list[list[int]]:
+    """Token runs of at most ``seq_length - 2`` from consecutive sentences across documents."""
+    budget = seq_length - 2
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    for document in docs:
+        boundary = bool(current)  # a [SEP] goes before this document if it shares a row
+        for sentence in document:
+            for start in range(0, len(sentence), budget):
+                piece = sentence[start : start + budget]
+                if current and len(current) + boundary + len(piece) > budget:
+                    chunks.append(current)
+                    current, boundary = [], False
+                if boundary:
+                    current.append(sep_id)
+                    boundary = False
+                current.extend(piece)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def rows_from_pairs(
+    pairs: list[tuple[list[int], list[int], int]], seq_length: int, cls_id: int, sep_id: int
+) -> np.ndarray:
+    """Shard rows ``[CLS] A [SEP] B [SEP]`` (see :mod:`pipeline.shards`)."""
+    sequences = [[cls_id, *a, sep_id, *b, sep_id] for a, b, _ in pairs]  # C-level copies
+    rows = _rows(sequences, seq_length)
+    rows["sep"] = [len(a) + 1 for a, _, _ in pairs]
+    rows["nsp"] = [label for _, _, label in pairs]
+    return rows
+
+
+def rows_from_chunks(chunks: list[list[int]], seq_length: int, cls_id: int, sep_id: int):
+    """Shard rows ``[CLS] chunk [SEP]`` with no next-sentence label."""
+    rows = _rows([[cls_id, *c, sep_id] for c in chunks], seq_length)
+    rows["sep"] = rows["length"] - 1
+    rows["nsp"] = -1
+    return rows
+
+
+def _rows(sequences: list[list[int]], seq_length: int) -> np.ndarray:
+    rows = np.zeros(len(sequences), dtype=row_dtype(seq_length))
+    if not sequences:
+        return rows
+    lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+    if lengths.max() > seq_length:
+        raise AssertionError("a sequence exceeds seq_length")  # a bug, not user input
+    flat = np.fromiter(chain.from_iterable(sequences), dtype=np.uint16, count=lengths.sum())
+    row_index = np.repeat(np.arange(len(sequences)), lengths)
+    col_index = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    rows["input_ids"][row_index, col_index] = flat
+    rows["length"] = lengths
+    return rows

@@ -1,0 +1,150 @@
+"""The pretraining shard format: written by data_prep, read by pretrain.
+
+A prepared corpus for one sequence length is a directory::
+
+    manifest.json            counts, tokens, tokenizer hash, sources, config, version
+    train-00000.npy ...      every train shard holds exactly ``sequences_per_shard`` rows
+    validation-00000.npy ... held-out documents (the last shard may be shorter)
+
+Each shard is one NumPy structured array (memory-mappable with ``np.load(mmap_mode="r")``)
+whose rows are :data:`row_dtype` ``(seq_length)``:
+
+- ``input_ids`` uint16[seq_length]: ``[CLS] A [SEP] B [SEP]`` then ``[PAD]`` (id 0);
+- ``length`` uint16: tokens before the padding;
+- ``sep`` uint16: position of the first ``[SEP]``; segment (token type) ids are 0 up to and
+  including it and 1 after it, up to ``length`` (single-segment rows: ``sep = length - 1``);
+- ``nsp`` int8: 1 if B was drawn from another document, 0 if B continues A, -1 for rows
+  without a next-sentence label (MLM-only packing).
+
+Masking is not stored: pretraining masks dynamically.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.io import atomic_open
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "validation")
+
+
+def row_dtype(seq_length: int) -> np.dtype:
+    return np.dtype(
+        [
+            ("input_ids", np.uint16, (seq_length,)),
+            ("length", np.uint16),
+            ("sep", np.uint16),
+            ("nsp", np.int8),
+        ]
+    )
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.npy"
+
+
+def write_shard(path: str | Path, rows: np.ndarray) -> None:
+    """Write one shard atomically (a crash leaves no partial file under ``path``)."""
+    with atomic_open(path, "wb") as f:
+        np.save(f, rows, allow_pickle=False)
+
+
+class ShardFormatError(ValueError):
+    """A prepared-data directory that cannot be read; the message names the file."""
+
+
+class PretrainingShards:
+    """Random access to one split of a prepared corpus, shard files memory-mapped.
+
+    ``batch(indices)`` returns NumPy arrays ready for ``BertForPreTraining``:
+    ``input_ids`` (int64), ``token_type_ids``, ``attention_mask`` and
+    ``next_sentence_label`` (-100 where a row has none).
+    """
+
+    def __init__(self, directory: str | Path, split: str = "train"):
+        self.directory = Path(directory)
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        path = self.directory / MANIFEST
+        if not path.is_file():
+            raise ShardFormatError(
+                f"{path} is missing: {self.directory} is not a prepared corpus "
+                f"(run data_prep, or point at its seq<N> directory)"
+            )
+        self.manifest = json.loads(path.read_text())
+        version = self.manifest.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ShardFormatError(
+                f"{path} has format version {version}; this code reads version "
+                f"{FORMAT_VERSION}: prepare the data again with this version"
+            )
+        info = self.manifest["splits"][split]
+        self.split = split
+        self.seq_length = int(self.manifest["seq_length"])
+        self.shard_sizes = [int(s["sequences"]) for s in info["shards"]]
+        self._offsets = np.cumsum([0] + self.shard_sizes)
+        self._files = [self.directory / s["file"] for s in info["shards"]]
+        missing = [str(f) for f in self._files if not f.is_file()]
+        if missing:
+            raise ShardFormatError(f"shard file(s) listed in {path} are missing: {missing[:3]}")
+        self._maps: dict[int, np.ndarray] = {}
+        self._dtype = row_dtype(self.seq_length)
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._files)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return (self.directory / self.manifest["tokenizer"]["path"]).resolve()
+
+    def shard(self, index: int) -> np.ndarray:
+        if index not in self._maps:
+            rows = np.load(self._files[index], mmap_mode="r", allow_pickle=False)
+            if rows.dtype != self._dtype or len(rows) != self.shard_sizes[index]:
+                raise ShardFormatError(
+                    f"{self._files[index]} holds {len(rows)} rows of {rows.dtype}; the manifest "
+                    f"says {self.shard_sizes[index]} rows of seq_length {self.seq_length}: the "
+                    f"file is corrupt or from another run, prepare the data again"
+                )
+            self._maps[index] = rows
+        return self._maps[index]
+
+    def rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Raw rows for global indices (any order)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
+            raise IndexError(f"row index out of range [0, {len(self)})")
+        out = np.empty(len(indices), dtype=self._dtype)
+        shard_of = np.searchsorted(self._offsets, indices, side="right") - 1
+        for s in np.unique(shard_of):
+            where = np.nonzero(shard_of == s)[0]
+            out[where] = self.shard(int(s))[indices[where] - self._offsets[s]]
+        return out
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        return rows_to_features(self.rows(indices))
+
+
+def rows_to_features(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Model inputs from shard rows (see the module docstring for the layout)."""
+    seq_length = rows.dtype["input_ids"].shape[0]
+    positions = np.arange(seq_length)[None, :]
+    length = rows["length"].astype(np.int64)[:, None]
+    sep = rows["sep"].astype(np.int64)[:, None]
+    nsp = rows["nsp"].astype(np.int64)
+    return {
+        "input_ids": rows["input_ids"].astype(np.int64),
+        "token_type_ids": ((positions > sep) & (positions < length)).astype(np.int64),
+        "attention_mask": (positions < length).astype(np.int64),
+        "next_sentence_label": np.where(nsp < 0, -100, nsp),
+    }

@@ -1,0 +1,104 @@
+"""Tests for the benchmark helpers in bench/: rss.PeakRSS and hf_mlm_baseline."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from hf_mlm_baseline import run_hf_mlm_baseline  # noqa: E402
+from rss import PeakRSS  # noqa: E402
+
+SHARED_DATA = Path(
+    os.environ.get("SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
+VOCAB = SHARED_DATA / "bert_vocab" / "uncased" / "vocab.txt"
+
+_VOCABULARY = (
+    "the a of and to in is was for on with as by at from that this it river mountain city "
+    "house garden winter summer music history school library bridge market village quickly "
+    "slowly green old new small large ancient famous built wrote played discovered"
+)
+WORDS = _VOCABULARY.split()
+
+# A grandchild (child of a child) that touches ~200 MB, reports, and holds it for a while.
+_ALLOC = "import sys, time; b = b'x' * (200 << 20); print('ready', flush=True); time.sleep(0.6)"
+_PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_ALLOC!r}], check=True)"
+
+
+def test_peak_rss_sees_descendant_allocation():
+    with PeakRSS(interval=0.05) as rss:
+        out = subprocess.run(
+            [sys.executable, "-c", _PARENT], check=True, capture_output=True, text=True
+        ).stdout
+    assert "ready" in out
+    assert rss.samples >= 3
+    assert rss.peak_mb - rss.start_mb >= 150, (rss.start_mb, rss.peak_mb)
+
+
+def test_peak_rss_counts_this_process():
+    with PeakRSS() as rss:
+        pass
+    assert rss.samples >= 2
+    assert 0 < rss.start_mb <= rss.peak_mb
+
+
+def _expected_blocks(lengths: list[int], block_size: int, num_proc: int, batch: int = 1000):
+    """Blocks run_mlm's group_texts yields: contiguous shards per worker, batches of `batch`
+    rows within a shard, each batch's remainder dropped (mirrors Dataset.shard/map)."""
+    n, blocks = len(lengths), 0
+    div, mod = divmod(n, num_proc)
+    for i in range(num_proc):
+        start = div * i + min(i, mod)
+        shard = lengths[start : start + div + (1 if i < mod else 0)]
+        for j in range(0, len(shard), batch):
+            blocks += sum(shard[j : j + batch]) // block_size
+    return blocks
+
+
+def test_hf_mlm_baseline_counts(tmp_path):
+    if not VOCAB.is_file():
+        pytest.skip(f"shared BERT vocab not found at {VOCAB} (set SHARED_DATA)")
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    tok_dir = tmp_path / "tokenizer"
+    # transformers 5 ignores a vocab_file argument; build from the tokenizers object.
+    wordpiece = BertWordPieceTokenizer(str(VOCAB), lowercase=True)
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=True)
+    assert len(tokenizer) == 30522
+    tokenizer.save_pretrained(str(tok_dir))
+
+    # Seed picked so that the per-batch remainder drop costs a block (see the blocks check).
+    rng = random.Random(3)
+    lines = []
+    for _ in range(400):  # some empty lines too: run_mlm keeps them ([CLS] [SEP] each)
+        words = rng.choices(WORDS, k=0 if rng.random() < 0.1 else rng.randint(1, 40))
+        line = " ".join(words)
+        lines.append(line[:1].upper() + line[1:] + ("." if line else ""))
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    block_size, num_proc = 64, 2
+    result = run_hf_mlm_baseline(
+        str(text_file), str(tok_dir), block_size=block_size, num_proc=num_proc
+    )
+    assert set(result) == {"tokens", "blocks", "seconds", "tokens_per_s", "peak_rss_mb"}
+
+    lengths = [len(ids) for ids in tokenizer(lines)["input_ids"]]
+    assert lengths.count(2) == sum(not line for line in lines) > 0
+    assert result["tokens"] == sum(lengths)
+    # Remainders are dropped per map batch (one batch per worker here), as in run_mlm.py.
+    assert result["blocks"] == _expected_blocks(lengths, block_size, num_proc)
+    assert 0 <= result["tokens"] // block_size - result["blocks"] < num_proc
+    assert result["blocks"] == sum(lengths) // block_size - 1  # holds for this seed's data
+    assert result["seconds"] > 0
+    assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"], rel=0.02)
+    assert result["peak_rss_mb"] > 0

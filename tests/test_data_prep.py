@@ -1,0 +1,471 @@
+"""The data preparation stage end to end, on corpora the tests write themselves (and on
+the shared real-data folder when it is present)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep.config import DataPrepConfig
+from data_prep.prepare import OutputConflictError, prepare
+from data_prep.sources import SourceError
+from data_prep.tokenizer import TokenizerError
+from pipeline.config import ConfigError, load_config
+from pipeline.shards import PretrainingShards
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SHARED_DATA", REPO.parent / "shared" / "data"))
+
+WORDS = (  # noqa: SIM905
+    "the a river stone light house quiet north garden small old new bright cold warm "
+    "window letter road market bridge island forest winter summer music paper city "
+    "village mountain valley school teacher student morning evening story question answer "
+    "water fire wind cloud table chair door street friend family dog cat bird ship train"
+).split()  # a sentence is easier to read and edit than a list
+
+
+def sentence(rng: random.Random) -> str:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
+    return " ".join(words).capitalize() + rng.choice([".", ".", ".", "!", "?"])
+
+
+def write_corpus(directory: Path, n_docs: int = 240, seed: int = 0) -> dict[str, Path]:
+    """Plain text (Google format), WikiExtractor (.gz), JSONL and Parquet versions."""
+    rng = random.Random(seed)
+    docs = [[sentence(rng) for _ in range(rng.randint(1, 12))] for _ in range(n_docs)]
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "text": directory / "corpus.txt",
+        "wiki": directory / "wiki_00.gz",
+        "jsonl": directory / "corpus.jsonl",
+        "parquet": directory / "corpus.parquet",
+    }
+    paths["text"].write_text("\n\n".join("\n".join(d) for d in docs) + "\n")
+    with gzip.open(paths["wiki"], "wt") as f:
+        for i, d in enumerate(docs):
+            f.write(
+                f'<doc id="{i}" url="x" title="T{i}">\nTitle {i}\n\n' + "\n".join(d) + "\n</doc>\n"
+            )
+    paths["jsonl"].write_text("".join(json.dumps({"text": "\n".join(d)}) + "\n" for d in docs))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"text": ["\n".join(d) for d in docs]}), paths["parquet"], row_group_size=50
+    )
+    paths["vocab"] = write_vocab(directory / "vocab.txt")
+    return paths
+
+
+def write_vocab(path: Path) -> Path:
+    """A WordPiece vocabulary in which every corpus word is one token."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    tokens = [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+        ".",
+        "!",
+        "?",
+        *sorted(set(WORDS)),
+        *letters,
+        *("##" + c for c in letters),
+    ]
+    path.write_text("\n".join(dict.fromkeys(tokens)) + "\n")
+    return path
+
+
+def config(tmp: Path, corpus: dict[str, Path], **overrides) -> DataPrepConfig:
+    items = {
+        "output": str(tmp / "out"),
+        "sources": [{"name": "text", "kind": "text", "paths": [str(corpus["text"])]}],
+        "tokenizer": {"vocab_file": str(corpus["vocab"])},
+        "instances": {"seq_lengths": [32, 64]},
+        "sequences_per_shard": 64,
+        "shuffle_buffer": 100,
+        "unit_bytes": 3000,
+        "validation_fraction": 0.1,
+        "workers": 2,
+        "progress": False,
+    }
+    items.update(overrides)
+    from pipeline.config import from_dict
+
+    return from_dict(DataPrepConfig, items)
+
+
+def shard_digest(out: Path) -> dict[str, str]:
+    """Hashes of every output file; manifests without the run-specific config section
+    (output path, worker count)."""
+    digest = {}
+    for p in sorted(out.rglob("*")):
+        if not p.is_file() or "work" in p.relative_to(out).parts:
+            continue
+        data = p.read_bytes()
+        if p.name == "manifest.json":
+            manifest = json.loads(data)
+            manifest.pop("config")
+            data = json.dumps(manifest, sort_keys=True).encode()
+        digest[str(p.relative_to(out))] = hashlib.sha256(data).hexdigest()
+    return digest
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus):
+    tmp = tmp_path_factory.mktemp("run")
+    cfg = config(tmp, corpus)
+    return cfg, prepare(cfg)
+
+
+# ----------------------------------------------------------------------------- format
+
+
+def test_format_round_trip(finished):
+    cfg, manifests = finished
+    for seq_length, manifest in manifests.items():
+        directory = Path(cfg.output) / f"seq{seq_length}"
+        train = PretrainingShards(directory, "train")
+        assert len(train) == manifest["splits"]["train"]["sequences"] > 0
+        assert set(train.shard_sizes) == {cfg.sequences_per_shard}  # equal work per shard
+        val = PretrainingShards(directory, "validation")
+        assert len(val) == manifest["splits"]["validation"]["sequences"] > 0
+        rows = train.rows(np.arange(len(train)))
+        n = np.arange(len(rows))
+        cls, sep = 2, 3  # ids in the test vocabulary
+        assert np.all(rows["input_ids"][:, 0] == cls)
+        assert np.all(rows["input_ids"][n, rows["sep"]] == sep)
+        assert np.all(rows["input_ids"][n, rows["length"] - 1] == sep)
+        assert np.all(rows["length"] <= seq_length) and np.all(rows["sep"] >= 2)
+        pad = np.arange(seq_length)[None, :] >= rows["length"][:, None]
+        assert np.all(rows["input_ids"][pad] == 0)
+        assert int(rows["length"].astype(np.int64).sum()) == manifest["splits"]["train"]["tokens"]
+        batch = train.batch([0, len(train) - 1])
+        assert batch["input_ids"].shape == (2, seq_length)
+        assert set(np.unique(batch["next_sentence_label"])) <= {0, 1}
+        assert train.tokenizer_dir == (Path(cfg.output) / "tokenizer").resolve()
+        assert manifest["format_version"] == 1 and manifest["tokenizer"]["sha256"]
+        assert manifest["sources"]["text"][0]["sha256"]
+        assert manifest["config"]["seed"] == cfg.seed
+
+
+def test_nsp_labels_are_balanced(finished):
+    cfg, _ = finished
+    rows = PretrainingShards(Path(cfg.output) / "seq64", "train").rows(np.arange(64 * 3))
+    share = float((rows["nsp"] == 1).mean())
+    assert 0.4 < share < 0.75
+
+
+def _decoded_words(out: Path) -> set[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    row = PretrainingShards(out / "seq64").rows([0])[0]
+    text = tok.decode(row["input_ids"][1 : row["sep"]])
+    return set(text.replace(".", " ").replace("!", " ").replace("?", " ").split())
+
+
+def test_tokenizer_is_saved_in_hf_format(finished):
+    cfg, manifests = finished
+    vocab_lines = Path(cfg.sources[0].paths[0]).with_name("vocab.txt").read_text().split()
+    assert manifests[32]["tokenizer"]["vocab_size"] == len(vocab_lines)
+    assert _decoded_words(Path(cfg.output)) <= set(WORDS)
+
+
+def test_trained_vocabulary_is_saved_and_reused(tmp_path, corpus):
+    # The tokenizers trainer breaks frequency ties differently from run to run, so a
+    # trained vocabulary is made once, saved with the shards, and reused on resume.
+    cfg = config(tmp_path, corpus, tokenizer={"train": True, "vocab_size": 1000}, keep_work=True)
+    prepare(cfg)
+    tokenizer_json = Path(cfg.output) / "tokenizer" / "tokenizer.json"
+    saved = tokenizer_json.read_bytes()
+    (Path(cfg.output) / "seq32" / "manifest.json").unlink()
+    prepare(cfg)
+    assert tokenizer_json.read_bytes() == saved
+    assert _decoded_words(Path(cfg.output)) <= set(WORDS)
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_same_bytes_whatever_the_worker_count(tmp_path, corpus, finished):
+    cfg, _ = finished
+    other = config(tmp_path, corpus, workers=1)
+    prepare(other)
+    assert shard_digest(Path(other.output)) == shard_digest(Path(cfg.output))
+
+
+def test_rerun_is_a_no_op_and_other_settings_are_refused(finished, corpus, tmp_path):
+    cfg, _ = finished
+    before = {p: p.stat().st_mtime_ns for p in Path(cfg.output).rglob("*") if p.is_file()}
+    start = time.perf_counter()
+    prepare(cfg)
+    assert time.perf_counter() - start < 5
+    after = {p: p.stat().st_mtime_ns for p in Path(cfg.output).rglob("*") if p.is_file()}
+    assert before == after
+    changed = config(Path(cfg.output).parent, corpus, seed=99)
+    with pytest.raises(OutputConflictError, match="other settings"):
+        prepare(changed)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _run_in_subprocess(cfg_path: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "data_prep", "--config", str(cfg_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def test_resume_after_a_kill_gives_the_same_bytes(tmp_path, corpus, finished):
+    cfg, _ = finished
+    killed = config(tmp_path, corpus, keep_work=True)
+    from pipeline.config import save_config
+
+    cfg_path = tmp_path / "cfg.yaml"
+    save_config(killed, cfg_path)
+    # Small units make many of them; kill the whole process group once some are done.
+    proc = _run_in_subprocess(cfg_path)
+    done = Path(killed.output) / "work" / "done"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if done.is_dir() and len(list(done.iterdir())) >= 3:
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be killed")
+    assert not (Path(killed.output) / "seq32" / "manifest.json").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in done.iterdir()}
+    assert stamps
+    prepare(killed)
+    # Finished units were reused, not redone: their markers were not rewritten.
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert shard_digest(Path(killed.output)) == shard_digest(Path(cfg.output))
+
+
+def test_interrupted_shard_writing_reuses_finished_shards(tmp_path, corpus, finished):
+    cfg, _ = finished
+    run = config(tmp_path, corpus, keep_work=True)
+    prepare(run)
+    seq = Path(run.output) / "seq32"
+    (seq / "manifest.json").unlink()  # as if killed before the manifest was written
+    shards = sorted(seq.glob("train-*.npy"))
+    shards[-1].unlink()  # and before the last shard was renamed into place
+    (seq / ".train-00001.npy.abc.tmp").write_bytes(b"half a shard")
+    kept = {p: p.stat().st_mtime_ns for p in shards[:-1]}
+    prepare(run)
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    assert shards[-1].exists()
+    digest = {
+        k: v for k, v in shard_digest(Path(run.output)).items() if not k.startswith("seq32/.")
+    }
+    assert digest == shard_digest(Path(cfg.output))
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize("kind", ["wiki", "jsonl", "parquet"])
+def test_every_reader_gives_the_same_documents(tmp_path, corpus, finished, kind):
+    cfg, manifests = finished
+    source = {
+        "wiki": {"kind": "wikiextractor"},
+        "jsonl": {"kind": "jsonl"},
+        "parquet": {"kind": "parquet"},
+    }[kind]
+    other = config(
+        tmp_path, corpus, sources=[{"name": "text", "paths": [str(corpus[kind])], **source}]
+    )
+    got = prepare(other)
+    assert got[32]["documents"] == manifests[32]["documents"]
+    assert got[32]["corpus_tokens"] == manifests[32]["corpus_tokens"]
+
+
+def test_weights_and_mixing(tmp_path, corpus):
+    cfg = config(
+        tmp_path,
+        corpus,
+        sources=[
+            {"name": "a", "kind": "text", "paths": [str(corpus["text"])], "weight": 2.0},
+            {"name": "b", "kind": "jsonl", "paths": [str(corpus["jsonl"])], "weight": 0.5},
+        ],
+        validation_fraction=0.0,
+    )
+    docs = prepare(cfg)[32]["documents"]["train"]
+    assert 2 * 240 + 90 < docs < 2 * 240 + 150  # twice the first, about half the second
+
+
+def test_full_sentences_mode(tmp_path, corpus):
+    cfg = config(tmp_path, corpus, instances={"seq_lengths": [64], "mode": "full_sentences"})
+    prepare(cfg)
+    rows = PretrainingShards(Path(cfg.output) / "seq64").rows(np.arange(64))
+    assert np.all(rows["nsp"] == -1) and np.all(rows["sep"] == rows["length"] - 1)
+    assert rows["length"].mean() > 55  # packed nearly full
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_gzip(path: Path) -> Path:
+    path.write_bytes(b"\x1f\x8b\x08\x00 this is not gzip data")
+    return path
+
+
+@pytest.mark.parametrize(
+    "make_source,match",
+    [
+        (lambda d: {"kind": "text", "paths": [str(d / "missing.txt")]}, "no file matches"),
+        (lambda d: {"kind": "text", "paths": [str(d / "*.nothing")]}, "no file matches"),
+        (lambda d: {"kind": "text", "paths": [str(_touch(d / "empty.txt"))]}, "is empty"),
+        (lambda d: {"kind": "text", "paths": [str(_bad_gzip(d / "bad.txt.gz"))]}, "cannot read"),
+        (
+            lambda d: {"kind": "wikiextractor", "paths": [str(_write(d / "w.txt", "plain\n"))]},
+            "does not look like WikiExtractor",
+        ),
+        (
+            lambda d: {"kind": "jsonl", "paths": [str(_write(d / "b.jsonl", "{oops\n"))]},
+            "line 1 is not JSON",
+        ),
+        (
+            lambda d: {"kind": "jsonl", "paths": [str(_write(d / "k.jsonl", '{"body": "x"}\n'))]},
+            "no key 'text'",
+        ),
+        (
+            lambda d: {"kind": "parquet", "paths": [str(_parquet(d / "p.parquet"))]},
+            "no column 'text'",
+        ),
+        (
+            lambda d: {"kind": "text", "paths": [str(_write(d / "ws.txt", "  \n\n \n"))]},
+            "holds no text",
+        ),
+    ],
+)
+def test_bad_sources_fail_early_naming_the_file(tmp_path, corpus, make_source, match):
+    cfg = config(tmp_path, corpus, sources=[{"name": "bad", **make_source(tmp_path)}])
+    with pytest.raises(SourceError, match=match):
+        prepare(cfg)
+    assert not (tmp_path / "out" / "tokenizer").exists()  # nothing expensive started
+
+
+def test_unreachable_hub_dataset_is_one_clear_error(tmp_path, corpus, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    cfg = config(
+        tmp_path,
+        corpus,
+        sources=[
+            {
+                "name": "wiki",
+                "kind": "hub",
+                "hub_id": "wikimedia/wikipedia",
+                "hub_config": "20231101.en",
+            }
+        ],
+    )
+    with pytest.raises(SourceError, match="cannot stream hub dataset 'wikimedia/wikipedia'"):
+        prepare(cfg)
+
+
+def test_missing_vocab_file(tmp_path, corpus):
+    cfg = config(tmp_path, corpus, tokenizer={"vocab_file": str(tmp_path / "nope.txt")})
+    with pytest.raises(TokenizerError, match="missing or empty"):
+        prepare(cfg)
+
+
+def test_too_few_sequences_for_one_shard(tmp_path, corpus):
+    cfg = config(tmp_path, corpus, sequences_per_shard=10**6)
+    with pytest.raises(ValueError, match="lower sequences_per_shard"):
+        prepare(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["sources=[]"], "sources is empty"),
+        (["sequences_per_shard=0"], "must be >= 1"),
+        (["instances.seq_lengths=[4]"], "outside"),
+        (["instances.mode=mlm"], "must be one of"),
+        (["tokenizer.train=true"], "exactly one of"),
+        (["tokenzier.train=true"], "unknown key"),
+        (["validation_fraction=abc"], "must be a number"),
+        (["sources=[{name: x, kind: text}]"], "needs paths"),
+    ],
+)
+def test_bad_config_values(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(DataPrepConfig, REPO / "configs" / "data" / "sample.yaml", overrides)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "data").glob("*.yaml")))
+def test_shipped_configs_load(path):
+    cfg = load_config(DataPrepConfig, path)
+    assert cfg.sources and cfg.instances.seq_lengths
+
+
+def _touch(path: Path) -> Path:
+    path.write_bytes(b"")
+    return path
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _parquet(path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x"]}), path)
+    return path
+
+
+# ----------------------------------------------------------------------------- real data
+
+
+@pytest.mark.skipif(not (SHARED / "bert_vocab").is_dir(), reason=f"no shared data at {SHARED}")
+def test_shared_sample_with_the_bert_vocabulary(tmp_path):
+    cfg = load_config(
+        DataPrepConfig,
+        REPO / "configs" / "data" / "sample.yaml",
+        [
+            f"output={tmp_path / 'out'}",
+            f"data_root={SHARED}",
+            "sequences_per_shard=256",
+            "progress=false",
+            "sources=[{name: wikipedia, kind: wikiextractor, "
+            "paths: [enwiki_wikiextractor_sample/*.txt.gz], max_documents: 400}, "
+            "{name: books, kind: text, documents: file, "
+            "paths: [gutenberg_nltk/austen-emma.txt.gz]}]",
+        ],
+    )
+    manifests = prepare(cfg)
+    assert manifests[128]["tokenizer"]["vocab_size"] == 30522
+    train = PretrainingShards(tmp_path / "out" / "seq128")
+    rows = train.rows(np.arange(len(train)))
+    assert rows["input_ids"].max() < 30522 and np.all(rows["input_ids"][:, 0] == 101)
+    assert 0.4 < float((rows["nsp"] == 1).mean()) < 0.7
+    assert rows["length"].mean() > 100  # seq 128 rows are mostly full
