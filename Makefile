@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test lint format smoke data data-sample bench-comm bench-data clean
+.PHONY: setup test lint format smoke data data-sample pretrain bench-comm bench-data bench-train clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,18 @@ bench-comm: setup
 # data_prep vs the HF run_mlm-style pipeline on DATA_ROOT's Wikipedia sample; JSON last line.
 bench-data: setup
 	$(PY) bench/data.py --data-root $(DATA_ROOT)
+
+# Our training loop vs HF Trainer (bert-mini, 1 process) and LAMB vs 1-bit LAMB step
+# breakdown on 4 gloo ranks, on DATA_ROOT's Wikipedia sample; JSON last line.
+bench-train: setup
+	$(PY) bench/train.py --data-root $(DATA_ROOT)
+
+# One pretraining phase on this machine: make pretrain CONFIG=configs/pretrain/tiny.yaml
+# NPROC=2 ARGS="data.path=..."; on a cluster, use the SLURM templates.
+CONFIG ?= configs/pretrain/tiny.yaml
+NPROC ?= 1
+pretrain: setup
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m pretrain --config $(CONFIG) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

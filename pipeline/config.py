@@ -60,7 +60,9 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def read_config_file(path: str | Path) -> dict:
+def read_config_file(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A config file as a mapping. A top-level ``base: other.yaml`` (relative to this
+    file) is read first and this file's keys are merged over it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -72,6 +74,12 @@ def read_config_file(path: str | Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        base_path = (path.parent / base).resolve()
+        if base_path in _seen:
+            raise ConfigError(f"config file {path}: base {base} includes itself")
+        data = _merge(read_config_file(base_path, (*_seen, path.resolve())), data)
     return data
 
 

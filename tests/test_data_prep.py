@@ -3,11 +3,9 @@ the shared real-data folder when it is present)."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -23,69 +21,10 @@ from data_prep.sources import SourceError
 from data_prep.tokenizer import TokenizerError
 from pipeline.config import ConfigError, load_config
 from pipeline.shards import PretrainingShards
+from tests.corpus import WORDS, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SHARED_DATA", REPO.parent / "shared" / "data"))
-
-WORDS = (  # noqa: SIM905
-    "the a river stone light house quiet north garden small old new bright cold warm "
-    "window letter road market bridge island forest winter summer music paper city "
-    "village mountain valley school teacher student morning evening story question answer "
-    "water fire wind cloud table chair door street friend family dog cat bird ship train"
-).split()  # a sentence is easier to read and edit than a list
-
-
-def sentence(rng: random.Random) -> str:
-    words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
-    return " ".join(words).capitalize() + rng.choice([".", ".", ".", "!", "?"])
-
-
-def write_corpus(directory: Path, n_docs: int = 240, seed: int = 0) -> dict[str, Path]:
-    """Plain text (Google format), WikiExtractor (.gz), JSONL and Parquet versions."""
-    rng = random.Random(seed)
-    docs = [[sentence(rng) for _ in range(rng.randint(1, 12))] for _ in range(n_docs)]
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "text": directory / "corpus.txt",
-        "wiki": directory / "wiki_00.gz",
-        "jsonl": directory / "corpus.jsonl",
-        "parquet": directory / "corpus.parquet",
-    }
-    paths["text"].write_text("\n\n".join("\n".join(d) for d in docs) + "\n")
-    with gzip.open(paths["wiki"], "wt") as f:
-        for i, d in enumerate(docs):
-            f.write(
-                f'<doc id="{i}" url="x" title="T{i}">\nTitle {i}\n\n' + "\n".join(d) + "\n</doc>\n"
-            )
-    paths["jsonl"].write_text("".join(json.dumps({"text": "\n".join(d)}) + "\n" for d in docs))
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pq.write_table(
-        pa.table({"text": ["\n".join(d) for d in docs]}), paths["parquet"], row_group_size=50
-    )
-    paths["vocab"] = write_vocab(directory / "vocab.txt")
-    return paths
-
-
-def write_vocab(path: Path) -> Path:
-    """A WordPiece vocabulary in which every corpus word is one token."""
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    tokens = [
-        "[PAD]",
-        "[UNK]",
-        "[CLS]",
-        "[SEP]",
-        "[MASK]",
-        ".",
-        "!",
-        "?",
-        *sorted(set(WORDS)),
-        *letters,
-        *("##" + c for c in letters),
-    ]
-    path.write_text("\n".join(dict.fromkeys(tokens)) + "\n")
-    return path
 
 
 def config(tmp: Path, corpus: dict[str, Path], **overrides) -> DataPrepConfig:

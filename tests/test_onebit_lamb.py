@@ -248,7 +248,7 @@ def _toy_run(comm, ckpt_dir, steps, save_at, load, drop_errors):
     if load:
         saved = torch.load(path, weights_only=False)
         if drop_errors:
-            saved["optim"]["onebit"]["error_feedback"] = None
+            saved["optim"]["per_rank"] = None
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
         start = saved["step"]
@@ -443,8 +443,8 @@ def test_mask_arguments_are_checked():
     with pytest.raises(ValueError, match="only 0"):
         opt.set_momentum_mask(a, torch.full((4, 1), 0.5))
     opt.set_momentum_mask(a, torch.ones(4, 1))
+    assert "momentum_mask" not in str(opt.state_dict())
     opt.set_momentum_mask(a, None)
-    assert "momentum_mask" not in opt.state[a]
 
 
 def test_deepspeed_config_maps_one_to_one():

@@ -120,16 +120,55 @@ class Communicator:
             tensor.div_(p)
         return tensor
 
-    def all_reduce_coalesced(self, tensors: list[torch.Tensor], op: str = "avg") -> None:
-        """All-reduce many tensors as one flat message (one collective, not one per tensor)."""
+    def all_reduce_coalesced(
+        self, tensors: list[torch.Tensor], op: str = "avg", bucket_bytes: int = 64 << 20
+    ) -> None:
+        """All-reduce many tensors as a few flat messages of at most ``bucket_bytes`` (one
+        collective per bucket, not one per tensor; the copy stays bounded)."""
         if self.world_size == 1 or not tensors:
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self.all_reduce(flat, op=op)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in [*tensors, None]:
+            if t is not None and (
+                not bucket
+                or (
+                    size + t.numel() * t.element_size() <= bucket_bytes
+                    and t.dtype == bucket[0].dtype
+                )
+            ):
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+                continue
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            self.all_reduce(flat, op=op)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            if t is not None:
+                bucket, size = [t], t.numel() * t.element_size()
+
+    def ddp_comm_hook(self):
+        """A ``DistributedDataParallel`` comm hook that averages each gradient bucket with
+        an asynchronous all-reduce and counts its bytes (and its time in flight, which
+        overlaps the backward pass) in this communicator's stats."""
+        p = self.world_size
+
+        def hook(_state, bucket):
+            buffer = bucket.buffer()
+            start = time.perf_counter()
+            self.stats.bytes_sent += 2 * (p - 1) * buffer.numel() * buffer.element_size() // p
+            self.stats.calls += 1
+            future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
+
+            def finish(fut):
+                self.stats.seconds += time.perf_counter() - start
+                return fut.value()[0].div_(p)
+
+            return future.then(finish)
+
+        return hook
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.world_size == 1:

@@ -15,6 +15,7 @@ Hyperparameter names match DeepSpeed's ``OneBitLamb`` so its JSON config maps on
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -110,6 +111,9 @@ class OneBitLamb(Optimizer):
             comm = Communicator(group=group, device=self._device)
         self.comm = comm
         self._step = 0
+        # Masks describe this run (e.g. the phase's sequence length), not its history, so
+        # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.
+        self._masks: dict[torch.Tensor, torch.Tensor] = {}
         self._feedback: ErrorFeedback | None = None
         self._flat: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
@@ -212,11 +216,12 @@ class OneBitLamb(Optimizer):
         """Zero the momentum of ``param`` where ``mask`` is 0, after every compressed
         all-reduce (rows that never train, such as position embeddings beyond the
         current sequence length, would otherwise pick up compression noise).
-        ``mask`` broadcasts to the parameter's shape; ``None`` removes it."""
+        ``mask`` broadcasts to the parameter's shape; ``None`` removes it. Masks are not
+        part of :meth:`state_dict`: set them again after building the optimizer."""
         if not any(param is p for g in self.param_groups for p in g["params"]):
             raise ValueError("set_momentum_mask: the tensor is not a parameter of this optimizer")
         if mask is None:
-            self.state[param].pop("momentum_mask", None)
+            self._masks.pop(param, None)
             return
         try:
             fits = torch.broadcast_shapes(mask.shape, param.shape) == param.shape
@@ -230,25 +235,27 @@ class OneBitLamb(Optimizer):
         mask = mask.detach().to(device=param.device, dtype=torch.float32)
         if not torch.all((mask == 0) | (mask == 1)):
             raise ValueError("a momentum mask holds only 0 (masked) and 1 (kept)")
-        self.state[param]["momentum_mask"] = mask
+        self._masks[param] = mask
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly, including this rank's compression
-        errors: save one per rank."""
+        """Everything needed to continue exactly. The part that differs between ranks (this
+        rank's compression errors) is under ``"per_rank"``: a checkpoint can store the rest
+        once and only that part per rank."""
         state = super().state_dict()
-        state["onebit"] = {
-            "step": self._step,
-            "freeze_step": self.freeze_step,
+        state["onebit"] = {"step": self._step, "freeze_step": self.freeze_step}
+        state["per_rank"] = {
             "error_feedback": None if self._feedback is None else self._feedback.state_dict(),
         }
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict`. Compression errors saved under a
-        different world size (or by another rank) are reset to zero with a warning."""
+        different world size (or by another rank), or missing, start from zero (with a
+        warning when the run is already compressing)."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
+        per_rank = state_dict.pop("per_rank", None) or {}
         if extra is None:
             raise ValueError(
                 "this optimizer state has no 1-bit LAMB section; it was saved by another "
@@ -259,7 +266,13 @@ class OneBitLamb(Optimizer):
         self._step = int(extra["step"])
         self._flat = None
         self._feedback = None
-        saved = extra["error_feedback"]
+        saved = per_rank.get("error_feedback")
+        if saved is None and self._step > self.freeze_step:
+            warnings.warn(
+                f"1-bit LAMB state at step {self._step} has no compression errors for this "
+                f"rank; starting them from zero",
+                stacklevel=2,
+            )
         if saved is not None:
             self._feedback = ErrorFeedback(
                 saved["numel"],
@@ -438,9 +451,10 @@ class OneBitLamb(Optimizer):
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         torch._foreach_div_(momenta, [st["scaling_coeff"] for st in states])
-        for st in states:
-            if "momentum_mask" in st:
-                st["exp_avg"].mul_(st["momentum_mask"])
+        for p, st in zip(params, states, strict=True):
+            mask = self._masks.get(p)
+            if mask is not None:
+                st["exp_avg"].mul_(mask)
         # Reconstructed global gradient g~ = (m - β1·m_prev) / (1-β1), in the scratch buffer.
         grad_est = self._views(previous, params, offset)
         torch._foreach_mul_(grad_est, -beta1)

@@ -1,0 +1,136 @@
+"""Run metrics: always a local ``metrics.jsonl``, and wandb on the main rank when it works.
+
+wandb runs offline unless the user configured it (``WANDB_API_KEY`` or ``WANDB_MODE``), is
+grouped by experiment and named by job, and never stops training: if it cannot start or
+a log call fails, a warning is printed and the local file carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    wandb: bool = True
+    """Log to wandb on rank 0 (offline unless WANDB_API_KEY or WANDB_MODE is set)."""
+    project: str = "onebit-bert"
+    experiment: str = "default"
+    """wandb group: runs of one experiment (e.g. LAMB vs 1-bit LAMB) side by side."""
+    run_name: str | None = None
+    """wandb run name; default: the SLURM job id and step, or the run directory's name."""
+    every: int = 1
+    """Write metrics every this many steps."""
+    progress_every: int = 10
+    """Print a progress line every this many steps."""
+
+    def __post_init__(self):
+        if self.every < 1 or self.progress_every < 1:
+            raise ValueError("logging.every and logging.progress_every must be >= 1")
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 2)() == 1:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    """``log(step, metrics)`` from every rank; only the main rank writes."""
+
+    def __init__(
+        self, run_dir: str | Path, is_main: bool, cfg: LoggingConfig, config: dict | None = None
+    ):
+        self.is_main = is_main
+        self.cfg = cfg
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None
+        self._wandb = None
+        if not is_main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        if cfg.wandb:
+            self._wandb = self._start_wandb(Path(run_dir), config or {})
+
+    def _start_wandb(self, run_dir: Path, config: dict):
+        if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
+            os.environ["WANDB_MODE"] = "offline"
+        job = os.environ.get("SLURM_JOB_ID")
+        name = self.cfg.run_name or (f"{run_dir.name}-{job}" if job else run_dir.name)
+        try:
+            import wandb
+
+            return wandb.init(
+                project=self.cfg.project,
+                group=self.cfg.experiment,
+                name=name,
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+                id=f"{self.cfg.experiment}-{run_dir.name}".replace("/", "-")[:120],
+            )
+        except Exception as err:  # training goes on without wandb
+            warnings.warn(
+                f"wandb did not start ({type(err).__name__}: {err}); metrics go to "
+                f"{self.path} only",
+                stacklevel=2,
+            )
+            return None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            try:
+                self._wandb.log(
+                    {
+                        k: v
+                        for k, v in record.items()
+                        if k not in ("step", "time") and isinstance(v, int | float)
+                    },
+                    step=step,
+                )
+            except Exception as err:
+                warnings.warn(f"wandb log failed ({err}); continuing without wandb", stacklevel=2)
+                self._wandb = None
+
+    def progress(self, line: str) -> None:
+        if self.is_main:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception as err:
+                warnings.warn(f"wandb finish failed ({err})", stacklevel=2)
+            self._wandb = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file (a torn last line from a crash is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

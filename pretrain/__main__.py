@@ -1,0 +1,43 @@
+"""``python -m pretrain --config CONFIG [section.field=value ...]``; launch with torchrun or
+srun for several processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipeline.config import ConfigError, load_config
+from pipeline.distributed.env import destroy_distributed, init_distributed
+from pretrain.config import PretrainConfig
+from pretrain.train import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain", description="BERT pretraining with LAMB / 1-bit LAMB"
+    )
+    parser.add_argument("--config", required=True, help="YAML config (see configs/pretrain/)")
+    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(PretrainConfig, args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    backend = None if cfg.backend == "auto" else cfg.backend
+    ctx = init_distributed(backend=backend)
+    try:
+        summary = train(cfg, ctx)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+    if ctx.is_main:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

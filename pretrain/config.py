@@ -1,0 +1,157 @@
+"""Settings of the pretraining stage (one dataclass per section).
+
+Everything that can be checked without data or a GPU is checked here, so a bad config
+fails before any compute; the batch arithmetic (which needs the world size) is checked
+by :meth:`PretrainConfig.batch_plan` at start-up, before the model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipeline.logging import LoggingConfig
+from pipeline.optim.build import OptimizerConfig
+
+PRESETS = ("bert-tiny", "bert-mini", "bert-small", "bert-base", "bert-large")
+
+
+@dataclass
+class ModelConfig:
+    """The network: ``transformers.BertForPreTraining`` (MLM + NSP heads)."""
+
+    preset: Literal["bert-tiny", "bert-mini", "bert-small", "bert-base", "bert-large"] = (
+        "bert-large"
+    )
+    """bert-large: 24 layers, 1024 hidden, 16 heads; bert-base: 12/768/12; bert-small:
+    4/512/8; bert-mini: 4/256/4; bert-tiny: 2/128/2."""
+    max_position_embeddings: int = 512
+    """Positions the model has (512 in both phases; phase 1 only trains the first 128)."""
+    dropout: float = 0.1
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    init_from: str | None = None
+    """Start from these weights: a pretraining run directory (its latest checkpoint), a
+    checkpoint directory, or an HF-format model directory. Phase 2 starts from phase 1."""
+    init_optimizer: bool = False
+    """With a checkpoint in ``init_from``: also take its optimizer state and step count
+    (1-bit LAMB's stage, trust ratios and momenta carry over, as in DeepSpeed's recipe)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the shards are and how batches are drawn and masked."""
+
+    path: str = "data/prepared/seq128"
+    """A data_prep output directory for one sequence length (holds manifest.json)."""
+    mlm_probability: float = 0.15
+    max_predictions_per_seq: int | None = None
+    """Cap on masked tokens per sequence; default round(0.15 x seq_length) (20 for 128,
+    77 for 512)."""
+    mask_prob: float = 0.8
+    """Of the chosen tokens: replaced by [MASK] (80 %), a random token (10 %), kept (10 %)."""
+    random_prob: float = 0.1
+    validation_every: int = 0
+    """Run a validation pass every this many steps (0: only at the end)."""
+    validation_batches: int = 10
+    """Micro-batches (per rank) of the validation split in one pass."""
+
+    def __post_init__(self):
+        if not 0 < self.mlm_probability < 1:
+            raise ValueError("data.mlm_probability must be in (0, 1)")
+        if not 0 <= self.mask_prob + self.random_prob <= 1:
+            raise ValueError("data.mask_prob + data.random_prob must be in [0, 1]")
+        if self.validation_every < 0 or self.validation_batches < 1:
+            raise ValueError("data.validation_every >= 0 and data.validation_batches >= 1")
+
+
+@dataclass
+class BatchConfig:
+    """global_batch_size = micro_batch_size x accumulation steps x world size."""
+
+    global_batch_size: int = 65536
+    micro_batch_size: int = 64
+    """Sequences per rank per forward pass (bounded by GPU memory)."""
+
+    def __post_init__(self):
+        if self.global_batch_size < 1 or self.micro_batch_size < 1:
+            raise ValueError("batch sizes must be >= 1")
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning rate over steps (a pure function of the step)."""
+
+    name: Literal["poly", "ee", "constant"] = "poly"
+    """poly: linear warmup then (1 - progress)^power decay (NVIDIA's BERT recipe);
+    ee: warmup with (step/warmup)^2 then exponential decay decay_rate^(steps/decay_step)
+    (DeepSpeed bing_bert's warmup_exp_decay_exp); constant: warmup then flat."""
+    max_steps: int = 7038
+    """Optimizer steps in this phase."""
+    warmup_proportion: float = 0.2843
+    power: float = 0.5
+    decay_rate: float = 0.9
+    decay_step: int = 250
+
+    def __post_init__(self):
+        if self.max_steps < 1:
+            raise ValueError("schedule.max_steps must be >= 1")
+        if not 0 <= self.warmup_proportion < 1:
+            raise ValueError("schedule.warmup_proportion must be in [0, 1)")
+        if self.decay_step < 1 or not 0 < self.decay_rate <= 1:
+            raise ValueError("schedule.decay_step >= 1 and decay_rate in (0, 1]")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 200
+    """Save every this many steps (and at the end, and on SIGUSR1/SIGTERM)."""
+    keep_last: int = 3
+
+    def __post_init__(self):
+        if self.every < 1 or self.keep_last < 1:
+            raise ValueError("checkpoint.every and checkpoint.keep_last must be >= 1")
+
+
+@dataclass
+class PretrainConfig:
+    """A pretraining phase."""
+
+    run_dir: str = "runs/pretrain"
+    """Checkpoints, metrics.jsonl, the resolved config and the final HF-format model."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPUs that have it (fp16 + loss scaling on older ones), fp32 on CPU."""
+    clip_grad_norm: float = 1.0
+    """Clip the gradient norm (0: off). In 1-bit LAMB's compression stage gradients are
+    local, so each rank clips its own."""
+    seed: int = 42
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
+    """How gradients are averaged while the optimizer needs it: ``ddp`` overlaps bucketed
+    all-reduces with the backward pass (DistributedDataParallel, ``no_sync`` during
+    accumulation); ``allreduce`` runs one bucketed all-reduce after the last micro-batch
+    (every second of it measurable); ``auto``: ddp on GPUs, allreduce on CPUs."""
+    stop_after: int | None = None
+    """Stop (with a checkpoint) after this many steps of this invocation; for tests and
+    time-boxed jobs."""
+
+    def __post_init__(self):
+        if self.clip_grad_norm < 0:
+            raise ValueError("clip_grad_norm must be >= 0")
+
+    def batch_plan(self, world_size: int) -> int:
+        """Gradient accumulation steps; a clear error if the batch does not divide."""
+        per_step = self.batch.micro_batch_size * world_size
+        if self.batch.global_batch_size % per_step:
+            raise ValueError(
+                f"global_batch_size {self.batch.global_batch_size} is not a multiple of "
+                f"micro_batch_size {self.batch.micro_batch_size} x world size {world_size} = "
+                f"{per_step}; change batch.global_batch_size or batch.micro_batch_size"
+            )
+        return self.batch.global_batch_size // per_step

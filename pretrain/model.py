@@ -1,0 +1,108 @@
+"""BERT for pretraining: HF ``BertForPreTraining`` built from a preset, and a loss wrapper
+that runs the MLM head on masked positions only (NVIDIA's trick: the vocabulary projection
+of unmasked positions is wasted work and memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import BertConfig, BertForPreTraining
+
+from pretrain.config import ModelConfig
+
+# (layers, hidden, heads); intermediate = 4 x hidden, as in Google's BERT releases.
+PRESET_SHAPES = {
+    "bert-tiny": (2, 128, 2),
+    "bert-mini": (4, 256, 4),
+    "bert-small": (4, 512, 8),
+    "bert-base": (12, 768, 12),
+    "bert-large": (24, 1024, 16),
+}
+POSITION_EMBEDDINGS = "bert.embeddings.position_embeddings.weight"
+
+
+def bert_config(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0) -> BertConfig:
+    layers, hidden, heads = PRESET_SHAPES[cfg.preset]
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=cfg.max_position_embeddings,
+        hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.dropout,
+        pad_token_id=pad_token_id,
+        attn_implementation=cfg.attention,
+    )
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0) -> BertForPreTraining:
+    """A freshly initialised model (``init_from`` is applied by the trainer)."""
+    return BertForPreTraining(bert_config(cfg, vocab_size, pad_token_id))
+
+
+def untrained_position_rows(model: BertForPreTraining, seq_length: int) -> dict[str, torch.Tensor]:
+    """Position embeddings beyond the phase's sequence length get no gradient: their rows,
+    as a momentum mask for optimizers that would otherwise move them."""
+    table = dict(model.named_parameters())[POSITION_EMBEDDINGS]
+    if seq_length >= table.shape[0]:
+        return {}
+    mask = torch.ones(table.shape[0], 1, device=table.device)
+    mask[seq_length:] = 0.0
+    return {POSITION_EMBEDDINGS: mask}
+
+
+class PretrainingLoss(nn.Module):
+    """``forward(batch)`` → (loss, statistics) for MLM + NSP, heads on masked positions only.
+
+    Statistics are sums (masked tokens, correct predictions, ...) so they can be added up
+    over micro-batches and ranks before dividing.
+    """
+
+    def __init__(self, model: BertForPreTraining):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, token_type_ids, attention_mask, mlm_labels, nsp_labels):
+        bert = self.model.bert(
+            input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask
+        )
+        sequence, pooled = bert[0], bert[1]
+        where = mlm_labels != -100
+        targets = mlm_labels[where]
+        logits = self.model.cls.predictions(sequence[where])
+        mlm_loss = nn.functional.cross_entropy(logits.float(), targets)
+        stats = {
+            "mlm_loss_sum": mlm_loss.detach() * targets.numel(),
+            "mlm_tokens": torch.tensor(float(targets.numel()), device=input_ids.device),
+            "mlm_correct": (logits.argmax(-1) == targets).sum().float(),
+        }
+        loss = mlm_loss
+        has_nsp = nsp_labels >= 0
+        if bool(has_nsp.any()):
+            nsp_logits = self.model.cls.seq_relationship(pooled[has_nsp]).float()
+            nsp_targets = nsp_labels[has_nsp]
+            nsp_loss = nn.functional.cross_entropy(nsp_logits, nsp_targets)
+            loss = loss + nsp_loss
+            stats["nsp_loss_sum"] = nsp_loss.detach() * nsp_targets.numel()
+            stats["nsp_examples"] = torch.tensor(
+                float(nsp_targets.numel()), device=input_ids.device
+            )
+            stats["nsp_correct"] = (nsp_logits.argmax(-1) == nsp_targets).sum().float()
+        else:  # MLM-only data; keep the NSP head in the graph with a zero contribution
+            loss = loss + 0.0 * self.model.cls.seq_relationship(pooled).sum()
+        return loss, stats
+
+
+def load_weights(model: BertForPreTraining, source: str | Path) -> None:
+    """Weights from an HF-format directory (``save_pretrained``) into ``model``."""
+    pretrained = BertForPreTraining.from_pretrained(str(source))
+    missing, unexpected = model.load_state_dict(pretrained.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not fit this model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}; check model.preset"
+        )

@@ -1,0 +1,379 @@
+"""Pretraining on CPU with gloo: training, equivalence across world sizes, exact resume
+after a kill, preemption, and configs that must fail before any compute."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ConfigError, from_dict, load_config, save_config
+from pipeline.distributed.env import DistContext, LaunchEnv
+from pipeline.logging import read_metrics
+from pretrain.config import PretrainConfig, ScheduleConfig
+from pretrain.data import BatchSchedule, TokenIds, mask_tokens
+from pretrain.schedule import lr_multiplier
+from pretrain.train import train
+from tests.distributed_harness import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
+    cfg = {
+        "run_dir": str(run_dir),
+        "model": {"preset": "bert-tiny", "max_position_embeddings": 64},
+        "data": {"path": str(corpus), "validation_batches": 2},
+        "batch": {"global_batch_size": 32, "micro_batch_size": 8},
+        "optimizer": {"name": "lamb", "lr": 0.02, "freeze_step": 4},
+        "schedule": {"name": "poly", "max_steps": 12, "warmup_proportion": 0.2},
+        "checkpoint": {"every": 4, "keep_last": 2},
+        "logging": {"wandb": False, "progress_every": 1000},
+        "seed": 7,
+    }
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        if field:
+            cfg.setdefault(section, {})[field] = value
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def _context(comm) -> DistContext:
+    launch = LaunchEnv(comm.rank, comm.world_size, comm.rank, "127.0.0.1", 0, "test")
+    return DistContext(launch, "gloo" if comm.world_size > 1 else None, torch.device("cpu"), comm)
+
+
+def _train(comm, cfg: dict) -> dict:
+    torch.set_num_threads(1)
+    summary = train(from_dict(PretrainConfig, cfg), _context(comm))
+    model = torch.load(
+        Path(cfg["run_dir"])
+        / "checkpoints"
+        / sorted(os.listdir(Path(cfg["run_dir"]) / "checkpoints"))[-1]
+        / "shared.pt",
+        weights_only=False,
+    )["model"]
+    return {"summary": summary, "model": model}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["mlm_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "mlm_loss" in r]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb", "adamw"])
+def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
+    lr = 1e-3 if optimizer == "adamw" else 0.02
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "run",
+        **{"optimizer.name": optimizer, "optimizer.lr": lr, "schedule.max_steps": 16},
+    )
+    results = run_ranks(_train, 2, cfg)
+    assert results[0]["summary"]["state"] == "complete"
+    losses = _losses(tmp_path / "run")
+    assert len(losses) == 16
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    stages = [r["stage"] for r in records if "stage" in r]
+    if optimizer == "onebit_lamb":
+        assert stages[:4] == ["warmup"] * 4 and set(stages[4:]) == {"compression"}
+        warm, compressed = records[1]["comm_bytes"], records[10]["comm_bytes"]
+        assert 0 < compressed < warm / 10  # momentum in 1 bit instead of fp32 gradients
+    assert "val_mlm_accuracy" in records[-1] and "val_nsp_accuracy" in records[-1]
+    final = tmp_path / "run" / "final"
+    from transformers import AutoTokenizer, BertForPreTraining
+
+    model = BertForPreTraining.from_pretrained(final)
+    assert model.config.num_hidden_layers == 2
+    assert AutoTokenizer.from_pretrained(final).mask_token == "[MASK]"
+    for a, b in zip(results[0]["model"].values(), results[1]["model"].values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_corpus, tmp_path):
+    common = {"model.dropout": 0.0, "schedule.max_steps": 6}
+    one = run_ranks(_train, 1, tiny_config(tiny_corpus, tmp_path / "one", **common))[0]
+    two = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "two", **common))[0]
+    assert one["summary"]["accumulation"] == 4 and two["summary"]["accumulation"] == 2
+    for name, a in one["model"].items():
+        torch.testing.assert_close(a, two["model"][name], rtol=1e-4, atol=1e-5, msg=name)
+    np.testing.assert_allclose(_losses(tmp_path / "one"), _losses(tmp_path / "two"), rtol=1e-4)
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
+def test_ddp_and_explicit_allreduce_agree(tiny_corpus, tmp_path, optimizer):
+    common = {"model.dropout": 0.0, "schedule.max_steps": 8, "optimizer.name": optimizer}
+    ddp = run_ranks(
+        _train, 2, tiny_config(tiny_corpus, tmp_path / "ddp", grad_sync="ddp", **common)
+    )[0]
+    plain = run_ranks(
+        _train, 2, tiny_config(tiny_corpus, tmp_path / "ar", grad_sync="allreduce", **common)
+    )[0]
+    for name, a in ddp["model"].items():
+        torch.testing.assert_close(a, plain["model"][name], rtol=1e-5, atol=1e-6, msg=name)
+    # The DDP hook counts the same gradient bytes as the explicit all-reduce (warmup steps).
+    bytes_of = lambda d: [
+        r["comm_bytes"]
+        for r in read_metrics(d / "metrics.jsonl")  # noqa: E731
+        if "comm_bytes" in r
+    ]
+    assert bytes_of(tmp_path / "ddp")[:4] == bytes_of(tmp_path / "ar")[:4]
+
+
+def test_phase_two_starts_from_phase_one(tiny_corpus, tmp_path):
+    phase1 = tiny_config(
+        tiny_corpus, tmp_path / "p1", **{"optimizer.name": "onebit_lamb", "schedule.max_steps": 8}
+    )
+    run_ranks(_train, 1, phase1)
+    from_run = tiny_config(
+        tiny_corpus,
+        tmp_path / "p2",
+        **{
+            "optimizer.name": "onebit_lamb",
+            "optimizer.freeze_step": 6,
+            "schedule.max_steps": 2,
+            "model.init_from": str(tmp_path / "p1"),
+            "model.init_optimizer": True,
+        },
+    )
+    run_ranks(_train, 1, from_run)
+    records = [r for r in read_metrics(tmp_path / "p2" / "metrics.jsonl") if "stage" in r]
+    assert records[0]["stage"] == "compression"  # optimizer steps continue from phase 1
+    from_hf = tiny_config(
+        tiny_corpus,
+        tmp_path / "p2hf",
+        **{"schedule.max_steps": 2, "model.init_from": str(tmp_path / "p1" / "final")},
+    )
+    run_ranks(_train, 1, from_hf)
+    fresh = tiny_config(tiny_corpus, tmp_path / "fresh", **{"schedule.max_steps": 2})
+    run_ranks(_train, 1, fresh)
+    first = lambda d: _losses(d)[0]  # noqa: E731
+    assert first(tmp_path / "p2hf") < first(tmp_path / "fresh") - 0.3
+    assert abs(first(tmp_path / "p2hf") - _losses(tmp_path / "p1")[-1]) < 0.5
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _torchrun(cfg_path: Path, nproc: int = 2, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "-m",
+            "pretrain",
+            "--config",
+            str(cfg_path),
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+
+
+def _workers(proc: subprocess.Popen) -> list[int]:
+    """torchrun's worker processes (each in a session of its own)."""
+    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def _kill_all(proc: subprocess.Popen) -> None:
+    for pid in [*_workers(proc), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _write_cfg(cfg: dict, path: Path) -> Path:
+    save_config(from_dict(PretrainConfig, cfg), path)
+    return path
+
+
+def _final_state(run_dir: Path) -> dict:
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    return torch.load(last / "shared.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
+def test_killed_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path, optimizer):
+    overrides = {"optimizer.name": optimizer, "schedule.max_steps": 12}
+    straight = _write_cfg(
+        tiny_config(tiny_corpus, tmp_path / "a", **overrides), tmp_path / "a.yaml"
+    )
+    proc = _torchrun(straight)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    killed = _write_cfg(tiny_config(tiny_corpus, tmp_path / "b", **overrides), tmp_path / "b.yaml")
+    proc = _torchrun(killed)
+    step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"  # past freeze_step=4
+    deadline = time.time() + 240
+    try:
+        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        _kill_all(proc)  # no chance to save anything more
+    assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "the run was not cut short"
+    assert step_dir.is_dir(), "the run never reached step 8"
+    proc = _torchrun(killed)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    a, b = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    last_a = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "loss" in r][-1]
+    last_b = [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r][-1]
+    assert last_a["step"] == last_b["step"] == 12 and last_a["loss"] == last_b["loss"]
+
+
+def test_preemption_signal_checkpoints_and_exits_cleanly(tiny_corpus, tmp_path):
+    cfg = tiny_config(
+        tiny_corpus, tmp_path / "run", **{"schedule.max_steps": 10**6, "checkpoint.every": 10**6}
+    )
+    proc = _torchrun(_write_cfg(cfg, tmp_path / "run.yaml"))
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and (not metrics.exists() or len(read_metrics(metrics)) < 3):
+            time.sleep(0.05)
+        workers = _workers(proc)
+        assert len(workers) == 2, "no worker processes found"
+        os.kill(workers[-1], signal.SIGUSR1)  # as SLURM's --signal would, to one task
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_all(proc)
+    assert proc.returncode == 0, out
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "preempted" and status["step"] >= 3
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{status['step']:08d}"
+    assert (checkpoint / "complete.json").is_file()
+    assert not (tmp_path / "run" / "final").exists()
+
+
+# ----------------------------------------------------------------------------- bad configs
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        ({"batch.global_batch_size": 30}, ValueError, "not a multiple"),
+        ({"data.path": "/nonexistent/seq64"}, ValueError, "not a prepared corpus"),
+        ({"model.max_position_embeddings": 32}, ValueError, "positions"),
+        ({"batch.global_batch_size": 4096}, ValueError, "fewer than one global batch"),
+        ({"model.init_from": "/nonexistent"}, FileNotFoundError, "neither a pretraining run"),
+    ],
+)
+def test_bad_configs_fail_before_compute(tiny_corpus, tmp_path, overrides, error, match):
+    cfg = from_dict(PretrainConfig, tiny_config(tiny_corpus, tmp_path / "run", **overrides))
+    with pytest.raises(error, match=match):
+        train(cfg, _context(_single()))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def _single():
+    from pipeline.distributed import Communicator
+
+    return Communicator(None)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["optimizer.name=sgd"], "must be one of"),
+        (["model.preset=bert-huge"], "must be one of"),
+        (["schedule.warmup_proportion=1.5"], "warmup_proportion"),
+        (["batch.micro_batch_size=0"], "batch sizes"),
+        (["optimizer.freeze_step=0"], "freeze_step"),
+        (["clip_grad_norm=-1"], "clip_grad_norm"),
+        (["logging.every=0"], "logging.every"),
+    ],
+)
+def test_bad_config_values(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(PretrainConfig, REPO / "configs" / "pretrain" / "tiny.yaml", overrides)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "pretrain").glob("*.yaml")))
+def test_shipped_configs_load_and_divide(path):
+    cfg = load_config(PretrainConfig, path)
+    for world in (1, 2, 4, 8):
+        if cfg.batch.global_batch_size % (cfg.batch.micro_batch_size * world) == 0:
+            assert cfg.batch_plan(world) >= 1
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_schedules():
+    poly = ScheduleConfig(name="poly", max_steps=100, warmup_proportion=0.1, power=0.5)
+    assert lr_multiplier(poly, 0) == 0 and lr_multiplier(poly, 5) == 0.5
+    assert lr_multiplier(poly, 10) == pytest.approx(0.9**0.5)
+    assert lr_multiplier(poly, 100) == 0
+    ee = ScheduleConfig(
+        name="ee", max_steps=1000, warmup_proportion=0.02, decay_rate=0.9, decay_step=250
+    )
+    assert lr_multiplier(ee, 10) == pytest.approx(0.25)  # (10/20)^2
+    assert lr_multiplier(ee, 20 + 250) == pytest.approx(0.9)
+    assert lr_multiplier(ee, 20 + 500) == pytest.approx(0.81)
+
+
+def test_batches_cover_an_epoch_and_split_by_rank():
+    one = BatchSchedule(1000, 64, 8, 8, 1, seed=3)
+    two = BatchSchedule(1000, 64, 8, 4, 2, seed=3)
+    assert one.steps_per_epoch == 15
+    seen = np.concatenate([one.global_indices(s) for s in range(15)])
+    assert len(np.unique(seen)) == len(seen) == 960
+    for step in (0, 7, 15, 31):
+        union = [rows for r in range(2) for _, rows in two.micro_indices(step, r)]
+        assert np.array_equal(np.concatenate(union), one.global_indices(step))
+        assert [k for k, _ in one.micro_indices(step, 0)] == list(range(8))
+    assert not np.array_equal(one.global_indices(0), one.global_indices(15))  # a new epoch
+
+
+def test_masking_follows_bert():
+    ids = TokenIds(cls=2, sep=3, pad=0, mask=4, vocab_size=1000)
+    rng = np.random.default_rng(0)
+    n, length = 4000, 64
+    tokens = rng.integers(10, 1000, size=(n, length))
+    tokens[:, 0] = 2
+    tokens[:, 40] = 3
+    tokens[:, 50:] = 0
+    tokens[:, 49] = 3
+    attention = (np.arange(length) < 50).astype(np.int64)[None, :].repeat(n, 0)
+    masked, labels = mask_tokens(tokens, attention, ids, np.random.default_rng(1), 0.15, 20)
+    chosen = labels != -100
+    assert not chosen[:, [0, 40, 49]].any() and not chosen[:, 50:].any()
+    assert np.all(chosen.sum(1) == 7)  # round(47 * 0.15)
+    assert np.array_equal(labels[chosen], tokens[chosen])
+    replaced = masked[chosen]
+    assert abs((replaced == 4).mean() - 0.8) < 0.02
+    kept = (replaced == tokens[chosen]).mean()
+    assert 0.09 < kept < 0.12  # 10 % kept, plus random draws that hit the same token
+    again, _ = mask_tokens(tokens, attention, ids, np.random.default_rng(1), 0.15, 20)
+    assert np.array_equal(masked, again)
+    capped, labels = mask_tokens(tokens, attention, ids, np.random.default_rng(2), 0.5, 5)
+    assert np.all((labels != -100).sum(1) == 5)
