@@ -125,12 +125,13 @@ def test_ddp_and_explicit_allreduce_agree(tiny_corpus, tmp_path, optimizer):
     )[0]
     for name, a in ddp["model"].items():
         torch.testing.assert_close(a, plain["model"][name], rtol=1e-5, atol=1e-6, msg=name)
+
     # The DDP hook counts the same gradient bytes as the explicit all-reduce (warmup steps).
-    bytes_of = lambda d: [
-        r["comm_bytes"]
-        for r in read_metrics(d / "metrics.jsonl")  # noqa: E731
-        if "comm_bytes" in r
-    ]
+    def bytes_of(run_dir):
+        return [
+            r["comm_bytes"] for r in read_metrics(run_dir / "metrics.jsonl") if "comm_bytes" in r
+        ]
+
     assert bytes_of(tmp_path / "ddp")[:4] == bytes_of(tmp_path / "ar")[:4]
 
 

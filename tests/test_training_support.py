@@ -1,0 +1,165 @@
+"""Shared training machinery: checkpoints, loss scaling, metrics logging, configs."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from pipeline.checkpoint import CheckpointManager
+from pipeline.config import ConfigError, load_config, parse_overrides
+from pipeline.distributed import Communicator
+from pipeline.logging import LoggingConfig, MetricsLogger, read_metrics
+from pipeline.precision import LossScaler, resolve_precision
+from pretrain.config import PretrainConfig
+from tests.distributed_harness import run_ranks
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _save_three(comm, directory):
+    manager = CheckpointManager(directory, comm, keep_last=2)
+    for step in (10, 20, 30):
+        manager.save(step, {"w": torch.full((3,), float(step))}, {"rank": comm.rank, "step": step})
+    return [p.name for p in manager.checkpoints()]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_checkpoints_keep_the_last_k_and_load_the_newest(tmp_path, world_size):
+    names = run_ranks(_save_three, world_size, str(tmp_path))[0]
+    assert names == ["step_00000020", "step_00000030"]
+    for rank, found in enumerate(run_ranks(_load, world_size, str(tmp_path))):
+        assert found["step"] == 30 and found["per_rank"] == {"rank": rank, "step": 30}
+        assert not found["warnings"]
+
+
+def _load(comm, directory):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = CheckpointManager(directory, comm).load_latest()
+    return {"step": found[0], "per_rank": found[2], "warnings": [str(w.message) for w in caught]}
+
+
+def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    run_ranks(_save_three, 2, str(tmp_path))
+    # Rank 1's file of the newest checkpoint is cut short: no rank may use that checkpoint.
+    newest = tmp_path / "step_00000030" / "rank00001.pt"
+    newest.write_bytes(newest.read_bytes()[:20])
+    results = run_ranks(_load, 2, str(tmp_path))
+    assert [r["step"] for r in results] == [20, 20]
+    assert results[1]["per_rank"] == {"rank": 1, "step": 20}
+    assert any("unusable" in w for w in results[1]["warnings"])
+
+
+def test_a_half_written_checkpoint_is_ignored(tmp_path):
+    run_ranks(_save_three, 1, str(tmp_path))
+    (tmp_path / "step_00000040.tmp").mkdir()  # a save that never finished
+    broken = tmp_path / "step_00000050"  # renamed, but its marker lost (e.g. disk full)
+    broken.mkdir()
+    found = _load(Communicator(None), tmp_path)
+    assert found["step"] == 30
+    assert any("step_00000050" in w and "unusable" in w for w in found["warnings"])
+
+
+def test_another_world_size_gets_no_per_rank_state(tmp_path):
+    run_ranks(_save_three, 2, str(tmp_path))
+    found = CheckpointManager(tmp_path, Communicator(None)).load_latest()
+    assert found[0] == 30 and found[2] is None
+
+
+# ----------------------------------------------------------------------------- loss scaling
+
+
+def _overflow_on_rank_one(comm):
+    scaler = LossScaler("fp16", comm, init_scale=1024.0)
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 2048.0)
+    if comm.rank == 1:
+        p.grad[2] = float("inf")
+    ok = scaler.unscale_and_check([p])
+    scaler.update(ok)
+    return ok, scaler.scale, scaler.skipped_steps
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
+    results = run_ranks(_overflow_on_rank_one, 2)
+    assert results == [(False, 512.0, 1), (False, 512.0, 1)]
+
+
+def test_loss_scaler_grows_and_is_a_no_op_without_fp16():
+    scaler = LossScaler("fp16", Communicator(None), init_scale=8.0, growth_interval=2)
+    p = torch.nn.Parameter(torch.ones(2))
+    for _ in range(2):
+        p.grad = torch.ones(2) * scaler.scale
+        ok = scaler.unscale_and_check([p])
+        assert ok and torch.equal(p.grad, torch.ones(2))
+        scaler.update(ok)
+    assert scaler.scale == 16.0
+    off = LossScaler("bf16", Communicator(None))
+    loss = torch.tensor(3.0)
+    assert off.scaled(loss) is loss and off.unscale_and_check([p])
+
+
+def test_precision_choice():
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    with pytest.raises(ValueError, match="needs a GPU"):
+        resolve_precision("bf16", torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+def test_metrics_go_to_jsonl_and_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    logger = MetricsLogger(tmp_path, True, LoggingConfig(experiment="exp"), config={"a": 1})
+    logger.log(1, {"loss": torch.tensor(2.5), "stage": "warmup", "nan": float("nan")})
+    logger.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[0]["loss"] == 2.5 and records[0]["stage"] == "warmup"
+    assert records[0]["nan"] == "nan"
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
+
+
+def test_a_failing_wandb_does_not_stop_logging(tmp_path, monkeypatch):
+    import wandb
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no wandb today")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    with pytest.warns(UserWarning, match="wandb did not start"):
+        logger = MetricsLogger(tmp_path, True, LoggingConfig())
+    logger.log(3, {"loss": 1.0})
+    logger.close()
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["step"] == 3
+
+
+def test_only_the_main_rank_writes(tmp_path):
+    logger = MetricsLogger(tmp_path, False, LoggingConfig(wandb=False))
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_config_bases_and_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("seed: 1\nbatch: {global_batch_size: 64}\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nbatch: {micro_batch_size: 8}\n")
+    cfg = load_config(PretrainConfig, tmp_path / "child.yaml", ["seed=5", "optimizer.lr=0.5"])
+    assert (cfg.seed, cfg.batch.global_batch_size, cfg.batch.micro_batch_size) == (5, 64, 8)
+    assert cfg.optimizer.lr == 0.5 and cfg.optimizer.betas == (0.9, 0.999)
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config(PretrainConfig, tmp_path / "loop.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(PretrainConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not of the form"):
+        parse_overrides(["seed"])
+    assert parse_overrides(["--a.b=[1, 2]"]) == {"a": {"b": [1, 2]}}
+    saved = json.loads(json.dumps(parse_overrides(["x=null"])))
+    assert saved == {"x": None}
