@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test lint format smoke data data-sample pretrain bench-comm bench-data bench-train clean
+.PHONY: setup test lint format smoke data data-sample pretrain finetune report bench-comm bench-data bench-train clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,22 @@ CONFIG ?= configs/pretrain/tiny.yaml
 NPROC ?= 1
 pretrain: setup
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m pretrain --config $(CONFIG) $(ARGS)
+
+# make finetune CHECKPOINT=<hf model dir> TASKS=sst2,mrpc,squad DATA_ROOT=<dir> OUT=<dir>
+# (ARGS: more field=value settings, e.g. "seeds=[1,2,3] squad_eval_fraction=0.2")
+CHECKPOINT ?=
+TASKS ?= sst2,mrpc
+OUT ?= runs/finetune
+finetune: setup
+	@test -n "$(CHECKPOINT)" || { echo "set CHECKPOINT=<HF-format model directory>"; exit 2; }
+	$(PY) -m finetune run checkpoint=$(CHECKPOINT) 'tasks=[$(TASKS)]' data_root=$(DATA_ROOT) \
+		output=$(OUT) $(ARGS)
+
+# make report RUNS="lamb=runs/pre_lamb:runs/ft_lamb onebit=runs/pre_onebit:runs/ft_onebit" REPORT=dir
+RUNS ?=
+REPORT ?= runs/report
+report: setup
+	$(PY) -m finetune report $(foreach r,$(RUNS),--run $(r)) --out $(REPORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,89 @@
+"""Settings of the fine-tuning stage, with the usual recipe per task as the defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
+ALL_TASKS = (*GLUE_TASKS, "squad")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Per-task defaults (BERT paper / HF examples): peak lr, epochs, batch, length."""
+
+    lr: float
+    epochs: float
+    batch_size: int
+    max_seq_length: int
+
+
+# Small GLUE sets get the same 3 epochs as the large ones; SQuAD follows BERT's 2 epochs of
+# 384-token windows with a 128-token stride.
+RECIPES = {
+    **{name: Recipe(2e-5, 3, 32, 128) for name in GLUE_TASKS},
+    "squad": Recipe(3e-5, 2, 32, 384),
+}
+
+
+@dataclass
+class FinetuneConfig:
+    """Fine-tune one pretrained checkpoint on several tasks, several seeds each."""
+
+    checkpoint: str
+    """An HF-format model directory with its tokenizer (a pretraining run's ``final/``),
+    or a hub model name when online."""
+    tasks: list[str] = field(default_factory=lambda: ["sst2", "mrpc"])
+    data_root: str | None = None
+    """Local data: ``<data_root>/<GLUE TASK>/{train,dev}.tsv`` (GLUE's layout; also found
+    under ``<data_root>/glue/``) and ``<data_root>/squad/{train,dev}-v1.1.json``; unset: the
+    hub (nyu-mll/glue, rajpurkar/squad)."""
+    output: str = "runs/finetune"
+    """``results.json`` plus one directory per task."""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    learning_rates: list[float] | None = None
+    """A grid over peak learning rates (default: the task's recipe)."""
+    epochs: list[float] | None = None
+    """A grid over epochs (default: the task's recipe)."""
+    batch_size: int | None = None
+    max_seq_length: int | None = None
+    doc_stride: int = 128
+    """SQuAD: overlap between windows of a long context."""
+    warmup_proportion: float = 0.1
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    max_train_samples: int | None = None
+    """Use only the first N training examples (quick runs, tests)."""
+    max_eval_samples: int | None = None
+    squad_eval_fraction: float | None = None
+    """LOCAL RUNS ONLY, where SQuAD's train file is missing: split the dev file by article,
+    this share of articles for evaluation and the rest for training. The scores are then not
+    comparable with published SQuAD dev results."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    n_best_size: int = 20
+    max_answer_length: int = 30
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ValueError("tasks is empty")
+        self.tasks = [t.lower().replace("-", "") for t in self.tasks]
+        unknown = [t for t in self.tasks if t not in ALL_TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(ALL_TASKS)}")
+        if not self.seeds:
+            raise ValueError("seeds is empty")
+        if self.squad_eval_fraction is not None and not 0 < self.squad_eval_fraction < 1:
+            raise ValueError("squad_eval_fraction must be in (0, 1)")
+        for name in ("learning_rates", "epochs"):
+            values = getattr(self, name)
+            if values is not None and (not values or any(v <= 0 for v in values)):
+                raise ValueError(f"{name} must be a non-empty list of positive numbers")
+
+    def grid(self, task: str) -> list[tuple[float, float]]:
+        recipe = RECIPES[task]
+        return [
+            (lr, ep)
+            for lr in (self.learning_rates or [recipe.lr])
+            for ep in (self.epochs or [recipe.epochs])
+        ]

@@ -1,0 +1,307 @@
+"""Fine-tuning runs: every task × grid point × seed, then one results.json.
+
+Each task is a small runner class (GLUE tasks share one, SQuAD has its own) with the same
+surface: ``load`` (read and check the data, before any training), ``train_features``,
+``build_model`` and ``evaluate``. Finished (task, lr, epochs, seed) runs are stored one file
+each, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.config import RECIPES, FinetuneConfig
+from finetune.glue_tasks import get_task
+from finetune.metrics import compute_glue, compute_squad
+from finetune.trainer import fit, predict, seed_everything
+from pipeline.config import save_config
+from pipeline.io import atomic_write_json
+from pipeline.precision import resolve_precision
+
+log = logging.getLogger("finetune")
+
+MAIN_METRIC = {
+    "cola": "matthews_correlation",
+    "stsb": "pearson",
+    "mrpc": "f1",
+    "qqp": "f1",
+    "squad": "f1",
+}
+
+
+def check_checkpoint(checkpoint: str) -> None:
+    """A local checkpoint must carry its tokenizer: fine-tuning must tokenize exactly as
+    pretraining did."""
+    path = Path(checkpoint)
+    if not path.exists():
+        if "/" in checkpoint and not checkpoint.startswith((".", "/")):
+            return  # a hub name; loading reports its own errors
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} has no config.json: point at an HF-format "
+            f"model directory (a pretraining run's final/)"
+        )
+    if not any((path / f).is_file() for f in ("tokenizer.json", "vocab.txt")):
+        raise FileNotFoundError(
+            f"checkpoint {path} has no tokenizer (tokenizer.json or "
+            f"vocab.txt): save the tokenizer with the model"
+        )
+
+
+def _tensors(encoded: dict, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {k: torch.tensor(np.asarray(encoded[k])) for k in keys}
+
+
+class GlueRunner:
+    """Sentence (pair) classification or regression on one GLUE task."""
+
+    def __init__(self, name: str, cfg: FinetuneConfig):
+        self.task = get_task(name)
+        self.name = self.task.name
+        self.cfg = cfg
+        self.recipe = RECIPES[self.name]
+        self.main_metric = MAIN_METRIC.get(self.name, "accuracy")
+
+    def _glue_root(self) -> str | None:
+        """``<data_root>/<TASK>`` or, for one folder holding every dataset,
+        ``<data_root>/glue/<TASK>``."""
+        root = self.cfg.data_root
+        if root is None or (Path(root) / self.task.folder).is_dir():
+            return root
+        nested = Path(root) / "glue"
+        return str(nested) if (nested / self.task.folder).is_dir() else root
+
+    def load(self) -> None:
+        root = self._glue_root()
+        self.train = self.task.load("train", root)[: self.cfg.max_train_samples]
+        self.evals = {
+            split: self.task.load(split, root)[: self.cfg.max_eval_samples]
+            for split in self.task.eval_splits
+        }
+
+    def _encode(self, tokenizer, examples) -> dict[str, torch.Tensor]:
+        pairs = examples[0].text_b is not None if examples else False
+        encoded = tokenizer(
+            [e.text_a for e in examples],
+            [e.text_b for e in examples] if pairs else None,
+            truncation=True,
+            padding="max_length",
+            max_length=self.cfg.max_seq_length or self.recipe.max_seq_length,
+        )
+        features = _tensors(encoded, ("input_ids", "token_type_ids", "attention_mask"))
+        dtype = torch.float32 if self.task.is_regression else torch.long
+        features["labels"] = torch.tensor([e.label for e in examples], dtype=dtype)
+        return features
+
+    def train_features(self, tokenizer) -> dict[str, torch.Tensor]:
+        return self._encode(tokenizer, self.train)
+
+    def build_model(self, checkpoint: str):
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_pretrained(
+            checkpoint,
+            num_labels=self.task.num_labels,
+            problem_type="regression" if self.task.is_regression else "single_label_classification",
+        )
+
+    def evaluate(self, model, tokenizer, device, precision, batch_size) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for split, examples in self.evals.items():
+            features = self._encode(tokenizer, examples)
+            labels = features.pop("labels").numpy()
+            logits = predict(model, features, batch_size, device, precision, ("logits",))["logits"]
+            preds = logits[:, 0] if self.task.is_regression else logits.argmax(-1)
+            scores = compute_glue(self.name, preds.tolist(), labels.tolist())
+            suffix = "_mismatched" if split.endswith("mismatched") else ""
+            metrics.update({f"{k}{suffix}": float(v) for k, v in scores.items()})
+        return metrics
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": len(self.train), **{s: len(e) for s, e in self.evals.items()}}
+
+
+class SquadRunner:
+    """Extractive question answering on SQuAD v1.1 (windows with a document stride)."""
+
+    name = "squad"
+    main_metric = "f1"
+
+    def __init__(self, cfg: FinetuneConfig):
+        self.cfg = cfg
+        self.recipe = RECIPES["squad"]
+
+    def load(self) -> None:
+        from finetune import squad
+
+        cfg = self.cfg
+        if cfg.squad_eval_fraction is not None:
+            dev = squad.load_squad("validation", cfg.data_root)
+            self.train, self.eval = squad.split_by_article(dev, cfg.squad_eval_fraction, seed=0)
+        else:
+            self.train = squad.load_squad("train", cfg.data_root)
+            self.eval = squad.load_squad("validation", cfg.data_root)
+        self.train = self.train[: cfg.max_train_samples]
+        self.eval = self.eval[: cfg.max_eval_samples]
+
+    def _length(self) -> int:
+        return self.cfg.max_seq_length or self.recipe.max_seq_length
+
+    def train_features(self, tokenizer) -> dict[str, torch.Tensor]:
+        from finetune import squad
+
+        encoded = squad.prepare_train_features(
+            self.train, tokenizer, self._length(), self.cfg.doc_stride
+        )
+        return _tensors(
+            encoded,
+            ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions"),
+        )
+
+    def build_model(self, checkpoint: str):
+        from transformers import AutoModelForQuestionAnswering
+
+        return AutoModelForQuestionAnswering.from_pretrained(checkpoint)
+
+    def evaluate(self, model, tokenizer, device, precision, batch_size) -> dict[str, float]:
+        from finetune import squad
+
+        encoded = squad.prepare_eval_features(
+            self.eval, tokenizer, self._length(), self.cfg.doc_stride
+        )
+        features = _tensors(encoded, ("input_ids", "token_type_ids", "attention_mask"))
+        out = predict(
+            model, features, batch_size, device, precision, ("start_logits", "end_logits")
+        )
+        answers = squad.postprocess_predictions(
+            self.eval,
+            encoded,
+            out["start_logits"],
+            out["end_logits"],
+            n_best_size=self.cfg.n_best_size,
+            max_answer_length=self.cfg.max_answer_length,
+        )
+        references = [{"id": e.id, "answers": e.answers} for e in self.eval]
+        return {k: float(v) for k, v in compute_squad(answers, references).items()}
+
+    def sizes(self) -> dict[str, int]:
+        return {"train": len(self.train), "validation": len(self.eval)}
+
+
+def make_runner(task: str, cfg: FinetuneConfig):
+    return SquadRunner(cfg) if task == "squad" else GlueRunner(task, cfg)
+
+
+def _run_file(out: Path, task: str, lr: float, epochs: float, seed: int) -> Path:
+    return out / task / "runs" / f"lr{lr:g}_ep{epochs:g}_seed{seed}.json"
+
+
+def run(cfg: FinetuneConfig) -> dict:
+    """Fine-tune on every task; returns (and writes) ``<output>/results.json``."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    check_checkpoint(cfg.checkpoint)
+    runners = [make_runner(t, cfg) for t in cfg.tasks]
+    for runner in runners:  # every dataset read and checked before any training
+        runner.load()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.checkpoint)
+    hf_logging.set_verbosity_error()  # "newly initialized head" is expected here
+    hf_logging.disable_progress_bar()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = resolve_precision(cfg.precision, device)
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    results = {}
+    for runner in runners:
+        features = None
+        batch_size = cfg.batch_size or runner.recipe.batch_size
+        for lr, epochs in cfg.grid(runner.name):
+            for seed in cfg.seeds:
+                path = _run_file(out, runner.name, lr, epochs, seed)
+                if path.is_file():
+                    continue
+                if features is None:
+                    features = runner.train_features(tokenizer)
+                seed_everything(seed)
+                model = runner.build_model(cfg.checkpoint).to(device)
+                start = time.perf_counter()
+                losses = fit(
+                    model,
+                    features,
+                    lr=lr,
+                    epochs=epochs,
+                    batch_size=batch_size,
+                    seed=seed,
+                    device=device,
+                    precision=precision,
+                    weight_decay=cfg.weight_decay,
+                    warmup_proportion=cfg.warmup_proportion,
+                    max_grad_norm=cfg.max_grad_norm,
+                )
+                metrics = runner.evaluate(model, tokenizer, device, precision, batch_size)
+                atomic_write_json(
+                    path,
+                    {
+                        "lr": lr,
+                        "epochs": epochs,
+                        "seed": seed,
+                        "metrics": metrics,
+                        "train_seconds": time.perf_counter() - start,
+                        "final_loss": losses[-1],
+                    },
+                )
+                log.info("%s lr=%g epochs=%g seed=%d: %s", runner.name, lr, epochs, seed, metrics)
+        results[runner.name] = summarize(runner, cfg, out)
+        atomic_write_json(out / runner.name / "results.json", results[runner.name])
+    atomic_write_json(out / "results.json", results)
+    return results
+
+
+def summarize(runner, cfg: FinetuneConfig, out: Path) -> dict:
+    """Mean and standard deviation over seeds per grid point; the best point's metrics
+    (by the task's main metric) are reported under their usual names."""
+    grid = []
+    for lr, epochs in cfg.grid(runner.name):
+        runs = [
+            json.loads(_run_file(out, runner.name, lr, epochs, s).read_text()) for s in cfg.seeds
+        ]
+        names = sorted(runs[0]["metrics"])
+        mean = {k: statistics.fmean(r["metrics"][k] for r in runs) for k in names}
+        std = {
+            k: statistics.stdev([r["metrics"][k] for r in runs]) if len(runs) > 1 else 0.0
+            for k in names
+        }
+        grid.append(
+            {
+                "lr": lr,
+                "epochs": epochs,
+                "mean": mean,
+                "std": std,
+                "per_seed": {r["seed"]: r["metrics"] for r in runs},
+            }
+        )
+    main = runner.main_metric
+    best = max(grid, key=lambda g: -math.inf if math.isnan(g["mean"][main]) else g["mean"][main])
+    return {
+        **best["mean"],
+        "std": best["std"],
+        "main_metric": main,
+        "lr": best["lr"],
+        "epochs": best["epochs"],
+        "seeds": list(cfg.seeds),
+        "per_seed": best["per_seed"],
+        "grid": grid,
+        "sizes": runner.sizes(),
+        "checkpoint": cfg.checkpoint,
+    }

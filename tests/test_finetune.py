@@ -1,0 +1,293 @@
+"""Fine-tuning end to end with a tiny model, on data the tests write and on the shared
+real data when present; clear errors; the parity report."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.config import FinetuneConfig
+from finetune.report import compare, write_report
+from finetune.run import run
+from pipeline.config import from_dict
+from tests.corpus import WORDS, sentence
+
+SHARED = Path(
+    os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
+
+
+def tiny_checkpoint(directory: Path, tokenizer_dir: Path) -> Path:
+    """A randomly initialised bert-tiny with the given tokenizer, in HF format."""
+    from transformers import AutoTokenizer
+
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = build_model(ModelConfig(preset="bert-tiny", max_position_embeddings=512), len(tok))
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+def write_glue_and_squad(root: Path, seed: int = 0) -> Path:
+    """SST-2, MRPC and STS-B files in GLUE's layout and a SQuAD v1.1 JSON, generated."""
+    rng = random.Random(seed)
+    for folder, header, row in [
+        ("SST-2", "sentence\tlabel", lambda s, t: f"{s}\t{int('bright' in s or 'warm' in s)}"),
+        (
+            "MRPC",
+            "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String",
+            lambda s, t: f"{int(s[:10] == t[:10])}\t1\t2\t{s}\t{t if rng.random() < 0.5 else s}",
+        ),
+        (
+            "STS-B",
+            "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\t"
+            "sentence2\tscore",
+            lambda s, t: f"0\tg\tf\ty\t0\ta\tb\t{s}\t{t}\t{rng.uniform(0, 5):.2f}",
+        ),
+    ]:
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        for split, n in (("train", 80), ("dev", 40)):
+            lines = [header] + [row(sentence(rng), sentence(rng)) for _ in range(n)]
+            (root / folder / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    articles = []
+    for a in range(12):
+        paragraphs = []
+        for p in range(3):
+            context = " ".join(sentence(rng) for _ in range(6))
+            qas = []
+            for q in range(3):
+                word = rng.choice([w for w in WORDS if f" {w} " in context] or ["the"])
+                start = context.find(f" {word} ") + 1
+                qas.append(
+                    {
+                        "id": f"q{a}-{p}-{q}",
+                        "question": f"where is the {word}?",
+                        "answers": [{"text": word, "answer_start": start}],
+                    }
+                )
+            paragraphs.append({"context": context, "qas": qas})
+        articles.append({"title": f"article {a}", "paragraphs": paragraphs})
+    (root / "squad").mkdir(exist_ok=True)
+    (root / "squad" / "dev-v1.1.json").write_text(json.dumps({"version": "1.1", "data": articles}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_corpus):
+    root = tmp_path_factory.mktemp("finetune")
+    checkpoint = tiny_checkpoint(root / "checkpoint", tiny_corpus.parent / "tokenizer")
+    data = write_glue_and_squad(root / "data")
+    return checkpoint, data
+
+
+def finetune_config(checkpoint, data, out, **overrides) -> FinetuneConfig:
+    cfg = {
+        "checkpoint": str(checkpoint),
+        "tasks": ["sst2", "mrpc", "stsb", "squad"],
+        "data_root": str(data),
+        "output": str(out),
+        "seeds": [1, 2],
+        "epochs": [1],
+        "batch_size": 16,
+        "max_seq_length": 64,
+        "doc_stride": 24,
+        "squad_eval_fraction": 0.25,
+        "precision": "fp32",
+    }
+    cfg.update(overrides)
+    return from_dict(FinetuneConfig, cfg)
+
+
+@pytest.fixture(scope="module")
+def finished(setup, tmp_path_factory):
+    checkpoint, data = setup
+    out = tmp_path_factory.mktemp("ft") / "out"
+    cfg = finetune_config(checkpoint, data, out)
+    return cfg, run(cfg)
+
+
+def test_results_have_the_usual_metric_names(finished):
+    cfg, results = finished
+    expected = {
+        "sst2": {"accuracy"},
+        "mrpc": {"accuracy", "f1"},
+        "stsb": {"pearson", "spearmanr"},
+        "squad": {"exact_match", "f1"},
+    }
+    on_disk = json.loads((Path(cfg.output) / "results.json").read_text())
+    assert on_disk.keys() == expected.keys()
+    for task, names in expected.items():
+        entry = on_disk[task]
+        assert names <= entry.keys() and set(entry["std"]) == names
+        assert set(entry["per_seed"]) == {"1", "2"}
+        assert entry["sizes"]["train"] > 0
+        for name in names:
+            low, high = (-1.0, 1.0) if name in ("pearson", "spearmanr") else (0.0, 100.0)
+            assert low <= entry[name] <= high
+        assert (Path(cfg.output) / task / "results.json").is_file()
+    assert 0.0 <= on_disk["sst2"]["accuracy"] <= 1.0  # GLUE metrics are fractions
+
+
+def test_rerun_reuses_finished_runs(finished):
+    cfg, results = finished
+    runs = sorted((Path(cfg.output) / "sst2" / "runs").iterdir())
+    stamps = {p: p.stat().st_mtime_ns for p in runs}
+    again = run(cfg)
+    assert {p: p.stat().st_mtime_ns for p in runs} == stamps
+    assert again["sst2"]["accuracy"] == results["sst2"]["accuracy"]
+
+
+def test_learning_rate_grid_and_seed_spread(setup, tmp_path):
+    checkpoint, data = setup
+    cfg = finetune_config(
+        checkpoint,
+        data,
+        tmp_path / "out",
+        tasks=["sst2"],
+        learning_rates=[1e-4, 1e-3],
+        seeds=[1, 2, 3],
+    )
+    result = run(cfg)["sst2"]
+    assert [(g["lr"], g["epochs"]) for g in result["grid"]] == [(1e-4, 1.0), (1e-3, 1.0)]
+    best = max(result["grid"], key=lambda g: g["mean"]["accuracy"])
+    assert result["lr"] == best["lr"] and result["accuracy"] == best["mean"]["accuracy"]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_missing_task_folder(setup, tmp_path):
+    checkpoint, _ = setup
+    cfg = finetune_config(checkpoint, tmp_path, tmp_path / "out", tasks=["cola"])
+    with pytest.raises(FileNotFoundError, match="CoLA"):
+        run(cfg)
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_malformed_tsv_row(setup, tmp_path):
+    checkpoint, data = setup
+    bad = tmp_path / "data"
+    shutil.copytree(data, bad)
+    with (bad / "SST-2" / "dev.tsv").open("a") as f:
+        f.write("a sentence without its label\n")
+    cfg = finetune_config(checkpoint, bad, tmp_path / "out", tasks=["sst2"])
+    with pytest.raises(ValueError, match=r"dev.tsv, line 42"):
+        run(cfg)
+
+
+def test_checkpoint_without_tokenizer(setup, tmp_path):
+    checkpoint, data = setup
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(checkpoint / name, bare / name)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        run(finetune_config(bare, data, tmp_path / "out"))
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="unknown task"):
+        FinetuneConfig(checkpoint="x", tasks=["sst3"])
+    with pytest.raises(ValueError, match="squad_eval_fraction"):
+        FinetuneConfig(checkpoint="x", squad_eval_fraction=1.5)
+    assert FinetuneConfig(checkpoint="x", tasks=["SST-2", "sts-b"]).tasks == ["sst2", "stsb"]
+
+
+# ----------------------------------------------------------------------------- real data
+
+
+@pytest.mark.skipif(not (SHARED / "glue" / "SST-2").is_dir(), reason=f"no shared data at {SHARED}")
+def test_real_glue_and_squad_slices(tmp_path):
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    wordpiece = BertWordPieceTokenizer(str(SHARED / "bert_vocab/uncased/vocab.txt"), lowercase=True)
+    tok_dir = tmp_path / "tok"
+    BertTokenizerFast(tokenizer_object=wordpiece._tokenizer).save_pretrained(tok_dir)
+    checkpoint = tiny_checkpoint(tmp_path / "ckpt", tok_dir)
+    cfg = finetune_config(
+        checkpoint,
+        SHARED,
+        tmp_path / "out",
+        tasks=["sst2", "mrpc", "cola", "stsb", "squad"],
+        seeds=[1],
+        max_train_samples=64,
+        max_eval_samples=64,
+        max_seq_length=96,
+        doc_stride=32,
+        squad_eval_fraction=0.2,
+    )
+    results = run(cfg)
+    assert 0.0 <= results["sst2"]["accuracy"] <= 1.0
+    assert 0.0 <= results["mrpc"]["f1"] <= 1.0
+    assert -1.0 <= results["cola"]["matthews_correlation"] <= 1.0
+    assert results["stsb"]["sizes"] == {"train": 64, "validation": 64}
+    assert 0.0 <= results["squad"]["exact_match"] <= results["squad"]["f1"] <= 100.0
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fake_pretrain_run(directory: Path, optimizer: str, losses: list[float]) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.yaml").write_text(
+        yaml.safe_dump({"optimizer": {"name": optimizer}, "batch": {"global_batch_size": 32}})
+    )
+    records = [{"step": i + 1, "loss": loss, "comm_bytes": 1000} for i, loss in enumerate(losses)]
+    records.append({"step": len(losses), "val_mlm_accuracy": 0.3, "val_nsp_accuracy": 0.6})
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def test_parity_report(finished, tmp_path):
+    cfg, _ = finished
+    lamb = _fake_pretrain_run(tmp_path / "lamb", "lamb", [5.0, 4.0, 3.5])
+    onebit = _fake_pretrain_run(tmp_path / "onebit", "onebit_lamb", [5.0, 4.1, 3.6])
+    report = write_report(
+        [f"lamb={lamb}:{cfg.output}", f"onebit={onebit}:{cfg.output}"], tmp_path / "report"
+    )
+    for name in (
+        "report.md",
+        "report.json",
+        "pretrain_loss.png",
+        "val_mlm_accuracy.png",
+        "finetune_scores.png",
+    ):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+    # The same fine-tuning results on both sides: every task agrees within the spread.
+    assert all(
+        row["within_seed_spread"]
+        for task in report["finetune"].values()
+        for row in task["metrics"].values()
+    )
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "| sst2 | accuracy (main) |" in text and "onebit_lamb" in text
+    with pytest.raises(ValueError, match="at least two runs"):
+        write_report([f"lamb={lamb}:{cfg.output}"], tmp_path / "r2")
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        write_report([f"a={tmp_path}:{cfg.output}", f"b={lamb}:{cfg.output}"], tmp_path / "r3")
+
+
+def test_within_seed_spread_rule():
+    def run_with(name, mean, std):
+        return {
+            "name": name,
+            "finetune": {
+                "sst2": {"accuracy": mean, "std": {"accuracy": std}, "main_metric": "accuracy"}
+            },
+        }
+
+    close = compare([run_with("a", 0.90, 0.01), run_with("b", 0.915, 0.01)])
+    far = compare([run_with("a", 0.90, 0.01), run_with("b", 0.93, 0.01)])
+    assert close["sst2"]["metrics"]["accuracy"]["within_seed_spread"]
+    assert not far["sst2"]["metrics"]["accuracy"]["within_seed_spread"]
+    assert far["sst2"]["metrics"]["accuracy"]["max_difference"] == pytest.approx(0.03)
