@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test lint format smoke data data-sample pretrain finetune report bench-comm bench-data bench-train clean
+.PHONY: setup test lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train clean
 
 setup: $(STAMP)
 
@@ -33,9 +33,20 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-# LAMB vs 1-bit LAMB on a small network, 2 local gloo workers, one JSON line.
+# The whole chain, tiny, on CPU: generated corpus -> data_prep -> bert-tiny with LAMB and
+# 1-bit LAMB (2 gloo workers) -> fine-tuning on generated GLUE/SQuAD-format tasks -> report.
 smoke: setup
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 -m pipeline.smoke
+	$(PY) -m pipeline run --config configs/experiments/smoke.yaml $(ARGS)
+
+# A small real-data reproduction (about an hour on 2 CPU cores; not part of make test).
+repro-mini: setup
+	$(PY) -m pipeline run --config configs/experiments/repro_mini.yaml \
+		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
+		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT)), squad_eval_fraction=0.2]" $(ARGS)
+
+# Submit an experiment to SLURM: make submit CONFIG=configs/experiments/bert_large.yaml
+submit: setup
+	$(PY) -m pipeline submit --config $(CONFIG) $(ARGS)
 
 # The BERT corpus (Wikipedia + BookCorpus): from the hub, or with DATA_ROOT=<dir> from
 # local files laid out as configs/data/bert_local.yaml describes. ARGS: key=value overrides.

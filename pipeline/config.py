@@ -167,6 +167,11 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{name} must be a number, got {value!r}")
         return float(value)

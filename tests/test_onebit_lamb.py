@@ -12,7 +12,7 @@ import torch
 
 from pipeline.distributed import Communicator
 from pipeline.optim import Lamb, OneBitLamb
-from pipeline.smoke import ToyConfig, train_toy
+from tests.toy import ToyConfig, train_toy
 from tests.distributed_harness import run_ranks
 from tests.test_compressed_allreduce import simulate
 
@@ -239,7 +239,7 @@ def test_warmup_equals_lamb_bit_for_bit():
 
 def _toy_run(comm, ckpt_dir, steps, save_at, load, drop_errors):
     """Data-parallel toy training; optionally save at ``save_at`` or start from a save."""
-    from pipeline.smoke import ToyConfig, _batch, _teacher, build_model
+    from tests.toy import ToyConfig, _batch, _teacher, build_model
 
     cfg = ToyConfig(seed=3)
     model = build_model(cfg)

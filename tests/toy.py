@@ -1,11 +1,7 @@
-"""Smoke run of the core: LAMB and 1-bit LAMB train the same small network data-parallel.
+"""A small data-parallel problem on which LAMB and 1-bit LAMB are compared.
 
-Launch with ``torchrun --standalone --nproc-per-node=N -m pipeline.smoke`` (or plain
-``python -m pipeline.smoke`` for one process). Rank 0 prints one JSON object: final
-validation loss of each optimizer, their relative gap, and the bytes each rank sent per
-step in 1-bit LAMB's warmup and compression stages.
-
-The problem: regress a fixed random two-layer "teacher" network plus noise (so the loss
+``train_toy`` runs inside each rank (see tests/distributed_harness.py); ``python
+tests/toy.py`` under torchrun prints one JSON comparison. The problem: regress a fixed random two-layer "teacher" network plus noise (so the loss
 has a floor of noise variance and the two optimizers can be compared by their final
 loss); each rank draws its own batches, seeded by (rank, step), as data-parallel shards.
 """

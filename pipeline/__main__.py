@@ -1,0 +1,145 @@
+"""``python -m pipeline``: run the whole reproduction, locally or as SLURM jobs.
+
+    python -m pipeline run    --config configs/experiments/smoke.yaml [--stages data pretrain/lamb]
+    python -m pipeline submit --config configs/experiments/bert_large.yaml [--dry-run]
+    python -m pipeline status --config ...
+    python -m pipeline report --config ...
+
+Extra ``section.field=value`` arguments override the experiment config. Stages whose outputs
+are complete are skipped; an interrupted stage resumes (every stage program resumes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import ConfigError
+from pipeline.experiment import Experiment, Stage, load_experiment
+
+
+def _run_stage(exp: Experiment, stage: Stage) -> None:
+    log = exp.path("logs", stage.name.replace("/", "_") + ".log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    command = exp.command(stage, nproc=exp.cfg.local.nproc_per_node)
+    print(f"[pipeline] {stage.name}: {' '.join(command)}", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS":
+           os.environ.get("OMP_NUM_THREADS", "1")}
+    start = time.perf_counter()
+    with log.open("a") as out:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        for line in proc.stdout:
+            out.write(line)
+            if not line.startswith(("W1", "I1", "wandb:")) and "Writing model shards" not in line:
+                sys.stdout.write(f"  {line}")
+        proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(f"stage {stage.name} failed (exit {proc.returncode}); see {log}")
+    if stage.kind == "inputs":
+        (stage.output / ".complete").write_text("")
+    if not stage.done():
+        raise RuntimeError(f"stage {stage.name} ended without finishing its outputs "
+                           f"(interrupted or stopped early); run again to resume; see {log}")
+    print(f"[pipeline] {stage.name}: done in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def cmd_run(exp: Experiment, stages: list[str] | None) -> int:
+    selected = exp.select(stages)
+    start = time.perf_counter()
+    for stage in selected:
+        if stage.done():
+            print(f"[pipeline] {stage.name}: complete, skipped", flush=True)
+            continue
+        _run_stage(exp, stage)
+    summary = {"experiment": exp.cfg.name, "seconds": round(time.perf_counter() - start, 1),
+               "stages": [s.name for s in selected]}
+    report = exp.stage("report")
+    if report in selected and report.done():
+        summary["report"] = str(report.output / "report.md")
+    print(json.dumps(summary))
+    if "report" in summary:
+        print(f"report: {summary['report']}")
+    return 0
+
+
+def cmd_status(exp: Experiment) -> int:
+    from pipeline.slurm import SlurmChain, job_state
+
+    jobs = SlurmChain(exp).jobs()
+    rows = []
+    for stage in exp.stages:
+        if stage.done():
+            state = "done"
+        elif stage.name in jobs and (slurm := job_state(jobs[stage.name])) is not None:
+            state = f"slurm job {jobs[stage.name]}: {slurm}"
+        elif stage.kind == "pretrain" and (stage.output / "status.json").is_file():
+            info = json.loads((stage.output / "status.json").read_text())
+            state = f"{info.get('state')} at step {info.get('step')}"
+        elif stage.name in jobs:
+            state = f"slurm job {jobs[stage.name]}: unknown to SLURM (finished or failed)"
+        else:
+            state = "pending"
+        rows.append((stage.name, state))
+    width = max(len(n) for n, _ in rows)
+    for name, state in rows:
+        print(f"{name:<{width}}  {state}")
+    return 0
+
+
+def cmd_submit(exp: Experiment, stages: list[str] | None, dry_run: bool) -> int:
+    from pipeline.slurm import SlurmChain
+
+    selected = exp.select(stages)
+    for stage in selected:  # generators run here; they are quick and need no cluster
+        if stage.kind == "inputs" and not stage.done():
+            _run_stage(exp, stage)
+    chain = SlurmChain(exp)
+    jobs = chain.submit([s for s in selected if s.kind != "inputs"], dry_run=dry_run)
+    for name, job in jobs.items():
+        print(f"{name}: {'(dry run)' if dry_run else f'job {job}'}")
+    print(f"scripts in {chain.dir}; logs in {chain.logs}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in [("run", "run stages on this machine"),
+                       ("submit", "submit stages as chained SLURM jobs"),
+                       ("status", "what is done, running, failed"),
+                       ("report", "write the parity report now")]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", required=True, help="experiment config (configs/experiments/)")
+        p.add_argument("overrides", nargs="*", help="section.field=value overrides")
+        if name in ("run", "submit"):
+            p.add_argument("--stages", nargs="*", help="stage names or prefixes (default: all)")
+        if name == "submit":
+            p.add_argument("--dry-run", action="store_true", help="write scripts, print sbatch")
+    args = parser.parse_args(argv)
+    try:
+        exp = load_experiment(Path(args.config), args.overrides)
+        exp.resolve()  # every stage config checked and saved before anything runs
+        if args.command == "run":
+            return cmd_run(exp, args.stages)
+        if args.command == "submit":
+            return cmd_submit(exp, args.stages, args.dry_run)
+        if args.command == "status":
+            return cmd_status(exp)
+        report = exp.stage("report")
+        _run_stage(exp, report)  # always rewritten: the inputs may have changed
+        print(f"report: {report.output / 'report.md'}")
+        return 0
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

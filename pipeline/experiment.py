@@ -1,0 +1,274 @@
+"""An experiment: the whole chain of stages, described by one config.
+
+    inputs (optional generator) → data → pretrain/<run>/phase<i> … → finetune/<run> → report
+
+Each stage runs one of the stage programs (``python -m data_prep``, ``-m pretrain``,
+``-m finetune``) with a stage config written under ``<workdir>/configs/``: the stage's own
+config file plus the experiment's overrides plus the paths that link stages (data
+directory, ``init_from``, checkpoint, output). Stages hand off through those directories
+only; a stage is done when its outputs say so (manifests, ``status.json``,
+``results.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.config import load_config, save_config
+
+
+@dataclass
+class StageSpec:
+    """A stage program's config file and overrides (``section.field=value``)."""
+
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PhaseSpec(StageSpec):
+    seq_length: int = 128
+    """Which prepared length this phase trains on (the data stage must produce it)."""
+
+
+@dataclass
+class RunSpec:
+    """One pretraining recipe to compare (e.g. LAMB, or 1-bit LAMB)."""
+
+    name: str
+    phases: list[PhaseSpec]
+    """Phase 2 starts from phase 1 (``model.init_from``), and so on."""
+
+    def __post_init__(self):
+        if not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"run name {self.name!r}: use letters, digits, '-' and '_'")
+        if not self.phases:
+            raise ValueError(f"run {self.name!r} has no phases")
+
+
+@dataclass
+class LocalSpec:
+    nproc_per_node: int = 2
+    """Pretraining processes on this machine (torchrun --nproc-per-node)."""
+
+
+@dataclass
+class SlurmSpec:
+    """How the chain becomes SLURM jobs (see slurm/README.md)."""
+
+    partition: str | None = None
+    account: str | None = None
+    nodes: int = 1
+    """Nodes for each pretraining phase."""
+    gpus_per_node: int = 8
+    """GPUs per node = pretraining processes per node (0: CPU-only nodes)."""
+    cpu_procs_per_node: int = 2
+    """Processes per node when gpus_per_node is 0."""
+    cpus_per_task: int = 8
+    time_data: str = "12:00:00"
+    time_pretrain: str = "24:00:00"
+    time_finetune: str = "04:00:00"
+    signal_lead: int = 300
+    """Seconds before the time limit at which SLURM sends USR1: the run checkpoints and the
+    job requeues itself."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run first in every job (module load ..., source a venv, ...)."""
+    env: dict = field(default_factory=dict)
+    """Environment for the jobs, e.g. NCCL_SOCKET_IFNAME or NCCL_IB_HCA."""
+    extra_sbatch: list[str] = field(default_factory=list)
+    """More #SBATCH options, e.g. --qos=high."""
+    master_port: int = 29500
+
+
+@dataclass
+class ExperimentConfig:
+    name: str
+    workdir: str
+    data: StageSpec
+    runs: list[RunSpec]
+    finetune: StageSpec
+    inputs: list[str] = field(default_factory=list)
+    """Optional command (argv) that creates input files first; ``{workdir}`` and
+    ``{python}`` are substituted here and in every override."""
+    local: LocalSpec = field(default_factory=LocalSpec)
+    slurm: SlurmSpec = field(default_factory=SlurmSpec)
+
+    def __post_init__(self):
+        names = [r.name for r in self.runs]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"runs must have unique names, got {names}")
+
+
+@dataclass
+class Stage:
+    """One step of the chain: what it runs, where its config and outputs are."""
+
+    name: str  # e.g. "pretrain/lamb/phase1"
+    kind: str  # inputs | data | pretrain | finetune | report
+    config_path: Path | None
+    output: Path
+    depends: list[str]
+    args: list[str] = field(default_factory=list)
+    """Extra arguments (the report's NAME=PRETRAIN:FINETUNE runs)."""
+
+    def done(self) -> bool:
+        return _DONE[self.kind](self)
+
+
+def _inputs_done(stage: Stage) -> bool:
+    return (stage.output / ".complete").is_file()
+
+
+def _data_done(stage: Stage) -> bool:
+    import yaml
+
+    cfg = yaml.safe_load(stage.config_path.read_text())
+    return all((stage.output / f"seq{n}" / "manifest.json").is_file()
+               for n in cfg["instances"]["seq_lengths"])
+
+
+def _pretrain_done(stage: Stage) -> bool:
+    status = stage.output / "status.json"
+    return status.is_file() and json.loads(status.read_text()).get("state") == "complete" and (
+        stage.output / "final" / "config.json").is_file()
+
+
+def _finetune_done(stage: Stage) -> bool:
+    import yaml
+
+    results = stage.output / "results.json"
+    if not results.is_file():
+        return False
+    tasks = yaml.safe_load(stage.config_path.read_text())["tasks"]
+    return set(tasks) <= set(json.loads(results.read_text()))
+
+
+def _report_done(stage: Stage) -> bool:
+    return (stage.output / "report.md").is_file()
+
+
+_DONE = {"inputs": _inputs_done, "data": _data_done, "pretrain": _pretrain_done,
+         "finetune": _finetune_done, "report": _report_done}
+
+
+class Experiment:
+    """The stages of an experiment config, with their stage configs resolved and saved."""
+
+    def __init__(self, cfg: ExperimentConfig, config_path: Path | None = None):
+        self.cfg = cfg
+        self.workdir = Path(cfg.workdir)
+        self.config_path = config_path
+        self.stages: list[Stage] = []
+
+    def path(self, *parts: str) -> Path:
+        return self.workdir.joinpath(*parts)
+
+    def resolve(self) -> list[Stage]:
+        """Check every stage config and write it under ``<workdir>/configs`` (nothing runs)."""
+        from data_prep.config import DataPrepConfig
+        from finetune.config import FinetuneConfig
+        from pretrain.config import PretrainConfig
+
+        cfg = self.cfg
+        stages: list[Stage] = []
+        configs = self.path("configs")
+        save_config(cfg, self.path("experiment.yaml"))
+        if cfg.inputs:
+            stages.append(Stage("inputs", "inputs", None, self.path("inputs"), []))
+        data_out = self.path("data")
+        data_cfg = self._stage_config(DataPrepConfig, cfg.data, [f"output={data_out}"])
+        lengths = sorted({p.seq_length for r in cfg.runs for p in r.phases})
+        missing = [n for n in lengths if n not in data_cfg.instances.seq_lengths]
+        if missing:
+            raise ValueError(f"phases train on seq lengths {missing} that the data stage does not "
+                             f"prepare (instances.seq_lengths={data_cfg.instances.seq_lengths})")
+        save_config(data_cfg, configs / "data.yaml")
+        stages.append(Stage("data", "data", configs / "data.yaml", data_out,
+                            ["inputs"] if cfg.inputs else []))
+        reports = []
+        finetune_names = []
+        for run in cfg.runs:
+            previous: Stage | None = None
+            for i, phase in enumerate(run.phases, start=1):
+                name = f"pretrain/{run.name}/phase{i}"
+                run_dir = self.path("pretrain", run.name, f"phase{i}")
+                links = [f"run_dir={run_dir}", f"data.path={data_out / f'seq{phase.seq_length}'}",
+                         f"logging.experiment={cfg.name}",
+                         f"logging.run_name={run.name}-phase{i}"]
+                if previous is not None:
+                    links.append(f"model.init_from={previous.output}")
+                pcfg = self._stage_config(PretrainConfig, phase, links)
+                path = configs / f"pretrain_{run.name}_phase{i}.yaml"
+                save_config(pcfg, path)
+                stage = Stage(name, "pretrain", path, run_dir,
+                              [previous.name] if previous else ["data"])
+                stages.append(stage)
+                previous = stage
+            ft_out = self.path("finetune", run.name)
+            fcfg = self._stage_config(FinetuneConfig, cfg.finetune,
+                                      [f"checkpoint={previous.output / 'final'}",
+                                       f"output={ft_out}"])
+            path = configs / f"finetune_{run.name}.yaml"
+            save_config(fcfg, path)
+            stages.append(Stage(f"finetune/{run.name}", "finetune", path, ft_out, [previous.name]))
+            finetune_names.append(f"finetune/{run.name}")
+            reports.append(f"{run.name}={previous.output}:{ft_out}")
+        runs_args = [arg for r in reports for arg in ("--run", r)]
+        stages.append(Stage("report", "report", None, self.path("report"), finetune_names,
+                            args=runs_args))
+        self.stages = stages
+        return stages
+
+    def _expand(self, text: str) -> str:
+        return text.replace("{workdir}", str(self.workdir)).replace("{python}", sys.executable)
+
+    def _stage_config(self, cls, spec: StageSpec, links: list[str]):
+        base = None
+        if spec.config:
+            base = Path(spec.config)
+            if not base.is_absolute() and self.config_path is not None and not base.exists():
+                base = self.config_path.parent / base
+        return load_config(cls, base, [*(self._expand(o) for o in spec.overrides), *links])
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"no stage {name!r}; stages: {[s.name for s in self.stages]}")
+
+    def select(self, names: list[str] | None) -> list[Stage]:
+        """The named stages (a prefix such as ``pretrain`` or ``pretrain/lamb`` selects all
+        below it), in chain order; all stages when ``names`` is empty."""
+        if not names:
+            return list(self.stages)
+        chosen = [s for s in self.stages if any(s.name == n or s.name.startswith(n + "/")
+                                                  for n in names)]
+        unknown = [n for n in names if not any(s.name == n or s.name.startswith(n + "/")
+                                               for s in self.stages)]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; stages: {[s.name for s in self.stages]}")
+        return chosen
+
+    def command(self, stage: Stage, python: str = sys.executable, nproc: int = 1) -> list[str]:
+        """The program a stage runs (locally; SLURM jobs wrap the same programs)."""
+        if stage.kind == "inputs":
+            return [self._expand(part) for part in self.cfg.inputs]
+        if stage.kind == "data":
+            return [python, "-m", "data_prep", "--config", str(stage.config_path)]
+        if stage.kind == "pretrain":
+            return [python, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", "-m", "pretrain", "--config",
+                    str(stage.config_path)]
+        if stage.kind == "finetune":
+            return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
+        return [python, "-m", "finetune", "report", *stage.args, "--out", str(stage.output)]
+
+
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
+    path = Path(path)
+    cfg = load_config(ExperimentConfig, path, list(overrides))
+    return Experiment(cfg, path)
+

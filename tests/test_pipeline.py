@@ -1,0 +1,168 @@
+"""The pipeline CLI without a cluster: resolving experiments, selecting and skipping
+stages, and the rendered SLURM scripts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.__main__ import main
+from pipeline.config import ConfigError
+from pipeline.experiment import load_experiment
+from pipeline.slurm import SlurmChain, render
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
+
+
+def smoke(tmp_path: Path, *overrides: str):
+    exp = load_experiment(SMOKE, [f"workdir={tmp_path / 'work'}", *overrides])
+    exp.resolve()
+    return exp
+
+
+def test_stages_are_resolved_in_chain_order(tmp_path):
+    exp = smoke(tmp_path)
+    assert [s.name for s in exp.stages] == [
+        "inputs",
+        "data",
+        "pretrain/lamb/phase1",
+        "finetune/lamb",
+        "pretrain/onebit/phase1",
+        "finetune/onebit",
+        "report",
+    ]
+    configs = tmp_path / "work" / "configs"
+    assert sorted(p.name for p in configs.iterdir()) == [
+        "data.yaml",
+        "finetune_lamb.yaml",
+        "finetune_onebit.yaml",
+        "pretrain_lamb_phase1.yaml",
+        "pretrain_onebit_phase1.yaml",
+    ]
+    import yaml
+
+    onebit = yaml.safe_load((configs / "pretrain_onebit_phase1.yaml").read_text())
+    assert onebit["optimizer"]["name"] == "onebit_lamb"
+    assert onebit["data"]["path"] == str(tmp_path / "work" / "data" / "seq128")
+    assert onebit["run_dir"] == str(tmp_path / "work" / "pretrain" / "onebit" / "phase1")
+    finetune = yaml.safe_load((configs / "finetune_onebit.yaml").read_text())
+    assert finetune["checkpoint"] == onebit["run_dir"] + "/final"
+    assert finetune["data_root"] == str(tmp_path / "work" / "inputs")
+    assert (tmp_path / "work" / "experiment.yaml").is_file()
+    assert exp.stage("report").args == [
+        "--run",
+        f"lamb={tmp_path}/work/pretrain/lamb/phase1:{tmp_path}/work/finetune/lamb",
+        "--run",
+        f"onebit={tmp_path}/work/pretrain/onebit/phase1:{tmp_path}/work/finetune/onebit",
+    ]
+
+
+def test_phase_two_starts_from_phase_one(tmp_path):
+    phase = {"config": "configs/pretrain/smoke.yaml", "seq_length": 128}
+    runs = json.dumps([{"name": "lamb", "phases": [phase, phase]}])
+    exp = smoke(tmp_path, f"runs={runs}")
+    second = exp.stage("pretrain/lamb/phase2")
+    assert second.depends == ["pretrain/lamb/phase1"]
+    import yaml
+
+    cfg = yaml.safe_load(second.config_path.read_text())
+    assert cfg["model"]["init_from"] == str(exp.stage("pretrain/lamb/phase1").output)
+
+
+def test_stage_selection(tmp_path):
+    exp = smoke(tmp_path)
+    assert [s.name for s in exp.select(["pretrain"])] == [
+        "pretrain/lamb/phase1",
+        "pretrain/onebit/phase1",
+    ]
+    assert [s.name for s in exp.select(["finetune/onebit", "data"])] == ["data", "finetune/onebit"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        exp.select(["pretrain/adam"])
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (["runs=[]"], ValueError, "unique names"),
+        (
+            ["runs=[{name: a, phases: [{config: configs/pretrain/smoke.yaml, seq_length: 512}]}]"],
+            ValueError,
+            "does not prepare",
+        ),
+        (["data.overrides=[instances.mode=mlm]"], ConfigError, "must be one of"),
+        (["finetune.overrides=['tasks=[sst3]']"], ConfigError, "unknown task"),
+        (["runs=[{name: 'a b', phases: [{seq_length: 128}]}]"], ValueError, "run name"),
+    ],
+)
+def test_bad_experiments_fail_before_anything_runs(tmp_path, overrides, error, match):
+    with pytest.raises(error, match=match):
+        smoke(tmp_path, *overrides)
+    assert not (tmp_path / "work" / "data").exists()
+
+
+def test_run_skips_completed_stages(tmp_path, capsys):
+    args = ["run", "--config", str(SMOKE), f"workdir={tmp_path / 'work'}", "--stages", "inputs"]
+    assert main(args) == 0
+    assert (tmp_path / "work" / "inputs" / "corpus.jsonl").is_file()
+    assert main(args) == 0
+    assert "inputs: complete, skipped" in capsys.readouterr().out
+
+
+def test_status_lists_every_stage(tmp_path, capsys):
+    assert main(["status", "--config", str(SMOKE), f"workdir={tmp_path / 'work'}"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 7 and all(line.split()[-1] == "pending" for line in lines)
+
+
+def test_bad_config_is_one_clear_error(tmp_path, capsys):
+    assert main(["run", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sbatch_scripts_are_rendered_and_chained(tmp_path, capsys):
+    exp = smoke(tmp_path)
+    chain = SlurmChain(exp)
+    stages = [s for s in exp.stages if s.kind != "inputs"]
+    jobs = chain.submit(stages, dry_run=True)
+    printed = capsys.readouterr().out.splitlines()
+    assert list(jobs) == [s.name for s in stages]
+    assert "--dependency" not in printed[0]  # data waits for nothing
+    assert "--dependency=afterok:-1" in printed[1]  # phase 1 after data
+    assert "--dependency=afterok:-3:-5" in printed[-1]  # the report after both arrays
+    scripts = {p.name: p.read_text() for p in (tmp_path / "work" / "slurm").glob("*.sbatch")}
+    pretrain = scripts["pretrain_onebit_phase1.sbatch"]
+    for expected in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --signal=B:USR1@60",
+        "#SBATCH --requeue",
+        "--nproc-per-node=2",
+        "scontrol requeue",
+        "SIGUSR1",
+        "export GLOO_SOCKET_IFNAME=lo",
+    ):
+        assert expected in pretrain
+    finetune = scripts["finetune_lamb.sbatch"]
+    assert "#SBATCH --array=0-7" in finetune and "TASKS=(sst2 mrpc stsb squad)" in finetune
+    assert "finetune run --config" in scripts["report.sbatch"]
+    for name, text in scripts.items():
+        assert "{{" not in text, name
+        check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
+        assert check.returncode == 0, (name, check.stderr)
+
+
+def test_template_placeholders_must_be_filled():
+    assert render("a {{x}} ${Y}", {"x": 1}) == "a 1 ${Y}"
+    with pytest.raises(KeyError, match="placeholder"):
+        render("{{missing}}", {})
+
+
+def test_cli_help_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0 and "submit" in out.stdout
