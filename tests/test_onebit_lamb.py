@@ -12,9 +12,9 @@ import torch
 
 from pipeline.distributed import Communicator
 from pipeline.optim import Lamb, OneBitLamb
-from tests.toy import ToyConfig, train_toy
 from tests.distributed_harness import run_ranks
 from tests.test_compressed_allreduce import simulate
+from tests.toy import ToyConfig, train_toy
 
 SHAPES = [(6, 5), (5,), (3, 7), (1,)]
 

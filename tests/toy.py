@@ -1,21 +1,19 @@
 """A small data-parallel problem on which LAMB and 1-bit LAMB are compared.
 
-``train_toy`` runs inside each rank (see tests/distributed_harness.py); ``python
-tests/toy.py`` under torchrun prints one JSON comparison. The problem: regress a fixed random two-layer "teacher" network plus noise (so the loss
-has a floor of noise variance and the two optimizers can be compared by their final
-loss); each rank draws its own batches, seeded by (rank, step), as data-parallel shards.
+``train_toy`` runs inside each rank (see tests/distributed_harness.py). The problem:
+regress a fixed random two-layer "teacher" network plus noise (so the loss has a floor of
+noise variance and the optimizers can be compared by their final loss); each rank draws
+its own batches, seeded by (rank, step), as data-parallel shards.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pipeline.distributed import Communicator, destroy_distributed, init_distributed
+from pipeline.distributed import Communicator
 from pipeline.optim import Lamb, OneBitLamb
 
 NOISE_STD = 0.1
@@ -82,40 +80,3 @@ def train_toy(comm: Communicator, optimizer: str, cfg: ToyConfig) -> dict:
         "bytes_per_step": {k: (sum(v) / len(v) if v else 0.0) for k, v in bytes_by_stage.items()},
         "params": [p.detach().clone() for p in model.parameters()],
     }
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=ToyConfig.steps)
-    parser.add_argument("--freeze-step", type=int, default=ToyConfig.freeze_step)
-    args = parser.parse_args(argv)
-    cfg = ToyConfig(steps=args.steps, freeze_step=args.freeze_step)
-    if not 1 <= cfg.freeze_step < cfg.steps:
-        parser.error(f"--freeze-step must lie in [1, steps={cfg.steps}), got {cfg.freeze_step}")
-    ctx = init_distributed(backend="gloo")
-    try:
-        lamb = train_toy(ctx.comm, "lamb", cfg)
-        onebit = train_toy(ctx.comm, "onebit_lamb", cfg)
-        lamb_bytes = lamb["bytes_per_step"]["warmup"]
-        onebit_bytes = onebit["bytes_per_step"]["compression"]
-        summary = {
-            "world_size": ctx.world_size,
-            "config": asdict(cfg),
-            "lamb_val_loss": lamb["val_loss"],
-            "onebit_lamb_val_loss": onebit["val_loss"],
-            "relative_gap": (onebit["val_loss"] - lamb["val_loss"]) / lamb["val_loss"],
-            "noise_floor": NOISE_STD**2,
-            "lamb_bytes_per_step": lamb_bytes,
-            "onebit_warmup_bytes_per_step": onebit["bytes_per_step"]["warmup"],
-            "onebit_compression_bytes_per_step": onebit_bytes,
-            "compression_bytes_ratio": (lamb_bytes / onebit_bytes) if onebit_bytes else None,
-        }
-        if ctx.is_main:
-            print(json.dumps(summary))
-        return summary
-    finally:
-        destroy_distributed()
-
-
-if __name__ == "__main__":
-    main()
