@@ -34,17 +34,28 @@ Choices and where things live:
   for the unix sockets slurmstepd makes in the spool (108 bytes) does the spool go to a short
   ``/tmp/slurm-spool-*`` directory instead.
 * Shared machine state it touches: munge (``/etc/munge/munge.key`` created when missing, owner
-  munge, mode 0400; ``/run/munge``; ``munged`` started as user munge when not running and then
-  stopped at shutdown, an already running munged is reused and left running) and
-  ``/etc/hosts`` (``127.0.0.1 node1 node2`` appended only when the names do not resolve).
+  munge, mode 0400 -- Debian's package already makes one; ``/run/munge``; ``munged`` as user
+  munge) and ``/etc/hosts`` (``127.0.0.1 node1 node2`` appended only when the names do not
+  resolve; the line is left there). A munged that was running before is reused and left
+  running; one this module starts is recorded in ``/run/munge/onebit-test-owner`` and stopped
+  at shutdown (unless a concurrent session's cluster still uses it); a munged recorded there
+  whose session has died is adopted and stopped at the end of this session.
 * Daemons left by an earlier session: :func:`start_cluster` STOPS them. They are recognised by
-  their command line (``-f .../onebit-test-slurm.conf``) and by an ``owner`` file next to that
-  conf naming the test process that started them: when that process is gone (or the conf is),
-  the slurmctld/slurmd are killed, along with leftover slurmstepd of theirs. Daemons of a
+  their command line (``-f .../onebit-test-slurm.conf``) and an ``owner`` file next to that
+  conf naming the test process that started them ("pid starttime"): when that process is
+  gone (or the file is), their slurmctld/slurmd are killed, and so is every process that runs
+  with ``SLURM_CONF=<that conf>`` (slurmstepd's, job scripts, sruns, tasks). Daemons of a
   session that is still alive (a concurrent test run) and any other Slurm on the machine are
   left alone; they do not clash since each session has its own ports and directories.
-* :meth:`SlurmCluster.shutdown` cancels the remaining jobs, then stops the slurmd's and the
-  slurmctld by their pid files (SIGTERM, then SIGKILL after 10 s), and munged when it started it.
+* :meth:`SlurmCluster.shutdown` cancels the remaining jobs (waits up to 15 s for the queue to
+  empty), stops the slurmd's and the slurmctld by their pid files (SIGTERM, SIGKILL after
+  10 s), kills leftover processes with this cluster's SLURM_CONF, and stops munged as above.
+  It also runs at interpreter exit (atexit) when the fixture's teardown did not.
+* Scheduling: ``SchedulerParameters=batch_sched_delay=0,sched_interval=1`` so that jobs start
+  ~1 s after submission (not ~3 s) and a requeued job released with
+  :meth:`SlurmCluster.release_requeued` starts ~2-3 s later (not at the next 30 s backfill
+  pass). The first job after start waits ~2-3 s (the controller's first scheduling pass).
+  ``KillWait=5``, ``MinJobAge=600`` (finished jobs stay in ``scontrol show job`` for 10 min).
 """
 
 from __future__ import annotations
@@ -243,7 +254,18 @@ def _compute_skip_reason() -> str | None:
         return _apt_install()
 
 
+_install_seconds: list[float] = []  # how long this process's apt-get run took
+
+
 def _apt_install() -> str | None:
+    t0 = time.monotonic()
+    try:
+        return _apt_commands()
+    finally:
+        _install_seconds.append(time.monotonic() - t0)
+
+
+def _apt_commands() -> str | None:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     env["PATH"] = _clean_env()["PATH"]
     commands = [
@@ -291,7 +313,7 @@ class SlurmCluster:
         self.log_dir = workdir / "log"
         self.run_dir = workdir / "run"
         self.jobs_dir = workdir / "jobs"
-        self.timings: dict[str, float] = {}  # seconds: "install", "start"
+        self.timings: dict[str, float] = {}  # seconds: "install" (apt-get), "start" (daemons)
         self._started_munged: int | None = None
         self._extra_dirs: list[Path] = []
         self._down = False
@@ -447,13 +469,11 @@ class SlurmCluster:
                     time.sleep(0.2)
         except (SlurmClusterError, subprocess.TimeoutExpired, OSError):
             pass
-        daemon_pids = [p for p in map(_read_pid, self._pidfiles()) if p is not None]
-        # Daemons whose pid file is missing (started but died while writing?): by command line.
-        daemon_pids += [
-            pid
-            for pid, argv in _processes(("slurmctld", "slurmd"))
-            if str(self.conf) in argv and pid not in daemon_pids
-        ]
+        ours = {pid for pid, argv in _processes(("slurmctld", "slurmd")) if str(self.conf) in argv}
+        # The pid files name them; the command line check guards against a reused pid (and
+        # catches a daemon whose pid file is missing).
+        daemon_pids = [p for p in map(_read_pid, self._pidfiles()) if p in ours]
+        daemon_pids += sorted(ours - set(daemon_pids))
         _terminate(daemon_pids)
         _terminate(_job_processes([self.conf]), grace=2)
         if self._started_munged is not None:
@@ -709,7 +729,6 @@ def start_cluster(workdir: Path, cpus_per_node: int = 4) -> SlurmCluster:
     Raises :class:`SlurmClusterError` when Slurm cannot be used here (the reason from
     :func:`slurm_skip_reason`) or a daemon does not come up (with the logs' tails).
     """
-    t0 = time.monotonic()
     reason = slurm_skip_reason()
     if reason is not None:
         raise SlurmClusterError(reason)
@@ -754,7 +773,10 @@ def start_cluster(workdir: Path, cpus_per_node: int = 4) -> SlurmCluster:
     except BaseException:
         cluster.shutdown()
         raise
-    cluster.timings = {"install": t_installed - t0, "start": time.monotonic() - t_installed}
+    cluster.timings = {
+        "install": sum(_install_seconds),  # 0 when Slurm was already there
+        "start": time.monotonic() - t_installed,
+    }
     return cluster
 
 
