@@ -28,12 +28,16 @@ def _run_stage(exp: Experiment, stage: Stage) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     command = exp.command(stage, nproc=exp.cfg.local.nproc_per_node)
     print(f"[pipeline] {stage.name}: {' '.join(command)}", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS":
-           os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
     start = time.perf_counter()
     with log.open("a") as out:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         for line in proc.stdout:
             out.write(line)
             if not line.startswith(("W1", "I1", "wandb:")) and "Writing model shards" not in line:
@@ -44,8 +48,10 @@ def _run_stage(exp: Experiment, stage: Stage) -> None:
     if stage.kind == "inputs":
         (stage.output / ".complete").write_text("")
     if not stage.done():
-        raise RuntimeError(f"stage {stage.name} ended without finishing its outputs "
-                           f"(interrupted or stopped early); run again to resume; see {log}")
+        raise RuntimeError(
+            f"stage {stage.name} ended without finishing its outputs "
+            f"(interrupted or stopped early); run again to resume; see {log}"
+        )
     print(f"[pipeline] {stage.name}: done in {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -57,8 +63,11 @@ def cmd_run(exp: Experiment, stages: list[str] | None) -> int:
             print(f"[pipeline] {stage.name}: complete, skipped", flush=True)
             continue
         _run_stage(exp, stage)
-    summary = {"experiment": exp.cfg.name, "seconds": round(time.perf_counter() - start, 1),
-               "stages": [s.name for s in selected]}
+    summary = {
+        "experiment": exp.cfg.name,
+        "seconds": round(time.perf_counter() - start, 1),
+        "stages": [s.name for s in selected],
+    }
     report = exp.stage("report")
     if report in selected and report.done():
         summary["report"] = str(report.output / "report.md")
@@ -108,13 +117,18 @@ def cmd_submit(exp: Experiment, stages: list[str] | None, dry_run: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in [("run", "run stages on this machine"),
-                       ("submit", "submit stages as chained SLURM jobs"),
-                       ("status", "what is done, running, failed"),
-                       ("report", "write the parity report now")]:
+    for name, text in [
+        ("run", "run stages on this machine"),
+        ("submit", "submit stages as chained SLURM jobs"),
+        ("status", "what is done, running, failed"),
+        ("report", "write the parity report now"),
+    ]:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", required=True, help="experiment config (configs/experiments/)")
         p.add_argument("overrides", nargs="*", help="section.field=value overrides")

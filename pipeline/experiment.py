@@ -126,14 +126,19 @@ def _data_done(stage: Stage) -> bool:
     import yaml
 
     cfg = yaml.safe_load(stage.config_path.read_text())
-    return all((stage.output / f"seq{n}" / "manifest.json").is_file()
-               for n in cfg["instances"]["seq_lengths"])
+    return all(
+        (stage.output / f"seq{n}" / "manifest.json").is_file()
+        for n in cfg["instances"]["seq_lengths"]
+    )
 
 
 def _pretrain_done(stage: Stage) -> bool:
     status = stage.output / "status.json"
-    return status.is_file() and json.loads(status.read_text()).get("state") == "complete" and (
-        stage.output / "final" / "config.json").is_file()
+    return (
+        status.is_file()
+        and json.loads(status.read_text()).get("state") == "complete"
+        and (stage.output / "final" / "config.json").is_file()
+    )
 
 
 def _finetune_done(stage: Stage) -> bool:
@@ -150,8 +155,13 @@ def _report_done(stage: Stage) -> bool:
     return (stage.output / "report.md").is_file()
 
 
-_DONE = {"inputs": _inputs_done, "data": _data_done, "pretrain": _pretrain_done,
-         "finetune": _finetune_done, "report": _report_done}
+_DONE = {
+    "inputs": _inputs_done,
+    "data": _data_done,
+    "pretrain": _pretrain_done,
+    "finetune": _finetune_done,
+    "report": _report_done,
+}
 
 
 class Experiment:
@@ -183,11 +193,14 @@ class Experiment:
         lengths = sorted({p.seq_length for r in cfg.runs for p in r.phases})
         missing = [n for n in lengths if n not in data_cfg.instances.seq_lengths]
         if missing:
-            raise ValueError(f"phases train on seq lengths {missing} that the data stage does not "
-                             f"prepare (instances.seq_lengths={data_cfg.instances.seq_lengths})")
+            raise ValueError(
+                f"phases train on seq lengths {missing} that the data stage does not "
+                f"prepare (instances.seq_lengths={data_cfg.instances.seq_lengths})"
+            )
         save_config(data_cfg, configs / "data.yaml")
-        stages.append(Stage("data", "data", configs / "data.yaml", data_out,
-                            ["inputs"] if cfg.inputs else []))
+        stages.append(
+            Stage("data", "data", configs / "data.yaml", data_out, ["inputs"] if cfg.inputs else [])
+        )
         reports = []
         finetune_names = []
         for run in cfg.runs:
@@ -195,30 +208,37 @@ class Experiment:
             for i, phase in enumerate(run.phases, start=1):
                 name = f"pretrain/{run.name}/phase{i}"
                 run_dir = self.path("pretrain", run.name, f"phase{i}")
-                links = [f"run_dir={run_dir}", f"data.path={data_out / f'seq{phase.seq_length}'}",
-                         f"logging.experiment={cfg.name}",
-                         f"logging.run_name={run.name}-phase{i}"]
+                links = [
+                    f"run_dir={run_dir}",
+                    f"data.path={data_out / f'seq{phase.seq_length}'}",
+                    f"logging.experiment={cfg.name}",
+                    f"logging.run_name={run.name}-phase{i}",
+                ]
                 if previous is not None:
                     links.append(f"model.init_from={previous.output}")
                 pcfg = self._stage_config(PretrainConfig, phase, links)
                 path = configs / f"pretrain_{run.name}_phase{i}.yaml"
                 save_config(pcfg, path)
-                stage = Stage(name, "pretrain", path, run_dir,
-                              [previous.name] if previous else ["data"])
+                stage = Stage(
+                    name, "pretrain", path, run_dir, [previous.name] if previous else ["data"]
+                )
                 stages.append(stage)
                 previous = stage
             ft_out = self.path("finetune", run.name)
-            fcfg = self._stage_config(FinetuneConfig, cfg.finetune,
-                                      [f"checkpoint={previous.output / 'final'}",
-                                       f"output={ft_out}"])
+            fcfg = self._stage_config(
+                FinetuneConfig,
+                cfg.finetune,
+                [f"checkpoint={previous.output / 'final'}", f"output={ft_out}"],
+            )
             path = configs / f"finetune_{run.name}.yaml"
             save_config(fcfg, path)
             stages.append(Stage(f"finetune/{run.name}", "finetune", path, ft_out, [previous.name]))
             finetune_names.append(f"finetune/{run.name}")
             reports.append(f"{run.name}={previous.output}:{ft_out}")
         runs_args = [arg for r in reports for arg in ("--run", r)]
-        stages.append(Stage("report", "report", None, self.path("report"), finetune_names,
-                            args=runs_args))
+        stages.append(
+            Stage("report", "report", None, self.path("report"), finetune_names, args=runs_args)
+        )
         self.stages = stages
         return stages
 
@@ -244,10 +264,14 @@ class Experiment:
         below it), in chain order; all stages when ``names`` is empty."""
         if not names:
             return list(self.stages)
-        chosen = [s for s in self.stages if any(s.name == n or s.name.startswith(n + "/")
-                                                  for n in names)]
-        unknown = [n for n in names if not any(s.name == n or s.name.startswith(n + "/")
-                                               for s in self.stages)]
+        chosen = [
+            s for s in self.stages if any(s.name == n or s.name.startswith(n + "/") for n in names)
+        ]
+        unknown = [
+            n
+            for n in names
+            if not any(s.name == n or s.name.startswith(n + "/") for s in self.stages)
+        ]
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; stages: {[s.name for s in self.stages]}")
         return chosen
@@ -259,9 +283,17 @@ class Experiment:
         if stage.kind == "data":
             return [python, "-m", "data_prep", "--config", str(stage.config_path)]
         if stage.kind == "pretrain":
-            return [python, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={nproc}", "-m", "pretrain", "--config",
-                    str(stage.config_path)]
+            return [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                "-m",
+                "pretrain",
+                "--config",
+                str(stage.config_path),
+            ]
         if stage.kind == "finetune":
             return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
         return [python, "-m", "finetune", "report", *stage.args, "--out", str(stage.output)]
@@ -271,4 +303,3 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     path = Path(path)
     cfg = load_config(ExperimentConfig, path, list(overrides))
     return Experiment(cfg, path)
-

@@ -56,11 +56,19 @@ class SlurmChain:
         extra += [f"#SBATCH --account={spec.account}"] if spec.account else []
         extra += [f"#SBATCH {opt}" for opt in spec.extra_sbatch]
         env = "\n".join(f"export {k}={shlex.quote(str(v))}" for k, v in spec.env.items())
-        common = render(_template("common.sh"), {
-            "repo": REPO, "setup": "\n".join(spec.setup), "env": env, "stage": stage.name})
-        return {"name": self.exp.cfg.name, "python": self.python, "logs": self.logs,
-                "sbatch_extra": "\n".join(extra), "common": common,
-                "cpus_per_task": spec.cpus_per_task, "config": stage.config_path}
+        common = render(
+            _template("common.sh"),
+            {"repo": REPO, "setup": "\n".join(spec.setup), "env": env, "stage": stage.name},
+        )
+        return {
+            "name": self.exp.cfg.name,
+            "python": self.python,
+            "logs": self.logs,
+            "sbatch_extra": "\n".join(extra),
+            "common": common,
+            "cpus_per_task": spec.cpus_per_task,
+            "config": stage.config_path,
+        }
 
     def script(self, stage: Stage) -> str:
         spec = self.spec
@@ -72,31 +80,48 @@ class SlurmChain:
             _, run, phase = stage.name.split("/")
             nproc = spec.gpus_per_node or spec.cpu_procs_per_node
             values.update(
-                run=run, phase=phase.removeprefix("phase"), nodes=spec.nodes,
-                time_pretrain=spec.time_pretrain, signal_lead=spec.signal_lead,
+                run=run,
+                phase=phase.removeprefix("phase"),
+                nodes=spec.nodes,
+                time_pretrain=spec.time_pretrain,
+                signal_lead=spec.signal_lead,
                 sbatch_gpus=f"#SBATCH --gpus-per-node={spec.gpus_per_node}"
-                if spec.gpus_per_node else "",
-                master_port=spec.master_port, run_dir=stage.output, nproc_per_node=nproc,
-                shutdown_timeout=max(60, spec.signal_lead - 60))
+                if spec.gpus_per_node
+                else "",
+                master_port=spec.master_port,
+                run_dir=stage.output,
+                nproc_per_node=nproc,
+                shutdown_timeout=max(60, spec.signal_lead - 60),
+            )
             return render(_template("pretrain.sbatch"), values)
         if stage.kind == "finetune":
             cfg = yaml.safe_load(stage.config_path.read_text())
             tasks, seeds = cfg["tasks"], cfg["seeds"]
             values.update(
-                run=stage.name.split("/")[1], time_finetune=spec.time_finetune,
-                array_last=len(tasks) * len(seeds) - 1, tasks=" ".join(tasks),
+                run=stage.name.split("/")[1],
+                time_finetune=spec.time_finetune,
+                array_last=len(tasks) * len(seeds) - 1,
+                tasks=" ".join(tasks),
                 seeds=" ".join(str(s) for s in seeds),
-                sbatch_gpus_one="#SBATCH --gpus=1" if spec.gpus_per_node else "")
+                sbatch_gpus_one="#SBATCH --gpus=1" if spec.gpus_per_node else "",
+            )
             return render(_template("finetune.sbatch"), values)
         if stage.kind == "report":
             aggregate = "\n".join(
                 f'"{self.python}" -m finetune run --config "{s.config_path}"'
-                for s in self.exp.stages if s.kind == "finetune")
-            values.update(aggregate=aggregate, out=stage.output,
-                          report_runs=" ".join(shlex.quote(a) for a in stage.args))
+                for s in self.exp.stages
+                if s.kind == "finetune"
+            )
+            values.update(
+                aggregate=aggregate,
+                out=stage.output,
+                report_runs=" ".join(shlex.quote(a) for a in stage.args),
+            )
             return render(_template("report.sbatch"), values)
-        raise ValueError(f"stage {stage.name} ({stage.kind}) is not submitted as a job; "
-                         f"run it locally first (`pipeline run --stages {stage.name}`)")
+        raise ValueError(
+            f"stage {stage.name} ({stage.kind}) is not submitted as a job; "
+            f"run it locally first (`pipeline run --stages {stage.name}`)"
+        )
 
     def write_scripts(self, stages: list[Stage]) -> dict[str, Path]:
         paths = {}
@@ -111,8 +136,9 @@ class SlurmChain:
     def jobs(self) -> dict[str, int]:
         return json.loads(self.jobs_file.read_text()) if self.jobs_file.is_file() else {}
 
-    def submit(self, stages: list[Stage], dry_run: bool = False,
-               sbatch: str = "sbatch") -> dict[str, int]:
+    def submit(
+        self, stages: list[Stage], dry_run: bool = False, sbatch: str = "sbatch"
+    ) -> dict[str, int]:
         """Submit the stages that are not done, each after the jobs it depends on."""
         self.logs.mkdir(parents=True, exist_ok=True)
         todo = [s for s in stages if not s.done()]
@@ -140,8 +166,12 @@ class SlurmChain:
 def job_state(job_id: int) -> str | None:
     """JobState of a SLURM job (None when SLURM does not know it, or is absent)."""
     try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", str(job_id)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     match = re.search(r"\bJobState=(\S+)", out.stdout)
