@@ -57,6 +57,7 @@ def _run_stage(exp: Experiment, stage: Stage) -> None:
 
 def cmd_run(exp: Experiment, stages: list[str] | None) -> int:
     selected = exp.select(stages)
+    exp.check_world_size(exp.cfg.local.nproc_per_node, selected)
     start = time.perf_counter()
     for stage in selected:
         if stage.done():
@@ -105,6 +106,8 @@ def cmd_submit(exp: Experiment, stages: list[str] | None, dry_run: bool) -> int:
     from pipeline.slurm import SlurmChain
 
     selected = exp.select(stages)
+    spec = exp.cfg.slurm
+    exp.check_world_size(spec.nodes * (spec.gpus_per_node or spec.cpu_procs_per_node), selected)
     for stage in selected:  # generators run here; they are quick and need no cluster
         if stage.kind == "inputs" and not stage.done():
             _run_stage(exp, stage)

@@ -253,6 +253,18 @@ class Experiment:
                 base = self.config_path.parent / base
         return load_config(cls, base, [*(self._expand(o) for o in spec.overrides), *links])
 
+    def check_world_size(self, world_size: int, stages: list[Stage]) -> None:
+        """Every pretraining stage's batch must divide over ``world_size`` processes: a clear
+        error now rather than a failed job later."""
+        from pretrain.config import PretrainConfig
+
+        for stage in stages:
+            if stage.kind == "pretrain":
+                try:
+                    load_config(PretrainConfig, stage.config_path).batch_plan(world_size)
+                except ValueError as err:
+                    raise ValueError(f"stage {stage.name}: {err}") from None
+
     def stage(self, name: str) -> Stage:
         for stage in self.stages:
             if stage.name == name:

@@ -166,3 +166,16 @@ def test_cli_help_runs():
         [sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, cwd=REPO
     )
     assert out.returncode == 0 and "submit" in out.stdout
+
+
+def test_batches_that_do_not_divide_are_refused_before_submission(tmp_path, capsys):
+    args = [
+        "submit",
+        "--config",
+        str(SMOKE),
+        f"workdir={tmp_path / 'work'}",
+        "--dry-run",
+        "slurm.nodes=3",
+    ]
+    assert main(args) == 2
+    assert "not a multiple" in capsys.readouterr().err
