@@ -139,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--stages", nargs="*", help="stage names or prefixes (default: all)")
         if name == "submit":
             p.add_argument("--dry-run", action="store_true", help="write scripts, print sbatch")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may also come after the flags (argparse stops collecting them at a flag).
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    overrides = [*args.overrides, *extra]
     try:
-        exp = load_experiment(Path(args.config), args.overrides)
+        exp = load_experiment(Path(args.config), overrides)
         exp.resolve()  # every stage config checked and saved before anything runs
         if args.command == "run":
             return cmd_run(exp, args.stages)
