@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -v $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -43,8 +43,10 @@ import hashlib
 import importlib
 import inspect
 import json
+import os
 import random
 import re
+import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
@@ -402,12 +404,9 @@ def _module_document(module_name: str) -> Document | None:
     return Document(f"module: {module_name}", SOURCE_DOCSTRINGS, tuple(paragraphs))
 
 
-@functools.lru_cache(maxsize=4)
-def documents(min_chars: int = 200) -> tuple[Document, ...]:
-    """The corpus documents: topics in sorted order, then modules in :data:`STDLIB_MODULES`
-    order. A paragraph seen before (in an earlier document or this one) is dropped: the
-    ``compound`` topic repeats ``if``, ``while``, ...; modules share docstrings. Then every
-    document shorter than ``min_chars`` characters is dropped."""
+def _candidate_documents() -> list[Document]:
+    """Topics, then one document per :data:`STDLIB_MODULES` module, as this interpreter sees
+    them (see :func:`_fresh_candidate_documents` for why that must be a fresh one)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated modules touched while inspecting
         candidates = _topic_documents()
@@ -415,6 +414,47 @@ def documents(min_chars: int = 200) -> tuple[Document, ...]:
             doc = _module_document(name)
             if doc is not None:
                 candidates.append(doc)
+    return candidates
+
+
+_CHILD = (
+    "import json, sys\n"
+    "from pipeline.smoke_data import _candidate_documents\n"
+    "json.dump([[d.title, d.source, list(d.paragraphs)] for d in _candidate_documents()],"
+    " sys.stdout)\n"
+)
+
+
+def _fresh_candidate_documents() -> list[Document]:
+    """:func:`_candidate_documents` computed in a new interpreter that has imported nothing
+    else. Libraries patch standard-library modules when imported (transformers adds methods
+    to ``logging.Logger``, others wrap ``inspect`` functions), so inspecting the modules in a
+    process that has loaded them would make the corpus depend on what ran before."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP", "PYTHONINSPECT")}
+    env["PYTHONPATH"] = root  # this checkout's pipeline package and nothing else
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD],
+        cwd=root,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"reading the standard-library docs failed:\n{proc.stderr.strip()}")
+    return [Document(t, s, tuple(p)) for t, s, p in json.loads(proc.stdout)]
+
+
+@functools.lru_cache(maxsize=4)
+def documents(min_chars: int = 200) -> tuple[Document, ...]:
+    """The corpus documents: topics in sorted order, then modules in :data:`STDLIB_MODULES`
+    order. A paragraph seen before (in an earlier document or this one) is dropped: the
+    ``compound`` topic repeats ``if``, ``while``, ...; modules share docstrings. Then every
+    document shorter than ``min_chars`` characters is dropped."""
+    candidates = _fresh_candidate_documents()
     seen: set[str] = set()
     docs = []
     for doc in candidates:

@@ -76,14 +76,22 @@ def test_two_calls_write_identical_files(out, tmp_path):
 
 
 def test_a_fresh_process_with_another_hash_seed_writes_the_same_files(out, tmp_path):
+    # The child imports the heavy libraries first: they patch standard-library modules
+    # (transformers adds methods to logging.Logger), which must not change the corpus.
+    code = (
+        "import sys, torch, transformers, datasets\n"
+        "from pipeline.smoke_data import main\n"
+        "main(['--out', sys.argv[1]])\n"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.smoke_data", "--out", str(tmp_path)],
+        [sys.executable, "-c", code, str(tmp_path)],
         cwd=ROOT,
         env=env,
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert _files(tmp_path) == _files(out)
