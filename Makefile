@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train clean
+.PHONY: setup test lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-netem clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,12 @@ bench-data: setup
 # breakdown on 4 gloo ranks, on DATA_ROOT's Wikipedia sample; JSON last line.
 bench-train: setup
 	$(PY) bench/train.py --data-root $(DATA_ROOT)
+
+# LAMB vs 1-bit LAMB on an emulated cluster (network namespaces + tc; needs root):
+# 30 Mbit/s, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 25 minutes on 2 cores.
+# JSON and a plot in runs/bench_netem/. ARGS: e.g. --bandwidths 100 --world-sizes 2
+bench-netem: setup
+	$(PY) bench/netem.py --data-root $(DATA_ROOT) $(ARGS)
 
 # One pretraining phase on this machine: make pretrain CONFIG=configs/pretrain/tiny.yaml
 # NPROC=2 ARGS="data.path=..."; on a cluster, use the SLURM templates.

@@ -34,16 +34,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.distributed import Communicator, ErrorFeedback  # noqa: E402
+from pipeline.distributed.netdev import read_interfaces  # noqa: E402
 from pipeline.distributed.packing import pack_signs, sign_table, unpack_signs  # noqa: E402
 
 
 def loopback_tx_bytes() -> int:
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
+    return read_interfaces()["lo"].tx
 
 
 def _timed_calls(comm, fill, call, iters):

@@ -29,27 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
 
-WIKI = "enwiki_wikiextractor_sample/*.txt.gz"
-VOCAB = "bert_vocab/uncased/vocab.txt"
-
-
-def prepare_data(data_root: Path, out: Path) -> Path:
-    command = [
-        sys.executable,
-        "-m",
-        "data_prep",
-        "--config",
-        str(REPO / "configs/data/sample.yaml"),
-        f"output={out}",
-        f"data_root={data_root}",
-        "progress=false",
-        "instances.seq_lengths=[128]",
-        "sequences_per_shard=1024",
-        f"sources=[{{name: wikipedia, kind: wikiextractor, paths: [{WIKI}], max_documents: 3000}}]",
-    ]
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
-    return out / "seq128"
+from common import prepare_wikipedia_seq128, shared_data_error  # noqa: E402
 
 
 def pretrain_config(
@@ -230,15 +212,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args(argv)
     data_root = Path(args.data_root).resolve()
-    if not list(data_root.glob(WIKI)) or not (data_root / VOCAB).is_file():
-        parser.error(
-            f"{data_root} lacks the Wikipedia sample or the BERT vocabulary; "
-            f"set --data-root / DATA_ROOT"
-        )
+    error = shared_data_error(data_root)
+    if error:
+        parser.error(error)
     warmup = 5
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = prepare_data(data_root, tmp / "data")
+        data = prepare_wikipedia_seq128(data_root, tmp / "data")
         ours = our_loop(data, tmp, "adamw", args.steps, args.batch, warmup)
         ours_lamb = our_loop(data, tmp, "lamb", args.steps, args.batch, warmup)
         hf = hf_trainer(data, tmp, args.steps, args.batch, warmup)

@@ -33,6 +33,11 @@ class LoggingConfig:
     """Write metrics every this many steps."""
     progress_every: int = 10
     """Print a progress line every this many steps."""
+    net_interface: str | None = None
+    """Also log the bytes rank 0's network interface sent and received during each step
+    (``net_tx_bytes``/``net_rx_bytes``, Linux ``/proc/net/dev``) next to the communicator's
+    own count (``comm_bytes``). ``auto``: the interface in GLOO_SOCKET_IFNAME or
+    NCCL_SOCKET_IFNAME; null: off."""
 
     def __post_init__(self):
         if self.every < 1 or self.progress_every < 1:

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline.checkpoint import CheckpointManager
 from pipeline.config import save_config, to_dict
 from pipeline.distributed.env import DistContext
+from pipeline.distributed.netdev import InterfaceCounter, resolve_interface
 from pipeline.io import atomic_write_json
 from pipeline.logging import MetricsLogger
 from pipeline.optim.build import build_optimizer, syncs_internally
@@ -160,6 +161,8 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
             f"{cfg.model.max_position_embeddings} positions"
         )
     ids, tokenizer_dir = _token_ids(train_rows)
+    interface = resolve_interface(cfg.logging.net_interface)
+    net = InterfaceCounter(interface) if interface is not None else None
     schedule = BatchSchedule(
         len(train_rows),
         cfg.batch.global_batch_size,
@@ -226,6 +229,7 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
         while step < cfg.schedule.max_steps:
             t0 = time.perf_counter()
             comm_before = comm.snapshot()
+            net_before = net.snapshot() if net is not None else None
             sync_by_caller = not syncs_internally(optimizer)
             totals = torch.zeros(len(STAT_KEYS) + 2, device=device, dtype=torch.float64)
             micro = schedule.micro_indices(step, rank)
@@ -268,6 +272,7 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
             optimizer.zero_grad(set_to_none=True)
             t3 = time.perf_counter()
             comm_step = comm.snapshot() - comm_before
+            net_step = net.snapshot() - net_before if net is not None else None
             step += 1
             # One small all-reduce carries the step's statistics and the stop requests.
             totals[-1] = 1.0 if preemption.requested else 0.0
@@ -287,6 +292,7 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
                         t2,
                         t3,
                         comm_step,
+                        net_step,
                         cfg.batch.global_batch_size,
                     ),
                 )
@@ -392,7 +398,18 @@ def _save(checkpoints: CheckpointManager, step, model, optimizer, scheduler, sca
 
 
 def _step_metrics(
-    totals, optimizer, scheduler, scaler, grad_norm, t0, t1, t2, t3, comm_step, global_batch
+    totals,
+    optimizer,
+    scheduler,
+    scaler,
+    grad_norm,
+    t0,
+    t1,
+    t2,
+    t3,
+    comm_step,
+    net_step,
+    global_batch,
 ) -> dict:
     t = totals.tolist()
     stats = dict(zip(STAT_KEYS, t, strict=False))
@@ -416,6 +433,8 @@ def _step_metrics(
         "skipped_steps": scaler.skipped_steps,
         "stage": getattr(optimizer, "stage", "full"),
     }
+    if net_step is not None:
+        metrics.update(net_tx_bytes=net_step.tx, net_rx_bytes=net_step.rx)
     if stats["nsp_examples"]:
         metrics["nsp_loss"] = stats["nsp_loss_sum"] / stats["nsp_examples"]
         metrics["nsp_accuracy"] = stats["nsp_correct"] / stats["nsp_examples"]
