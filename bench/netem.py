@@ -151,8 +151,9 @@ class Cluster:
         """Limit every link, both directions, to ``rate_mbit`` Mbit/s (htb)."""
         rate = f"{rate_mbit:g}mbit"
         for prefix, dev in self._links():
-            _run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
-                  "default", "10"])  # fmt: skip
+            if self.rate_mbit is None:  # htb cannot be replaced in place: add it once
+                _run([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
+                      "default", "10"])  # fmt: skip
             _run([*prefix, "tc", "class", "replace", "dev", dev, "parent", "1:", "classid",
                   "1:10", "htb", "rate", rate, "ceil", rate, "burst", "512kb", "cburst", "512kb",
                   "quantum", "200000"])  # fmt: skip
