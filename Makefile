@@ -77,7 +77,7 @@ bench-train: setup
 	$(PY) bench/train.py --data-root $(DATA_ROOT)
 
 # LAMB vs 1-bit LAMB on an emulated cluster (network namespaces + tc; needs root):
-# 30 Mbit/s, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 25 minutes on 2 cores.
+# 25, 40, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 30 minutes on 2 cores.
 # JSON and a plot in runs/bench_netem/. ARGS: e.g. --bandwidths 100 --world-sizes 2
 bench-netem: setup
 	$(PY) bench/netem.py --data-root $(DATA_ROOT) $(ARGS)
