@@ -436,6 +436,11 @@ def whole_run_reduction(result: dict, config: Path) -> dict:
     }
 
 
+def _bandwidth_label(row: dict) -> str:
+    mbit = row["bandwidth_mbit"]
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -443,7 +448,7 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     worlds = sorted({r["world_size"] for r in results})
-    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.8), squeeze=False)
     series = [
         ("lamb_samples_per_s", "LAMB"),
         ("onebit_warmup_samples_per_s", "1-bit LAMB warmup"),
@@ -460,13 +465,14 @@ def plot(results: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(
             [
-                f"{r['bandwidth_mbit']:g} Mbit/s\nLAMB comm {r['lamb_comm_fraction']:.0%}\n"
-                f"speedup {r['speedup']:.1f}x"
+                _bandwidth_label(r) + f"\nLAMB comm {r['lamb_comm_fraction']:.0%}"
+                f"\n1-bit {r['speedup']:.1f}x"
                 for r in rows
-            ]  # fmt: skip
+            ],  # fmt: skip
+            fontsize=8,
         )
         ax.set_ylabel("samples/s")
-        ax.set_title(f"{world} hosts")
+        ax.set_title(f"{world} hosts: samples/s by link bandwidth")
         ax.legend(fontsize=8)
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
