@@ -21,10 +21,13 @@ def shared_data_error(data_root: Path) -> str | None:
     return None
 
 
-def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 3000) -> Path:
-    """Prepare ``max_documents`` articles of the shared Wikipedia sample at sequence length
-    128 with BERT's uncased vocabulary (the data stage's own CLI); returns the shard folder."""
-    command = [
+def data_prep_command(
+    data_root: Path, out: Path, *overrides: str, max_documents: int | None = None
+) -> list[str]:
+    """``python -m data_prep`` on the shared sample config, writing to ``out``, with the
+    Wikipedia sample (its first ``max_documents`` articles, or all) as the only source."""
+    limit = "" if max_documents is None else f", max_documents: {max_documents}"
+    return [
         sys.executable,
         "-m",
         "data_prep",
@@ -33,10 +36,20 @@ def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 30
         f"output={out}",
         f"data_root={data_root}",
         "progress=false",
+        f"sources=[{{name: wikipedia, kind: wikiextractor, paths: [{WIKI}]{limit}}}]",
+        *overrides,
+    ]
+
+
+def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 3000) -> Path:
+    """Prepare ``max_documents`` articles of the shared Wikipedia sample at sequence length
+    128 with BERT's uncased vocabulary (the data stage's own CLI); returns the shard folder."""
+    command = data_prep_command(
+        data_root,
+        out,
         "instances.seq_lengths=[128]",
         "sequences_per_shard=1024",
-        f"sources=[{{name: wikipedia, kind: wikiextractor, paths: [{WIKI}], "
-        f"max_documents: {max_documents}}}]",
-    ]
+        max_documents=max_documents,
+    )
     subprocess.run(command, cwd=REPO, check=True, capture_output=True)
     return out / "seq128"

@@ -34,10 +34,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from common import WIKI, data_prep_command  # noqa: E402
 from hf_mlm_baseline import run_hf_mlm_baseline  # noqa: E402
 from rss import PeakRSS  # noqa: E402
-
-WIKI = "enwiki_wikiextractor_sample/*.txt.gz"
 
 
 def extract_bodies(data_root: Path, out: Path) -> int:
@@ -54,19 +53,9 @@ def extract_bodies(data_root: Path, out: Path) -> int:
 
 
 def run_ours(data_root: Path, output: Path, seq_length: int, workers: int) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "data_prep",
-        "--config",
-        str(REPO / "configs/data/sample.yaml"),
-        f"output={output}",
-        f"data_root={data_root}",
-        f"workers={workers}",
-        "progress=false",
-        f"instances.seq_lengths=[{seq_length}]",
-        f"sources=[{{name: wikipedia, kind: wikiextractor, paths: [{WIKI}]}}]",
-    ]
+    command = data_prep_command(
+        data_root, output, f"workers={workers}", f"instances.seq_lengths=[{seq_length}]"
+    )
     with PeakRSS() as rss:
         start = time.perf_counter()
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)

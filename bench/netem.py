@@ -417,14 +417,18 @@ def measure(
     }
 
 
-def whole_run_reduction(result: dict, config: Path) -> dict:
-    """Communication of a whole run of ``config`` (its max_steps and freeze_step) with LAMB
-    over that with 1-bit LAMB, from the measured wire bytes per step."""
+def whole_run_steps(config: Path) -> tuple[int, int]:
+    """``config``'s (max_steps, freeze_step): a BERT-Large 1-bit LAMB pretraining config."""
     from pipeline.config import load_config
     from pretrain.config import PretrainConfig
 
     cfg = load_config(PretrainConfig, config)
-    steps, freeze = cfg.schedule.max_steps, cfg.optimizer.freeze_step
+    return cfg.schedule.max_steps, cfg.optimizer.freeze_step
+
+
+def whole_run_reduction(result: dict, config: Path, steps: int, freeze: int) -> dict:
+    """Communication of a whole run of ``steps`` steps with LAMB over that with 1-bit LAMB
+    frozen after ``freeze`` steps, from the measured wire bytes per step."""
     lamb = result["lamb_bytes_per_step"]["wire"]
     warm = result["onebit_warmup_bytes_per_step"]["wire"]
     comp = result["onebit_bytes_per_step"]["wire"]
@@ -533,6 +537,15 @@ def main(argv=None) -> dict:
         error = shared_data_error(data_root)
         if error:
             parser.error(error)
+    else:
+        try:
+            _seq_length(args.data)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--data {args.data}: not a prepared shard folder ({exc})")
+    try:
+        run_steps = whole_run_steps(args.whole_run_config)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--whole-run-config {args.whole_run_config}: {exc}")
 
     _terminate_on_sigterm()
     remove_stale_clusters()
@@ -572,7 +585,7 @@ def main(argv=None) -> dict:
             threads=threads,
         ),
         "whole_run": {
-            str(r["world_size"]): whole_run_reduction(r, args.whole_run_config)
+            str(r["world_size"]): whole_run_reduction(r, args.whole_run_config, *run_steps)
             for r in results
             if r["bandwidth_mbit"] == bandwidths[0]
         },
