@@ -55,6 +55,9 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     max_train_samples: int | None = None
     """Use only the first N training examples (quick runs, tests)."""
+    max_train_samples_per_task: dict[str, int] = field(default_factory=dict)
+    """Per-task caps that replace ``max_train_samples`` for the named tasks, e.g.
+    ``{squad: 600}`` (one SQuAD question makes several windows)."""
     max_eval_samples: int | None = None
     squad_eval_fraction: float | None = None
     """LOCAL RUNS ONLY, where SQuAD's train file is missing: split the dev file by article,
@@ -75,10 +78,25 @@ class FinetuneConfig:
             raise ValueError("seeds is empty")
         if self.squad_eval_fraction is not None and not 0 < self.squad_eval_fraction < 1:
             raise ValueError("squad_eval_fraction must be in (0, 1)")
+        self.max_train_samples_per_task = {
+            k.lower().replace("-", ""): v for k, v in self.max_train_samples_per_task.items()
+        }
+        unknown = [t for t in self.max_train_samples_per_task if t not in ALL_TASKS]
+        if unknown:
+            raise ValueError(
+                f"max_train_samples_per_task names unknown task(s) {unknown}; "
+                f"known: {', '.join(ALL_TASKS)}"
+            )
+        if any(not isinstance(v, int) or v < 1 for v in self.max_train_samples_per_task.values()):
+            raise ValueError("max_train_samples_per_task values must be positive integers")
         for name in ("learning_rates", "epochs"):
             values = getattr(self, name)
             if values is not None and (not values or any(v <= 0 for v in values)):
                 raise ValueError(f"{name} must be a non-empty list of positive numbers")
+
+    def train_cap(self, task: str) -> int | None:
+        """How many training examples of ``task`` to use (None: all)."""
+        return self.max_train_samples_per_task.get(task, self.max_train_samples)
 
     def grid(self, task: str) -> list[tuple[float, float]]:
         recipe = RECIPES[task]

@@ -1,12 +1,19 @@
-"""The parity report: do pretraining runs (e.g. LAMB vs 1-bit LAMB) give the same model?
+"""The parity report: do pretraining recipes (e.g. LAMB vs 1-bit LAMB) give the same model?
 
-Input: two or more runs, each a name, a pretraining run directory (its ``metrics.jsonl``
-and ``config.yaml``) and a fine-tuning output directory (its ``results.json``). Output, in
-one directory: ``report.md``, ``report.json`` and PNG plots of pretraining loss and
-validation MLM accuracy against samples seen, and of fine-tuning scores per task.
+Input: runs given as ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` (a pretraining run directory with
+its ``metrics.jsonl`` and ``config.yaml``, and a fine-tuning output directory with its
+``results.json``). Runs that share a NAME are the pretraining seeds of one *arm*. Output,
+in one directory: ``report.md``, ``report.json`` and PNG plots (pretraining loss with the
+freeze step marked, validation MLM accuracy against samples seen, the 1-bit switch
+diagnostics, fine-tuning scores per task).
 
-A task's scores are "within the seed spread" when the difference between two runs' means
-is at most the sum of their standard deviations over seeds.
+Statistics (see :data:`TEST`): pretraining metrics are mean ± std over an arm's
+pretraining seeds; fine-tuning metrics are mean ± std over pretraining × fine-tuning seeds.
+Each arm is compared with the first one by Welch's two-sided t-test on its
+per-pretraining-seed values (for fine-tuning, each pretraining seed's mean over its
+fine-tuning seeds), so the verdict rests on the spread between pretraining runs, not only
+between fine-tuning seeds of one checkpoint. With a single pretraining seed in either arm
+there is no verdict.
 """
 
 from __future__ import annotations
@@ -20,6 +27,26 @@ import yaml
 
 from pipeline.io import atomic_write_json, atomic_write_text
 from pipeline.logging import read_metrics
+from pipeline.stats import mean_std, welch_t_test
+
+ALPHA = 0.05
+TEST = (
+    "Welch's two-sided t-test on per-pretraining-seed values (fine-tuning: each pretraining "
+    f"seed's mean over its fine-tuning seeds), alpha = {ALPHA}: *differs* when p < {ALPHA}, "
+    "otherwise *no significant difference*; an arm with a single pretraining seed gets "
+    "*1 seed: no verdict*."
+)
+NO_VERDICT = "1 seed: no verdict"
+PRETRAIN_METRICS = ("val_mlm_accuracy", "val_mlm_loss", "val_nsp_accuracy", "final_train_loss")
+SWITCH_KEYS = (
+    "trust_ratio_min",
+    "trust_ratio_mean",
+    "trust_ratio_max",
+    "factor_min",
+    "factor_mean",
+    "factor_max",
+    "compression_error",
+)
 
 
 @dataclass
@@ -39,6 +66,7 @@ def parse_run(spec: str) -> RunInputs:
 
 
 def load_run(run: RunInputs) -> dict:
+    """One pretraining seed: its curves, final metrics and fine-tuning results."""
     metrics_path = run.pretrain_dir / "metrics.jsonl"
     config_path = run.pretrain_dir / "config.yaml"
     results_path = run.finetune_dir / "results.json"
@@ -47,11 +75,12 @@ def load_run(run: RunInputs) -> dict:
             raise FileNotFoundError(f"run {run.name!r}: {path} is missing")
     config = yaml.safe_load(config_path.read_text())
     batch = config["batch"]["global_batch_size"]
+    optimizer = config["optimizer"]["name"]
     by_step: dict[int, dict] = {}
     for record in read_metrics(metrics_path):  # a resumed run logs some steps twice
         by_step.setdefault(record["step"], {}).update(record)
     steps = sorted(by_step)
-    train = [(s * batch, by_step[s]["loss"]) for s in steps if "loss" in by_step[s]]
+    train = [(s, by_step[s]["loss"]) for s in steps if "loss" in by_step[s]]
     val = [
         (s * batch, by_step[s]["val_mlm_accuracy"])
         for s in steps
@@ -59,61 +88,194 @@ def load_run(run: RunInputs) -> dict:
     ]
     final_val = next((by_step[s] for s in reversed(steps) if "val_mlm_accuracy" in by_step[s]), {})
     comm = [by_step[s]["comm_bytes"] for s in steps if "comm_bytes" in by_step[s]]
+    switch = {
+        key: [(s, by_step[s][key]) for s in steps if key in by_step[s]] for key in SWITCH_KEYS
+    }
+    final = {k: final_val.get(k) for k in PRETRAIN_METRICS[:3]}
+    final["final_train_loss"] = train[-1][1] if train else None
     return {
         "name": run.name,
-        "optimizer": config["optimizer"]["name"],
+        "pretrain_dir": str(run.pretrain_dir),
+        "seed": config.get("seed"),
+        "optimizer": optimizer,
+        "freeze_step": config["optimizer"].get("freeze_step") if "onebit" in optimizer else None,
         "global_batch_size": batch,
         "steps": steps[-1] if steps else 0,
         "train_loss": train,
         "val_mlm_accuracy": val,
-        "final": {
-            k: final_val.get(k) for k in ("val_mlm_accuracy", "val_mlm_loss", "val_nsp_accuracy")
-        },
-        "final_train_loss": train[-1][1] if train else None,
+        "switch": switch,
+        "final": final,
         "comm_bytes_total": sum(comm),
         "finetune": json.loads(results_path.read_text()),
     }
 
 
-def compare(runs: list[dict]) -> dict:
-    """Per task and metric: each run's mean and std, and whether they agree within spread."""
-    tasks = sorted(set.intersection(*(set(r["finetune"]) for r in runs)))
+def group_arms(runs: list[dict]) -> list[dict]:
+    """Runs with the same name are one arm's pretraining seeds (first-seen order)."""
+    arms: dict[str, dict] = {}
+    for run in runs:
+        arm = arms.setdefault(run["name"], {"name": run["name"], "seeds": []})
+        if arm["seeds"] and arm["seeds"][0]["optimizer"] != run["optimizer"]:
+            raise ValueError(
+                f"arm {run['name']!r} mixes optimizers "
+                f"{arm['seeds'][0]['optimizer']} and {run['optimizer']}"
+            )
+        arm["seeds"].append(run)
+    for arm in arms.values():
+        arm["optimizer"] = arm["seeds"][0]["optimizer"]
+    return list(arms.values())
+
+
+def finetune_values(run: dict, task: str, metric: str) -> list[float]:
+    """One pretraining seed's scores for a task and metric, one per fine-tuning seed (at the
+    best grid point); only the mean when the results carry no per-seed scores."""
+    result = run["finetune"][task]
+    per_seed = result.get("per_seed")
+    if per_seed:
+        return [float(m[metric]) for m in per_seed.values() if metric in m]
+    return [float(result[metric])]
+
+
+def verdict(reference: list[float], other: list[float]) -> dict:
+    """Compare per-pretraining-seed values of an arm with the reference arm's."""
+    if len(reference) < 2 or len(other) < 2:
+        return {"verdict": NO_VERDICT, "p": None, "t": None, "df": None, "standard_error": None}
+    if any(math.isnan(v) for v in (*reference, *other)):
+        return {
+            "verdict": "no verdict (NaN)",
+            "p": None,
+            "t": None,
+            "df": None,
+            "standard_error": None,
+        }
+    test = welch_t_test(reference, other)
+    return {
+        "verdict": "differs" if test.p < ALPHA else "no significant difference",
+        "p": test.p,
+        "t": test.t,
+        "df": test.df,
+        "standard_error": test.standard_error,
+    }
+
+
+def _summary(values: list[float]) -> dict:
+    clean = [v for v in values if v is not None]
+    if not clean:
+        return {"mean": None, "std": None, "n": 0, "values": []}
+    mean, std = mean_std(clean)
+    return {"mean": mean, "std": std, "n": len(clean), "values": clean}
+
+
+def compare_pretraining(arms: list[dict]) -> dict:
+    """Per final pretraining metric: each arm's mean ± std over pretraining seeds and the
+    verdict against the first arm."""
     table = {}
-    for task in tasks:
-        metrics = sorted(
-            k
-            for k, v in runs[0]["finetune"][task].items()
-            if isinstance(v, int | float) and k not in ("lr", "epochs")
-        )
-        rows = {}
-        for metric in metrics:
-            means = [r["finetune"][task][metric] for r in runs]
-            stds = [r["finetune"][task]["std"].get(metric, 0.0) for r in runs]
-            worst_gap = max(abs(a - b) for a in means for b in means)
-            spread = min(sa + sb for sa in stds for sb in stds) if len(stds) > 1 else 0.0
-            rows[metric] = {
-                "means": dict(zip([r["name"] for r in runs], means, strict=True)),
-                "stds": dict(zip([r["name"] for r in runs], stds, strict=True)),
-                "max_difference": worst_gap,
-                "within_seed_spread": bool(worst_gap <= spread + 1e-12),
-            }
-        table[task] = {"main_metric": runs[0]["finetune"][task].get("main_metric"), "metrics": rows}
+    reference = arms[0]
+    for metric in PRETRAIN_METRICS:
+        rows = {arm["name"]: _summary([r["final"][metric] for r in arm["seeds"]]) for arm in arms}
+        ref_values = rows[reference["name"]]["values"]
+        for arm in arms[1:]:
+            row = rows[arm["name"]]
+            if row["n"] and len(ref_values):
+                row["difference"] = row["mean"] - rows[reference["name"]]["mean"]
+                row.update(verdict(ref_values, row["values"]))
+        table[metric] = rows
     return table
 
 
-def _plot_curves(runs: list[dict], key: str, ylabel: str, path: Path) -> None:
+def compare_finetuning(arms: list[dict]) -> dict:
+    """Per task and metric: each arm's mean ± std over pretraining × fine-tuning seeds, its
+    per-pretraining-seed means, and the verdict against the first arm."""
+    tasks = sorted(set.intersection(*(set(r["finetune"]) for a in arms for r in a["seeds"])))
+    reference = arms[0]
+    table = {}
+    for task in tasks:
+        first = reference["seeds"][0]["finetune"][task]
+        metrics = sorted(
+            k for k, v in first.items() if isinstance(v, int | float) and k not in ("lr", "epochs")
+        )
+        rows = {}
+        for metric in metrics:
+            per_arm = {}
+            for arm in arms:
+                values = [finetune_values(r, task, metric) for r in arm["seeds"]]
+                flat = [v for vs in values for v in vs]
+                mean, std = mean_std(flat)
+                per_arm[arm["name"]] = {
+                    "mean": mean,
+                    "std": std,
+                    "n": len(flat),
+                    "pretrain_seed_means": [sum(vs) / len(vs) for vs in values],
+                }
+            ref = per_arm[reference["name"]]
+            for arm in arms[1:]:
+                row = per_arm[arm["name"]]
+                row["difference"] = row["mean"] - ref["mean"]
+                row.update(verdict(ref["pretrain_seed_means"], row["pretrain_seed_means"]))
+            rows[metric] = per_arm
+        table[task] = {"main_metric": first.get("main_metric"), "metrics": rows}
+    return table
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for run in runs:
-        if run[key]:
-            xs, ys = zip(*run[key], strict=True)
-            ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=run["name"])
-    ax.set_xlabel("samples seen")
-    ax.set_ylabel(ylabel)
+    return plt
+
+
+def _running_mean(ys: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= window:
+            total -= ys[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _mark_freeze(ax, arms: list[dict], scale: int = 1) -> None:
+    marked = set()
+    for arm in arms:
+        step = arm["seeds"][0]["freeze_step"]
+        if step is not None and step not in marked:
+            marked.add(step)
+            ax.axvline(step * scale, color="grey", ls="--", lw=1)
+            ax.text(
+                step * scale,
+                0.98,
+                f" freeze step {step}",
+                transform=ax.get_xaxis_transform(),
+                va="top",
+                fontsize=8,
+                color="grey",
+            )
+
+
+def _plot_loss(arms: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(arm["seeds"]):
+            if run["train_loss"]:
+                xs, ys = zip(*run["train_loss"], strict=True)
+                window = max(1, len(ys) // 60)
+                ax.plot(
+                    xs,
+                    _running_mean(list(ys), window),
+                    color=f"C{i}",
+                    lw=1,
+                    alpha=0.8,
+                    label=arm["name"] if j == 0 else None,
+                )
+    _mark_freeze(ax, arms)
+    ax.set_xlabel("step")
+    ax.set_ylabel("pretraining loss (MLM + NSP), running mean")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -121,24 +283,85 @@ def _plot_curves(runs: list[dict], key: str, ylabel: str, path: Path) -> None:
     plt.close(fig)
 
 
-def _plot_finetune(runs: list[dict], table: dict, path: Path) -> None:
-    import matplotlib
+def _plot_val(arms: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(arms):
+        curves = [dict(r["val_mlm_accuracy"]) for r in arm["seeds"] if r["val_mlm_accuracy"]]
+        for curve in curves:
+            ax.plot(list(curve), list(curve.values()), color=f"C{i}", lw=0.8, alpha=0.4)
+        common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if common:
+            mean = [sum(c[x] for c in curves) / len(curves) for x in common]
+            ax.plot(
+                common,
+                mean,
+                color=f"C{i}",
+                lw=2,
+                marker=".",
+                label=f"{arm['name']} (mean of {len(curves)} seeds)",
+            )
+    batch = arms[0]["seeds"][0]["global_batch_size"]
+    _mark_freeze(ax, arms, scale=batch)
+    ax.set_xlabel("samples seen")
+    ax.set_ylabel("validation MLM accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _plot_switch(arms: list[dict], path: Path) -> bool:
+    """c·f (or r before the switch) min/mean/max, the factor f, and the relative compression
+    error per step; False (no plot) when no run has a compression stage."""
+    if not any(r["switch"]["compression_error"] for a in arms for r in a["seeds"]):
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(arm["seeds"]):
+            label = arm["name"] if j == 0 else None
+            sw = run["switch"]
+            for ax, prefix in ((axes[0], "trust_ratio"), (axes[1], "factor")):
+                if sw[f"{prefix}_mean"]:
+                    xs, mean = zip(*sw[f"{prefix}_mean"], strict=True)
+                    lo = [v for _, v in sw[f"{prefix}_min"]]
+                    hi = [v for _, v in sw[f"{prefix}_max"]]
+                    ax.plot(xs, mean, color=f"C{i}", lw=1, label=label)
+                    ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.12, lw=0)
+            if sw["compression_error"]:
+                xs, ys = zip(*sw["compression_error"], strict=True)
+                axes[2].plot(xs, ys, color=f"C{i}", lw=1, label=label)
+    axes[0].set_ylabel("trust ratio: r, then c·f\n(mean; band: min–max)")
+    axes[0].set_yscale("log")
+    axes[1].set_ylabel("factor f\n(mean; band: min–max)")
+    axes[2].set_ylabel("‖worker error‖ / ‖momentum‖")
+    axes[2].set_xlabel("step")
+    for ax in axes:
+        _mark_freeze(ax, arms)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
+    plt = _pyplot()
     tasks = list(table)
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks)), 4))
-    width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
         means, errs = [], []
         for task in tasks:
-            metric = table[task]["metrics"][table[task]["main_metric"]]
+            row = table[task]["metrics"][table[task]["main_metric"]][arm["name"]]
             scale = 1.0 if task == "squad" else 100.0  # GLUE metrics are fractions
-            means.append(metric["means"][run["name"]] * scale)
-            errs.append(metric["stds"][run["name"]] * scale)
-        xs = [t + (i - (len(runs) - 1) / 2) * width for t in range(len(tasks))]
-        ax.bar(xs, means, width, yerr=errs, capsize=3, label=run["name"])
+            means.append(row["mean"] * scale)
+            errs.append(row["std"] * scale)
+        xs = [t + (i - (len(arms) - 1) / 2) * width for t in range(len(tasks))]
+        ax.bar(xs, means, width, yerr=errs, capsize=3, label=arm["name"])
     ax.set_xticks(range(len(tasks)))
     ax.set_xticklabels([f"{t}\n({table[t]['main_metric']})" for t in tasks])
     ax.set_ylabel("score (x100 for GLUE)")
@@ -148,64 +371,128 @@ def _plot_finetune(runs: list[dict], table: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _fmt(value) -> str:
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(value, digits: int = 4) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "–"
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _cell(row: dict) -> str:
+    if not row.get("n"):
+        return "–"
+    return f"{_fmt(row['mean'])} ± {_fmt(row['std'])}"
+
+
+def _verdict_cell(row: dict) -> str:
+    if "verdict" not in row:
+        return "–"
+    if row["p"] is None:
+        return row["verdict"]
+    mark = f"**{row['verdict']}**" if row["verdict"] == "differs" else row["verdict"]
+    return f"{mark} (p = {row['p']:.2f})"
 
 
 def write_report(run_specs: list[str], out: str | Path) -> dict:
-    if len(run_specs) < 2:
-        raise ValueError("a parity report needs at least two runs (NAME=PRETRAIN:FINETUNE)")
     runs = [load_run(parse_run(spec)) for spec in run_specs]
-    table = compare(runs)
+    arms = group_arms(runs)
+    if len(arms) < 2:
+        raise ValueError(
+            "a parity report needs at least two runs with different names "
+            "(NAME=PRETRAIN:FINETUNE; a repeated NAME adds a pretraining seed)"
+        )
+    pretraining = compare_pretraining(arms)
+    finetuning = compare_finetuning(arms)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _plot_curves(runs, "train_loss", "pretraining loss (MLM + NSP)", out / "pretrain_loss.png")
-    _plot_curves(runs, "val_mlm_accuracy", "validation MLM accuracy", out / "val_mlm_accuracy.png")
-    _plot_finetune(runs, table, out / "finetune_scores.png")
-    names = [r["name"] for r in runs]
+    _plot_loss(arms, out / "pretrain_loss.png")
+    _plot_val(arms, out / "val_mlm_accuracy.png")
+    has_switch = _plot_switch(arms, out / "onebit_switch.png")
+    _plot_finetune(arms, finetuning, out / "finetune_scores.png")
+
+    names = [a["name"] for a in arms]
+    others = names[1:]
     lines = [
         "# Parity report",
         "",
+        f"Reference arm: **{names[0]}**. Verdicts: {TEST}",
+        "",
         "## Pretraining",
         "",
-        "| run | optimizer | global batch | steps | final train loss | val MLM acc | "
-        "val NSP acc | bytes sent per rank |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| arm | optimizer | pretraining seeds | global batch | steps | bytes sent per rank |",
+        "|---|---|---:|---:|---:|---:|",
     ]
-    for r in runs:
+    for arm in arms:
+        seeds = [r["seed"] for r in arm["seeds"]]
+        comm = sum(r["comm_bytes_total"] for r in arm["seeds"]) / len(arm["seeds"])
+        first = arm["seeds"][0]
         lines.append(
-            f"| {r['name']} | {r['optimizer']} | {r['global_batch_size']} | {r['steps']} "
-            f"| {_fmt(r['final_train_loss'])} | {_fmt(r['final']['val_mlm_accuracy'])} "
-            f"| {_fmt(r['final']['val_nsp_accuracy'])} | {r['comm_bytes_total']:,} |"
+            f"| {arm['name']} | {arm['optimizer']} | {len(seeds)} ({', '.join(map(str, seeds))}) "
+            f"| {first['global_batch_size']} | {first['steps']} | {comm:,.0f} |"
         )
+    lines += [
+        "",
+        "Final values, mean ± std over pretraining seeds:",
+        "",
+        "| metric | "
+        + " | ".join(names)
+        + " | "
+        + " | ".join(f"{n} vs {names[0]}" for n in others)
+        + " |",
+        "|---|" + "---:|" * len(names) + ":---|" * len(others),
+    ]
+    for metric, rows in pretraining.items():
+        cells = " | ".join(_cell(rows[n]) for n in names)
+        verdicts = " | ".join(_verdict_cell(rows[n]) for n in others)
+        lines.append(f"| {metric} | {cells} | {verdicts} |")
     lines += [
         "",
         "![pretraining loss](pretrain_loss.png)",
         "![validation MLM accuracy](val_mlm_accuracy.png)",
+    ]
+    if has_switch:
+        lines += ["![1-bit switch: c·f, f, compression error](onebit_switch.png)"]
+    lines += [
         "",
         "## Fine-tuning",
         "",
-        "Mean ± standard deviation over seeds; *within spread* when the largest "
-        "difference between runs is at most the sum of their standard deviations.",
+        "Mean ± std over pretraining × fine-tuning seeds.",
         "",
-        "| task | metric | " + " | ".join(names) + " | difference | within spread |",
-        "|---|---|" + "---:|" * len(names) + "---:|:---:|",
+        "| task | metric | "
+        + " | ".join(names)
+        + " | "
+        + " | ".join(f"{n} − {names[0]}" for n in others)
+        + " | "
+        + " | ".join(f"{n} vs {names[0]}" for n in others)
+        + " |",
+        "|---|---|" + "---:|" * (len(names) + len(others)) + ":---|" * len(others),
     ]
-    for task, info in table.items():
-        for metric, row in info["metrics"].items():
-            cells = " | ".join(f"{row['means'][n]:.4f} ± {row['stds'][n]:.4f}" for n in names)
-            mark = "yes" if row["within_seed_spread"] else "**no**"
+    for task, info in finetuning.items():
+        for metric, rows in info["metrics"].items():
+            cells = " | ".join(_cell(rows[n]) for n in names)
+            diffs = " | ".join(f"{rows[n]['difference']:+.4f}" for n in others)
+            verdicts = " | ".join(_verdict_cell(rows[n]) for n in others)
             main = " (main)" if metric == info["main_metric"] else ""
-            lines.append(
-                f"| {task} | {metric}{main} | {cells} | {row['max_difference']:.4f} | {mark} |"
-            )
+            lines.append(f"| {task} | {metric}{main} | {cells} | {diffs} | {verdicts} |")
     lines += ["", "![fine-tuning scores](finetune_scores.png)", ""]
     atomic_write_text(out / "report.md", "\n".join(lines))
     report = {
-        "runs": [{k: v for k, v in r.items() if k not in ("train_loss", "finetune")} for r in runs],
-        "finetune": table,
+        "test": TEST,
+        "arms": [
+            {
+                "name": a["name"],
+                "optimizer": a["optimizer"],
+                "seeds": [
+                    {k: v for k, v in r.items() if k not in ("train_loss", "finetune", "switch")}
+                    for r in a["seeds"]
+                ],
+            }
+            for a in arms
+        ],
+        "pretraining": pretraining,
+        "finetune": finetuning,
     }
     atomic_write_json(out / "report.json", report)
     return report

@@ -82,7 +82,7 @@ class GlueRunner:
 
     def load(self) -> None:
         root = self._glue_root()
-        self.train = self.task.load("train", root)[: self.cfg.max_train_samples]
+        self.train = self.task.load("train", root)[: self.cfg.train_cap(self.name)]
         self.evals = {
             split: self.task.load(split, root)[: self.cfg.max_eval_samples]
             for split in self.task.eval_splits
@@ -150,7 +150,7 @@ class SquadRunner:
         else:
             self.train = squad.load_squad("train", cfg.data_root)
             self.eval = squad.load_squad("validation", cfg.data_root)
-        self.train = self.train[: cfg.max_train_samples]
+        self.train = self.train[: cfg.train_cap("squad")]
         self.eval = self.eval[: cfg.max_eval_samples]
 
     def _length(self) -> int:

@@ -23,6 +23,14 @@ from pipeline.config import ConfigError
 from pipeline.experiment import Experiment, Stage, load_experiment
 
 
+def stage_threads(kind: str, nproc: int, cores: int | None = None) -> int:
+    """Threads per process for a local stage (unless OMP_NUM_THREADS is set): pretraining
+    shares the cores among its ``nproc`` processes, every other stage is one process and
+    gets them all."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // nproc) if kind == "pretrain" else cores
+
+
 def _run_stage(exp: Experiment, stage: Stage) -> None:
     log = exp.path("logs", stage.name.replace("/", "_") + ".log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -31,7 +39,8 @@ def _run_stage(exp: Experiment, stage: Stage) -> None:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
+        or str(stage_threads(stage.kind, exp.cfg.local.nproc_per_node)),
     }
     start = time.perf_counter()
     with log.open("a") as out:

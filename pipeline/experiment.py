@@ -90,6 +90,10 @@ class ExperimentConfig:
     data: StageSpec
     runs: list[RunSpec]
     finetune: StageSpec
+    seeds: list[int] = field(default_factory=list)
+    """Pretraining seeds: every run is pretrained and fine-tuned once per seed (stages
+    ``pretrain/<run>-seed<N>/…``, ``finetune/<run>-seed<N>``) and the report gives the
+    spread over seeds. Empty: once, with the pretraining config's own seed."""
     inputs: list[str] = field(default_factory=list)
     """Optional command (argv) that creates input files first; ``{workdir}`` and
     ``{python}`` are substituted here and in every override."""
@@ -100,6 +104,14 @@ class ExperimentConfig:
         names = [r.name for r in self.runs]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"runs must have unique names, got {names}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct, got {self.seeds}")
+
+    def instances(self) -> list[tuple[RunSpec, str, int | None]]:
+        """(run, instance name, seed) for every run × pretraining seed."""
+        if not self.seeds:
+            return [(run, run.name, None) for run in self.runs]
+        return [(run, f"{run.name}-seed{s}", s) for run in self.runs for s in self.seeds]
 
 
 @dataclass
@@ -203,37 +215,39 @@ class Experiment:
         )
         reports = []
         finetune_names = []
-        for run in cfg.runs:
+        for run, instance, seed in cfg.instances():
             previous: Stage | None = None
             for i, phase in enumerate(run.phases, start=1):
-                name = f"pretrain/{run.name}/phase{i}"
-                run_dir = self.path("pretrain", run.name, f"phase{i}")
+                name = f"pretrain/{instance}/phase{i}"
+                run_dir = self.path("pretrain", instance, f"phase{i}")
                 links = [
                     f"run_dir={run_dir}",
                     f"data.path={data_out / f'seq{phase.seq_length}'}",
                     f"logging.experiment={cfg.name}",
-                    f"logging.run_name={run.name}-phase{i}",
+                    f"logging.run_name={instance}-phase{i}",
                 ]
+                if seed is not None:
+                    links.append(f"seed={seed}")
                 if previous is not None:
                     links.append(f"model.init_from={previous.output}")
                 pcfg = self._stage_config(PretrainConfig, phase, links)
-                path = configs / f"pretrain_{run.name}_phase{i}.yaml"
+                path = configs / f"pretrain_{instance}_phase{i}.yaml"
                 save_config(pcfg, path)
                 stage = Stage(
                     name, "pretrain", path, run_dir, [previous.name] if previous else ["data"]
                 )
                 stages.append(stage)
                 previous = stage
-            ft_out = self.path("finetune", run.name)
+            ft_out = self.path("finetune", instance)
             fcfg = self._stage_config(
                 FinetuneConfig,
                 cfg.finetune,
                 [f"checkpoint={previous.output / 'final'}", f"output={ft_out}"],
             )
-            path = configs / f"finetune_{run.name}.yaml"
+            path = configs / f"finetune_{instance}.yaml"
             save_config(fcfg, path)
-            stages.append(Stage(f"finetune/{run.name}", "finetune", path, ft_out, [previous.name]))
-            finetune_names.append(f"finetune/{run.name}")
+            stages.append(Stage(f"finetune/{instance}", "finetune", path, ft_out, [previous.name]))
+            finetune_names.append(f"finetune/{instance}")
             reports.append(f"{run.name}={previous.output}:{ft_out}")
         runs_args = [arg for r in reports for arg in ("--run", r)]
         stages.append(

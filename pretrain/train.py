@@ -445,6 +445,16 @@ def _step_metrics(
             trust_ratio_mean=float(ratios.mean()),
             trust_ratio_max=float(ratios.max()),
         )
+    factors = getattr(optimizer, "last_factors", None)
+    if factors is not None and len(factors):
+        metrics.update(
+            factor_min=float(factors.min()),
+            factor_mean=float(factors.mean()),
+            factor_max=float(factors.max()),
+        )
+    error = getattr(optimizer, "last_compression_error", None)
+    if error is not None:
+        metrics["compression_error"] = float(error)
     return metrics
 
 

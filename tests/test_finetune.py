@@ -7,13 +7,14 @@ import json
 import os
 import random
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
 import yaml
 
 from finetune.config import FinetuneConfig
-from finetune.report import compare, write_report
+from finetune.report import write_report
 from finetune.run import run
 from pipeline.config import from_dict
 from tests.corpus import WORDS, sentence
@@ -111,7 +112,7 @@ def finetune_config(checkpoint, data, out, **overrides) -> FinetuneConfig:
 def finished(setup, tmp_path_factory):
     checkpoint, data = setup
     out = tmp_path_factory.mktemp("ft") / "out"
-    cfg = finetune_config(checkpoint, data, out)
+    cfg = finetune_config(checkpoint, data, out, max_train_samples_per_task={"mrpc": 10})
     return cfg, run(cfg)
 
 
@@ -134,6 +135,8 @@ def test_results_have_the_usual_metric_names(finished):
             low, high = (-1.0, 1.0) if name in ("pearson", "spearmanr") else (0.0, 100.0)
             assert low <= entry[name] <= high
         assert (Path(cfg.output) / task / "results.json").is_file()
+    assert on_disk["mrpc"]["sizes"]["train"] == 10  # the per-task cap
+    assert on_disk["sst2"]["sizes"]["train"] > 10
     assert 0.0 <= on_disk["sst2"]["accuracy"] <= 1.0  # GLUE metrics are fractions
 
 
@@ -200,6 +203,14 @@ def test_bad_config_values():
     with pytest.raises(ValueError, match="squad_eval_fraction"):
         FinetuneConfig(checkpoint="x", squad_eval_fraction=1.5)
     assert FinetuneConfig(checkpoint="x", tasks=["SST-2", "sts-b"]).tasks == ["sst2", "stsb"]
+    with pytest.raises(ValueError, match="max_train_samples_per_task names unknown"):
+        FinetuneConfig(checkpoint="x", max_train_samples_per_task={"sqad": 5})
+    with pytest.raises(ValueError, match="positive integers"):
+        FinetuneConfig(checkpoint="x", max_train_samples_per_task={"squad": 0})
+    cfg = FinetuneConfig(
+        checkpoint="x", max_train_samples=9, max_train_samples_per_task={"SQuAD": 3}
+    )
+    assert (cfg.train_cap("squad"), cfg.train_cap("sst2")) == (3, 9)
 
 
 # ----------------------------------------------------------------------------- real data
@@ -237,13 +248,25 @@ def test_real_glue_and_squad_slices(tmp_path):
 # ----------------------------------------------------------------------------- report
 
 
-def _fake_pretrain_run(directory: Path, optimizer: str, losses: list[float]) -> Path:
+def _fake_pretrain_run(
+    directory: Path, optimizer: str, losses: list[float], val_acc: float = 0.3, seed: int = 1
+) -> Path:
     directory.mkdir(parents=True)
     (directory / "config.yaml").write_text(
-        yaml.safe_dump({"optimizer": {"name": optimizer}, "batch": {"global_batch_size": 32}})
+        yaml.safe_dump(
+            {
+                "seed": seed,
+                "optimizer": {"name": optimizer, "freeze_step": 2},
+                "batch": {"global_batch_size": 32},
+            }
+        )
     )
     records = [{"step": i + 1, "loss": loss, "comm_bytes": 1000} for i, loss in enumerate(losses)]
-    records.append({"step": len(losses), "val_mlm_accuracy": 0.3, "val_nsp_accuracy": 0.6})
+    for r in records:
+        r.update(trust_ratio_min=0.5, trust_ratio_mean=1.0, trust_ratio_max=2.0)
+        if optimizer == "onebit_lamb" and r["step"] > 2:
+            r.update(factor_min=0.9, factor_mean=1.0, factor_max=1.1, compression_error=0.4)
+    records.append({"step": len(losses), "val_mlm_accuracy": val_acc, "val_nsp_accuracy": 0.6})
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return directory
 
@@ -260,34 +283,82 @@ def test_parity_report(finished, tmp_path):
         "report.json",
         "pretrain_loss.png",
         "val_mlm_accuracy.png",
+        "onebit_switch.png",
         "finetune_scores.png",
     ):
         assert (tmp_path / "report" / name).stat().st_size > 0
-    # The same fine-tuning results on both sides: every task agrees within the spread.
-    assert all(
-        row["within_seed_spread"]
+    # One pretraining seed per arm: no verdict, whatever the fine-tuning seeds say.
+    verdicts = {
+        row["onebit"]["verdict"]
         for task in report["finetune"].values()
         for row in task["metrics"].values()
-    )
+    }
+    assert verdicts == {"1 seed: no verdict"}
     text = (tmp_path / "report" / "report.md").read_text()
     assert "| sst2 | accuracy (main) |" in text and "onebit_lamb" in text
+    assert "1 seed: no verdict" in text and "Welch" in text
     with pytest.raises(ValueError, match="at least two runs"):
         write_report([f"lamb={lamb}:{cfg.output}"], tmp_path / "r2")
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         write_report([f"a={tmp_path}:{cfg.output}", f"b={lamb}:{cfg.output}"], tmp_path / "r3")
 
 
-def test_within_seed_spread_rule():
-    def run_with(name, mean, std):
-        return {
-            "name": name,
-            "finetune": {
-                "sst2": {"accuracy": mean, "std": {"accuracy": std}, "main_metric": "accuracy"}
-            },
-        }
+def _fake_finetune(directory: Path, scores: list[float]) -> Path:
+    """results.json of one pretraining seed: SST-2 accuracy per fine-tuning seed."""
+    directory.mkdir(parents=True)
+    mean = sum(scores) / len(scores)
+    result = {
+        "accuracy": mean,
+        "std": {"accuracy": 0.0},
+        "main_metric": "accuracy",
+        "per_seed": {str(i + 1): {"accuracy": s} for i, s in enumerate(scores)},
+    }
+    (directory / "results.json").write_text(json.dumps({"sst2": result}))
+    return directory
 
-    close = compare([run_with("a", 0.90, 0.01), run_with("b", 0.915, 0.01)])
-    far = compare([run_with("a", 0.90, 0.01), run_with("b", 0.93, 0.01)])
-    assert close["sst2"]["metrics"]["accuracy"]["within_seed_spread"]
-    assert not far["sst2"]["metrics"]["accuracy"]["within_seed_spread"]
-    assert far["sst2"]["metrics"]["accuracy"]["max_difference"] == pytest.approx(0.03)
+
+def _arm(tmp_path: Path, name: str, optimizer: str, per_seed: list[list[float]], vals):
+    specs = []
+    for seed, (scores, val) in enumerate(zip(per_seed, vals, strict=True), start=1):
+        pre = _fake_pretrain_run(
+            tmp_path / f"{name}{seed}" / "pre", optimizer, [5.0, 4.0, 3.0], val, seed
+        )
+        ft = _fake_finetune(tmp_path / f"{name}{seed}" / "ft", scores)
+        specs.append(f"{name}={pre}:{ft}")
+    return specs
+
+
+def test_report_statistics_on_synthetic_numbers(tmp_path):
+    # Fine-tuning: per-pretraining-seed means 1, 2, 3 against 4, 5, 6 (two fine-tuning seeds
+    # each, +-0.5 around the mean): Welch t = 3.674, df = 4, two-sided p = 0.0213.
+    lamb = _arm(tmp_path, "lamb", "lamb", [[0.5, 1.5], [1.5, 2.5], [2.5, 3.5]], [0.30, 0.31, 0.32])
+    far = _arm(
+        tmp_path, "far", "onebit_lamb", [[3.5, 4.5], [4.5, 5.5], [5.5, 6.5]], [0.1, 0.2, 0.3]
+    )
+    near = _arm(tmp_path, "near", "onebit_lamb", [[1, 2], [2, 3], [3, 4]], [0.31, 0.30, 0.32])
+    report = write_report([*lamb, *far, *near], tmp_path / "report")
+    rows = report["finetune"]["sst2"]["metrics"]["accuracy"]
+    # mean ± std over all 3 x 2 values
+    assert rows["lamb"]["mean"] == pytest.approx(2.0)
+    assert rows["lamb"]["std"] == pytest.approx(statistics.stdev([0.5, 1.5, 1.5, 2.5, 2.5, 3.5]))
+    assert rows["lamb"]["n"] == 6
+    assert rows["far"]["pretrain_seed_means"] == pytest.approx([4.0, 5.0, 6.0])
+    assert rows["far"]["difference"] == pytest.approx(3.0)
+    assert rows["far"]["t"] == pytest.approx(3.6742346, rel=1e-6)
+    assert rows["far"]["df"] == pytest.approx(4.0)
+    assert rows["far"]["p"] == pytest.approx(0.0213116, rel=1e-4)
+    assert rows["far"]["verdict"] == "differs"
+    # near: seed means 1.5, 2.5, 3.5 vs 1, 2, 3 -> t = 0.612, p = 0.57
+    assert rows["near"]["p"] == pytest.approx(0.5734, abs=1e-3)
+    assert rows["near"]["verdict"] == "no significant difference"
+    # pretraining: mean ± std over pretraining seeds, verdict on the same test
+    val = report["pretraining"]["val_mlm_accuracy"]
+    assert val["lamb"]["mean"] == pytest.approx(0.31)
+    assert val["lamb"]["std"] == pytest.approx(0.01)
+    assert val["far"]["mean"] == pytest.approx(0.2) and val["far"]["std"] == pytest.approx(0.1)
+    assert val["near"]["verdict"] == "no significant difference"
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "**differs** (p = 0.02)" in text
+    assert "| sst2 | accuracy (main) | 2.0000 ± 1.0488 |" in text
+    with pytest.raises(ValueError, match="mixes optimizers"):
+        write_report([*lamb, lamb[0].replace("lamb=", "far=", 1), *far], tmp_path / "r2")

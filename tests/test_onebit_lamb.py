@@ -361,6 +361,27 @@ def _zero_layer_run(comm):
     }
 
 
+def _compression_error_run(comm):
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(64))
+    opt = OneBitLamb([param], lr=0.01, freeze_step=2, comm=comm)
+    errors = []
+    for step in range(4):
+        param.grad = torch.randn(64, generator=torch.Generator().manual_seed(step + comm.rank))
+        opt.step()
+        errors.append(opt.last_compression_error)
+    return {"errors": errors}
+
+
+def test_relative_compression_error_is_reported_after_the_switch():
+    # None in warmup; after it, 1-bit rounding of a Gaussian-like vector loses a fair share
+    # of its norm (about 0.6), never all of it
+    for res in run_ranks(_compression_error_run, 2):
+        assert res["errors"][:2] == [None, None]
+        for e in res["errors"][2:]:
+            assert e is not None and 0 < float(e) < 1.5
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_all_zero_momentum_layer_gives_no_nan(world_size):
     for res in run_ranks(_zero_layer_run, world_size):

@@ -74,6 +74,31 @@ def test_phase_two_starts_from_phase_one(tmp_path):
     assert cfg["model"]["init_from"] == str(exp.stage("pretrain/lamb/phase1").output)
 
 
+def test_pretraining_seeds_make_one_instance_per_run_and_seed(tmp_path):
+    exp = smoke(tmp_path, "seeds=[1, 2]")
+    assert [s.name for s in exp.stages if s.kind in ("pretrain", "finetune")] == [
+        "pretrain/lamb-seed1/phase1",
+        "finetune/lamb-seed1",
+        "pretrain/lamb-seed2/phase1",
+        "finetune/lamb-seed2",
+        "pretrain/onebit-seed1/phase1",
+        "finetune/onebit-seed1",
+        "pretrain/onebit-seed2/phase1",
+        "finetune/onebit-seed2",
+    ]
+    import yaml
+
+    second = yaml.safe_load(exp.stage("pretrain/onebit-seed2/phase1").config_path.read_text())
+    assert second["seed"] == 2 and second["optimizer"]["name"] == "onebit_lamb"
+    assert second["run_dir"] == str(tmp_path / "work" / "pretrain" / "onebit-seed2" / "phase1")
+    assert second["logging"]["run_name"] == "onebit-seed2-phase1"
+    # the report groups instances by run name: a repeated name is another pretraining seed
+    names = [a.partition("=")[0] for a in exp.stage("report").args if a != "--run"]
+    assert names == ["lamb", "lamb", "onebit", "onebit"]
+    with pytest.raises(ValueError, match="seeds must be distinct"):
+        smoke(tmp_path, "seeds=[1, 1]")
+
+
 def test_stage_selection(tmp_path):
     exp = smoke(tmp_path)
     assert [s.name for s in exp.select(["pretrain"])] == [
@@ -179,3 +204,20 @@ def test_batches_that_do_not_divide_are_refused_before_submission(tmp_path, caps
     ]
     assert main(args) == 2
     assert "not a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "experiments").glob("*.yaml")))
+def test_shipped_experiments_resolve(path, tmp_path):
+    exp = load_experiment(path, [f"workdir={tmp_path / 'work'}"])
+    stages = exp.resolve()
+    assert stages[-1].kind == "report"
+    exp.check_world_size(exp.cfg.local.nproc_per_node, stages)
+
+
+def test_local_stage_threads_share_the_cores():
+    from pipeline.__main__ import stage_threads
+
+    assert stage_threads("pretrain", 4, cores=2) == 1
+    assert stage_threads("pretrain", 2, cores=16) == 8
+    assert stage_threads("finetune", 4, cores=2) == 2
+    assert stage_threads("data", 1, cores=16) == 16

@@ -98,6 +98,13 @@ def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
         assert stages[:4] == ["warmup"] * 4 and set(stages[4:]) == {"compression"}
         warm, compressed = records[1]["comm_bytes"], records[10]["comm_bytes"]
         assert 0 < compressed < warm / 10  # momentum in 1 bit instead of fp32 gradients
+        # the switch diagnostics: factor f and the relative compression error after it only
+        steps = [r for r in records if "stage" in r]
+        assert not any("factor_mean" in r or "compression_error" in r for r in steps[:4])
+        for r in steps[4:]:
+            assert r["factor_min"] <= r["factor_mean"] <= r["factor_max"]
+            assert 0 < r["compression_error"] < 2
+            assert r["trust_ratio_min"] <= r["trust_ratio_mean"] <= r["trust_ratio_max"]
     # Both ranks talk over loopback: its counter saw at least what rank 0's communicator sent.
     steps = [r for r in records if "comm_bytes" in r]
     assert all(r["net_tx_bytes"] >= r["comm_bytes"] > 0 for r in steps), steps[:2]

@@ -52,8 +52,9 @@ class OneBitLamb(Optimizer):
 
     After each step: ``stage`` ("warmup" or "compression"), ``last_trust_ratios`` (``r``
     in warmup, ``c·f`` in compression, one per layer), ``last_factors`` (``f``, or None in
-    warmup), ``last_step_bytes`` and ``bytes_sent`` (this optimizer's traffic from this
-    rank).
+    warmup), ``last_compression_error`` (‖this rank's worker error‖ / ‖the scaled momentum
+    it compressed‖, or None in warmup), ``last_step_bytes`` and ``bytes_sent`` (this
+    optimizer's traffic from this rank).
     """
 
     def __init__(
@@ -119,6 +120,7 @@ class OneBitLamb(Optimizer):
         self._scratch: torch.Tensor | None = None
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
+        self.last_compression_error: torch.Tensor | None = None
         self.last_step_bytes = 0
         self.bytes_sent = 0
 
@@ -323,6 +325,7 @@ class OneBitLamb(Optimizer):
             ratios.append(r)
         self.last_trust_ratios = torch.cat(ratios) if ratios else None
         self.last_factors = None
+        self.last_compression_error = None
         self.last_step_bytes = 0
 
     def _layout(self) -> list[tuple[dict, list[torch.Tensor]]]:
@@ -414,8 +417,13 @@ class OneBitLamb(Optimizer):
             torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
             torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
 
+        momentum_norm = torch.linalg.vector_norm(flat)
         before = self.comm.snapshot()
         self.comm.compressed_all_reduce(flat, self._feedback)
+        # What 1-bit rounding left out on this rank, relative to what it was asked to send.
+        self.last_compression_error = torch.linalg.vector_norm(
+            self._feedback.worker_error
+        ) / momentum_norm.clamp_min(1e-30)
         self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
         self.bytes_sent += self.last_step_bytes
 
