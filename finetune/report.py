@@ -136,18 +136,16 @@ def finetune_values(run: dict, task: str, metric: str) -> list[float]:
     return [float(result[metric])]
 
 
+def _no_verdict(reason: str) -> dict:
+    return {"verdict": reason, "p": None, "t": None, "df": None, "standard_error": None}
+
+
 def verdict(reference: list[float], other: list[float]) -> dict:
     """Compare per-pretraining-seed values of an arm with the reference arm's."""
     if len(reference) < 2 or len(other) < 2:
-        return {"verdict": NO_VERDICT, "p": None, "t": None, "df": None, "standard_error": None}
+        return _no_verdict(NO_VERDICT)
     if any(math.isnan(v) for v in (*reference, *other)):
-        return {
-            "verdict": "no verdict (NaN)",
-            "p": None,
-            "t": None,
-            "df": None,
-            "standard_error": None,
-        }
+        return _no_verdict("no verdict (NaN)")
     test = welch_t_test(reference, other)
     return {
         "verdict": "differs" if test.p < ALPHA else "no significant difference",
@@ -229,6 +227,16 @@ def _pyplot():
     return plt
 
 
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _running_mean(ys: list[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, y in enumerate(ys):
@@ -274,13 +282,7 @@ def _plot_loss(arms: list[dict], path: Path) -> None:
                     label=arm["name"] if j == 0 else None,
                 )
     _mark_freeze(ax, arms)
-    ax.set_xlabel("step")
-    ax.set_ylabel("pretraining loss (MLM + NSP), running mean")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, "step", "pretraining loss (MLM + NSP), running mean", path)
 
 
 def _plot_val(arms: list[dict], path: Path) -> None:
@@ -303,13 +305,7 @@ def _plot_val(arms: list[dict], path: Path) -> None:
             )
     batch = arms[0]["seeds"][0]["global_batch_size"]
     _mark_freeze(ax, arms, scale=batch)
-    ax.set_xlabel("samples seen")
-    ax.set_ylabel("validation MLM accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, "samples seen", "validation MLM accuracy", path)
 
 
 def _plot_switch(arms: list[dict], path: Path) -> bool:

@@ -27,7 +27,9 @@ def stage_threads(kind: str, nproc: int, cores: int | None = None) -> int:
     """Threads per process for a local stage (unless OMP_NUM_THREADS is set): pretraining
     shares the cores among its ``nproc`` processes, every other stage is one process and
     gets them all."""
-    cores = cores or len(os.sched_getaffinity(0))
+    if cores is None:
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere all CPUs
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return max(1, cores // nproc) if kind == "pretrain" else cores
 
 

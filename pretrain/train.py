@@ -438,20 +438,13 @@ def _step_metrics(
     if stats["nsp_examples"]:
         metrics["nsp_loss"] = stats["nsp_loss_sum"] / stats["nsp_examples"]
         metrics["nsp_accuracy"] = stats["nsp_correct"] / stats["nsp_examples"]
-    ratios = getattr(optimizer, "last_trust_ratios", None)
-    if ratios is not None and len(ratios):
-        metrics.update(
-            trust_ratio_min=float(ratios.min()),
-            trust_ratio_mean=float(ratios.mean()),
-            trust_ratio_max=float(ratios.max()),
-        )
-    factors = getattr(optimizer, "last_factors", None)
-    if factors is not None and len(factors):
-        metrics.update(
-            factor_min=float(factors.min()),
-            factor_mean=float(factors.mean()),
-            factor_max=float(factors.max()),
-        )
+    # per-layer values, as min/mean/max: r (c·f after 1-bit LAMB's switch), and the factor f
+    for prefix, attr in (("trust_ratio", "last_trust_ratios"), ("factor", "last_factors")):
+        values = getattr(optimizer, attr, None)
+        if values is not None and len(values):
+            metrics[f"{prefix}_min"] = float(values.min())
+            metrics[f"{prefix}_mean"] = float(values.mean())
+            metrics[f"{prefix}_max"] = float(values.max())
     error = getattr(optimizer, "last_compression_error", None)
     if error is not None:
         metrics["compression_error"] = float(error)
