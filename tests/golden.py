@@ -1,0 +1,114 @@
+"""Golden trajectories: short fixed pretraining runs whose losses and final weights must
+not change by a single bit when the training loop or the strategies are refactored.
+
+``python -m tests.golden --write`` records them (``tests/golden/trajectories.json``) from
+the code as it is; ``tests/test_golden.py`` reruns every run and compares. Record again
+only for a change that is meant to alter numerics (and say so in the commit), or on a
+platform whose floating-point kernels differ from the one that recorded them.
+
+Each run: bert-tiny on the generated test corpus, 2 gloo ranks, 2 micro-batches per rank
+per step (accumulation), dropout on, validation every 4 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "trajectories.json"
+STEPS = 8
+
+# name -> overrides of tests.test_pretrain.tiny_config
+RUNS: dict[str, dict] = {
+    "lamb_allreduce": {"optimizer.name": "lamb", "grad_sync": "allreduce"},
+    "lamb_ddp": {"optimizer.name": "lamb", "grad_sync": "ddp"},
+    "adamw_allreduce": {"optimizer.name": "adamw", "optimizer.lr": 1e-3, "grad_sync": "allreduce"},
+    "adamw_ddp": {"optimizer.name": "adamw", "optimizer.lr": 1e-3, "grad_sync": "ddp"},
+    # freeze_step 4 of 8: four warmup steps, four compressed ones
+    "onebit_lamb": {"optimizer.name": "onebit_lamb", "optimizer.freeze_step": 4},
+}
+
+
+def tensor_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def data_digest(corpus: Path) -> str:
+    """sha256 of the prepared corpus' token arrays: a change of data, not of training,
+    shows here."""
+    h = hashlib.sha256()
+    for path in sorted(corpus.rglob("*.npy")):
+        h.update(str(path.relative_to(corpus)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _run(comm, cfg: dict) -> dict:
+    from tests.test_pretrain import _train
+
+    result = _train(comm, cfg)
+    return {"model": tensor_digest(result["model"]), "state": result["summary"]["state"]}
+
+
+def record(name: str, corpus: Path, workdir: Path) -> dict:
+    """Run ``name`` on 2 ranks; its per-step losses (exact, as hex floats), validation
+    losses and the final weights' digest on each rank."""
+    from pipeline.logging import read_metrics
+    from tests.distributed_harness import run_ranks
+    from tests.test_pretrain import tiny_config
+
+    overrides = {
+        "schedule.max_steps": STEPS,
+        "data.validation_every": 4,
+        "checkpoint.every": STEPS,
+        **RUNS[name],
+    }
+    run_dir = workdir / name
+    cfg = tiny_config(corpus, run_dir, **overrides)
+    ranks = run_ranks(_run, 2, cfg)
+    assert all(r["state"] == "complete" for r in ranks), ranks
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return {
+        "loss": [float(r["loss"]).hex() for r in records if "loss" in r],
+        "grad_norm": [float(r["grad_norm"]).hex() for r in records if "grad_norm" in r],
+        "val_mlm_loss": [float(r["val_mlm_loss"]).hex() for r in records if "val_mlm_loss" in r],
+        "comm_bytes": [r["comm_bytes"] for r in records if "comm_bytes" in r],
+        "model": [r["model"] for r in ranks],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help=f"record into {GOLDEN}")
+    args = parser.parse_args()
+    from tests.corpus import prepare_corpus
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = prepare_corpus(Path(tmp) / "corpus")
+        out = {"data": data_digest(corpus), "runs": {}}
+        for name in RUNS:
+            out["runs"][name] = record(name, corpus, Path(tmp) / "runs")
+            print(name, out["runs"][name]["loss"][-1], flush=True)
+    if args.write:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {GOLDEN}")
+    else:
+        print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

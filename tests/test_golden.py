@@ -1,0 +1,35 @@
+"""Bit-identity of the training trajectories recorded in tests/golden/trajectories.json
+(see tests/golden.py): every loss, gradient norm, validation loss, byte count and the
+final weights of each rank must match the recorded run exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.golden import GOLDEN, RUNS, data_digest, record
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(GOLDEN.read_text())
+
+
+def test_golden_data_is_the_recorded_data(golden, tiny_corpus):
+    assert data_digest(tiny_corpus) == golden["data"], (
+        "the prepared test corpus changed; the trajectories below cannot match. If the data "
+        "change is intended, record again: python -m tests.golden --write"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_trajectory_is_bit_identical(golden, tiny_corpus, tmp_path, name):
+    if data_digest(tiny_corpus) != golden["data"]:
+        pytest.fail("prepared test corpus differs from the recorded one (see the data test)")
+    got = record(name, tiny_corpus, tmp_path)
+    want = golden["runs"][name]
+    for key in ("loss", "grad_norm", "val_mlm_loss", "comm_bytes"):
+        assert got[key] == want[key], f"{name}: {key} differs from the recorded trajectory"
+    assert got["model"] == want["model"], f"{name}: final weights differ"
