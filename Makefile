@@ -66,22 +66,22 @@ data-sample: setup
 
 # Compressed vs fp32 all-reduce on $(RANKS) gloo ranks, $(NUMEL) elements; JSON last line.
 bench-comm: setup
-	$(PY) bench/comm.py --world-size $(RANKS) --numel $(NUMEL)
+	$(PY) -m bench.comm --world-size $(RANKS) --numel $(NUMEL)
 
 # data_prep vs the HF run_mlm-style pipeline on DATA_ROOT's Wikipedia sample; JSON last line.
 bench-data: setup
-	$(PY) bench/data.py --data-root $(DATA_ROOT)
+	$(PY) -m bench.data --data-root $(DATA_ROOT)
 
 # Our training loop vs HF Trainer (bert-mini, 1 process) and LAMB vs 1-bit LAMB step
 # breakdown on 4 gloo ranks, on DATA_ROOT's Wikipedia sample; JSON last line.
 bench-train: setup
-	$(PY) bench/train.py --data-root $(DATA_ROOT)
+	$(PY) -m bench.train --data-root $(DATA_ROOT)
 
 # LAMB vs 1-bit LAMB on an emulated cluster (network namespaces + tc; needs root):
 # 25, 40, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 30 minutes on 2 cores.
 # JSON and a plot in runs/bench_netem/. ARGS: e.g. --bandwidths 100 --world-sizes 2
 bench-netem: setup
-	$(PY) bench/netem.py --data-root $(DATA_ROOT) $(ARGS)
+	$(PY) -m bench.netem --data-root $(DATA_ROOT) $(ARGS)
 
 # One pretraining phase on this machine: make pretrain CONFIG=configs/pretrain/tiny.yaml
 # NPROC=2 ARGS="data.path=..."; on a cluster, use the SLURM templates.
@@ -104,7 +104,7 @@ finetune: setup
 RUNS ?=
 REPORT ?= runs/report
 report: setup
-	$(PY) -m finetune report $(foreach r,$(RUNS),--run $(r)) --out $(REPORT)
+	$(PY) -m pipeline.report $(foreach r,$(RUNS),--run $(r)) --out $(REPORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -13,7 +13,7 @@ Prints one JSON object as its last line:
 - ``pack_gbps`` / ``unpack_gbps``: sign packing and unpacking throughput on this CPU, in GB
   of fp32 values consumed (pack) or produced (unpack) per second.
 
-Usage: ``python bench/comm.py --world-size 4 --numel 25000000``
+Usage: ``python -m bench.comm --world-size 4 --numel 25000000``
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -31,11 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pipeline.distributed import Communicator, ErrorFeedback  # noqa: E402
-from pipeline.distributed.netdev import read_interfaces  # noqa: E402
-from pipeline.distributed.packing import pack_signs, sign_table, unpack_signs  # noqa: E402
+from onebit_bert.distributed import Communicator, ErrorFeedback
+from onebit_bert.distributed.netdev import read_interfaces
+from onebit_bert.distributed.packing import pack_signs, sign_table, unpack_signs
 
 
 def loopback_tx_bytes() -> int:

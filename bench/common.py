@@ -11,6 +11,42 @@ WIKI = "enwiki_wikiextractor_sample/*.txt.gz"
 VOCAB = "bert_vocab/uncased/vocab.txt"
 
 
+def pretrain_config(
+    data: Path,
+    run_dir: Path,
+    optimizer: str,
+    *,
+    steps: int,
+    batch: int,
+    micro: int,
+    freeze_step: int = 5,
+    model: str = "bert-mini",
+    stop_after: int | None = None,
+    net_interface: str | None = None,
+) -> dict:
+    """The pretraining config every benchmark trains with: fp32, a constant learning rate
+    (1e-4 for AdamW, 5e-3 for LAMB and 1-bit LAMB), no checkpoints, no wandb.
+    ``stop_after`` stops there without the final validation and export."""
+    cfg = {
+        "run_dir": str(run_dir),
+        "model": {"preset": model},
+        "data": {"path": str(data)},
+        "batch": {"global_batch_size": batch, "micro_batch_size": micro},
+        "optimizer": {
+            "name": optimizer,
+            "lr": 1e-4 if optimizer == "adamw" else 5e-3,
+            "freeze_step": freeze_step,
+        },
+        "schedule": {"name": "constant", "max_steps": steps, "warmup_proportion": 0.0},
+        "checkpoint": {"every": 10**6},
+        "logging": {"wandb": False, "progress_every": 10**6, "net_interface": net_interface},
+        "precision": "fp32",
+    }
+    if stop_after is not None:
+        cfg["stop_after"] = stop_after
+    return cfg
+
+
 def shared_data_error(data_root: Path) -> str | None:
     """Why ``data_root`` cannot feed the training benchmarks, or None."""
     if not list(data_root.glob(WIKI)) or not (data_root / VOCAB).is_file():

@@ -15,7 +15,7 @@ Peak RSS is the summed resident memory of each pipeline's process tree (our work
 spawned, so nothing is shared; the baseline's forked workers share pages, which the sum
 counts more than once).
 
-Prints one JSON object as its last line. Usage: ``python bench/data.py --data-root DIR``.
+Prints one JSON object as its last line. Usage: ``python -m bench.data --data-root DIR``.
 """
 
 from __future__ import annotations
@@ -25,18 +25,16 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.common import WIKI, data_prep_command
+from bench.hf_mlm_baseline import run_hf_mlm_baseline
+from bench.rss import PeakRSS
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from common import WIKI, data_prep_command  # noqa: E402
-from hf_mlm_baseline import run_hf_mlm_baseline  # noqa: E402
-from rss import PeakRSS  # noqa: E402
 
 
 def extract_bodies(data_root: Path, out: Path) -> int:

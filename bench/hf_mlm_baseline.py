@@ -20,7 +20,7 @@ is the wall time of load + tokenise + group (tokenizer loading and imports exclu
 tokenizer loading and the timed part. A fresh temporary datasets cache is used (and removed)
 unless ``cache_dir`` is given, so no earlier run's cache is reused.
 
-Usage: ``python bench/hf_mlm_baseline.py --text-file corpus.txt --tokenizer-dir tok/``
+Usage: ``python -m bench.hf_mlm_baseline --text-file corpus.txt --tokenizer-dir tok/``
 """
 
 from __future__ import annotations
@@ -29,14 +29,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from itertools import chain
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from rss import PeakRSS  # noqa: E402
+from bench.rss import PeakRSS
 
 
 def _tokenize_and_group(text_file, tokenizer_dir, block_size, num_proc, cache_dir):

@@ -35,12 +35,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import prepare_wikipedia_seq128, pretrain_config, shared_data_error
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
-
-from common import prepare_wikipedia_seq128, shared_data_error  # noqa: E402
 
 SUBNET = "198.18.0"
 MASTER_PORT = 29500
@@ -192,31 +190,6 @@ def check_privileges() -> str | None:
 # ----------------------------------------------------------------------------- the runs
 
 
-def pretrain_config(
-    data: Path,
-    run_dir: Path,
-    optimizer: str,
-    model: str,
-    batch: int,
-    micro: int,
-    steps: int,
-    freeze_step: int,
-    net_interface: str | None,
-) -> dict:
-    return {
-        "run_dir": str(run_dir),
-        "model": {"preset": model},
-        "data": {"path": str(data)},
-        "batch": {"global_batch_size": batch, "micro_batch_size": micro},
-        "optimizer": {"name": optimizer, "lr": 5e-3, "freeze_step": freeze_step},
-        "schedule": {"name": "constant", "max_steps": steps, "warmup_proportion": 0.0},
-        "stop_after": steps,  # stops (checkpoint, no final validation or export)
-        "checkpoint": {"every": 10**6},
-        "logging": {"wandb": False, "progress_every": 10**6, "net_interface": net_interface},
-        "precision": "fp32",
-    }
-
-
 def _launch(cmds: list[list[str]], envs: list[dict], logs: Path, timeout: float) -> None:
     """Start every command, wait for all; on a failure stop the others and raise."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -283,7 +256,7 @@ def run_compute_only(cluster: Cluster, cfg_paths: list[Path], logs: Path, thread
 
 
 def step_records(run_dir: Path) -> list[dict]:
-    from pipeline.logging import read_metrics
+    from onebit_bert.metrics_log import read_metrics
 
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if "step_seconds" in r]
 
@@ -328,7 +301,7 @@ def measure(
     timeout = args.run_timeout
 
     def config(name: str, optimizer: str, steps: int, per_rank: bool = False, i: int = 0) -> Path:
-        from pipeline.config import from_dict, save_config
+        from onebit_bert.config import from_dict, save_config
         from pretrain.config import PretrainConfig
 
         run_dir = work / tag / (f"{name}{i}" if per_rank else name)
@@ -338,12 +311,13 @@ def measure(
                 data,
                 run_dir,
                 optimizer,
-                args.model,
-                args.batch if per_rank else batch,
-                min(args.micro_batch, args.batch),
-                steps,
-                args.freeze_step,
-                None if per_rank else "eth0",
+                model=args.model,
+                batch=args.batch if per_rank else batch,
+                micro=min(args.micro_batch, args.batch),
+                steps=steps,
+                freeze_step=args.freeze_step,
+                stop_after=steps,
+                net_interface=None if per_rank else "eth0",
             ),
         )
         path = work / tag / f"{name}{i if per_rank else ''}.yaml"
@@ -419,7 +393,7 @@ def measure(
 
 def whole_run_steps(config: Path) -> tuple[int, int]:
     """``config``'s (max_steps, freeze_step): a BERT-Large 1-bit LAMB pretraining config."""
-    from pipeline.config import load_config
+    from onebit_bert.config import load_config
     from pretrain.config import PretrainConfig
 
     cfg = load_config(PretrainConfig, config)
@@ -531,7 +505,7 @@ def main(argv=None) -> dict:
         parser.error("need --freeze-step >= 2 (one warmup step is skipped) and --steps >= 1")
     reason = check_privileges()
     if reason:
-        parser.exit(2, f"bench/netem.py: {reason}\n")
+        parser.exit(2, f"bench.netem: {reason}\n")
     if args.data is None:
         data_root = Path(args.data_root).resolve()
         error = shared_data_error(data_root)
@@ -594,7 +568,7 @@ def main(argv=None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "netem.png")
     summary["plot"] = str(args.out / "netem.png")
-    from pipeline.io import atomic_write_json
+    from onebit_bert.io import atomic_write_json
 
     atomic_write_json(args.out / "netem.json", summary)
     print(json.dumps(summary))
@@ -602,7 +576,7 @@ def main(argv=None) -> dict:
 
 
 def _seq_length(data: Path) -> int:
-    from pipeline.shards import PretrainingShards
+    from onebit_bert.shards import PretrainingShards
 
     return PretrainingShards(data, "train").seq_length
 
@@ -610,7 +584,7 @@ def _seq_length(data: Path) -> int:
 def _parameter_count(preset: str, data: Path) -> int:
     from transformers import AutoTokenizer
 
-    from pipeline.shards import PretrainingShards
+    from onebit_bert.shards import PretrainingShards
     from pretrain.config import ModelConfig
     from pretrain.model import build_model
 

@@ -26,54 +26,28 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import prepare_wikipedia_seq128, pretrain_config, shared_data_error
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(HERE))
-
-from common import prepare_wikipedia_seq128, shared_data_error  # noqa: E402
-
-
-def pretrain_config(
-    data: Path,
-    run_dir: Path,
-    optimizer: str,
-    steps: int,
-    batch: int,
-    micro: int,
-    freeze_step: int = 5,
-) -> dict:
-    return {
-        "run_dir": str(run_dir),
-        "model": {"preset": "bert-mini"},
-        "data": {"path": str(data)},
-        "batch": {"global_batch_size": batch, "micro_batch_size": micro},
-        "optimizer": {
-            "name": optimizer,
-            "lr": 1e-4 if optimizer == "adamw" else 5e-3,
-            "freeze_step": freeze_step,
-        },
-        "schedule": {"name": "constant", "max_steps": steps, "warmup_proportion": 0.0},
-        "checkpoint": {"every": 10**6},
-        "logging": {"wandb": False, "progress_every": 10**6},
-        "precision": "fp32",
-    }
 
 
 def our_loop(data: Path, tmp: Path, optimizer: str, steps: int, batch: int, warmup: int) -> float:
     """Median samples/s of our loop, in this process."""
     import torch
 
-    from pipeline.config import from_dict
-    from pipeline.distributed import Communicator
-    from pipeline.distributed.env import DistContext, LaunchEnv
-    from pipeline.logging import read_metrics
+    from onebit_bert.config import from_dict
+    from onebit_bert.distributed import Communicator
+    from onebit_bert.distributed.env import DistContext, LaunchEnv
+    from onebit_bert.metrics_log import read_metrics
     from pretrain.config import PretrainConfig
     from pretrain.train import train
 
     cfg = from_dict(
         PretrainConfig,
-        pretrain_config(data, tmp / f"ours_{optimizer}", optimizer, steps, batch, batch),
+        pretrain_config(
+            data, tmp / f"ours_{optimizer}", optimizer, steps=steps, batch=batch, micro=batch
+        ),
     )
     ctx = DistContext(
         LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"), None, torch.device("cpu"), Communicator(None)
@@ -98,7 +72,7 @@ def hf_trainer(data: Path, tmp: Path, steps: int, batch: int, warmup: int) -> fl
         TrainingArguments,
     )
 
-    from pipeline.shards import PretrainingShards
+    from onebit_bert.shards import PretrainingShards
     from pretrain.config import ModelConfig
     from pretrain.model import build_model
 
@@ -158,13 +132,22 @@ def breakdown(
     freeze_step: int,
 ) -> dict:
     """Mean per-step timings of a torchrun job with ``ranks`` gloo processes."""
-    from pipeline.config import from_dict, save_config
-    from pipeline.logging import read_metrics
+    from onebit_bert.config import from_dict, save_config
+    from onebit_bert.metrics_log import read_metrics
     from pretrain.config import PretrainConfig
 
     run_dir = tmp / f"dist_{optimizer}"
     cfg = from_dict(
-        PretrainConfig, pretrain_config(data, run_dir, optimizer, steps, batch, micro, freeze_step)
+        PretrainConfig,
+        pretrain_config(
+            data,
+            run_dir,
+            optimizer,
+            steps=steps,
+            batch=batch,
+            micro=micro,
+            freeze_step=freeze_step,
+        ),
     )
     save_config(cfg, tmp / f"{optimizer}.yaml")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

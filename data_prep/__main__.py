@@ -9,7 +9,7 @@ import sys
 
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
-from pipeline.config import ConfigError, load_config
+from onebit_bert.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from itertools import chain
 
 import numpy as np
 
-from pipeline.shards import row_dtype
+from onebit_bert.shards import row_dtype
 
 Document = list[list[int]]
 
@@ -126,7 +126,7 @@ def full_sentence_chunks(docs: list[Document], seq_length: int, sep_id: int) -> 
 def rows_from_pairs(
     pairs: list[tuple[list[int], list[int], int]], seq_length: int, cls_id: int, sep_id: int
 ) -> np.ndarray:
-    """Shard rows ``[CLS] A [SEP] B [SEP]`` (see :mod:`pipeline.shards`)."""
+    """Shard rows ``[CLS] A [SEP] B [SEP]`` (see :mod:`onebit_bert.shards`)."""
     sequences = [[cls_id, *a, sep_id, *b, sep_id] for a, b, _ in pairs]  # C-level copies
     rows = _rows(sequences, seq_length)
     rows["sep"] = [len(a) + 1 for a, _, _ in pairs]

@@ -45,9 +45,9 @@ from data_prep.instances import (
 from data_prep.sources import RawDocument, check_sources, input_bytes, read_source
 from data_prep.text import document_sentences
 from data_prep.tokenizer import build_tokenizer, load_backend, save_tokenizer, tokenizer_hash
-from pipeline.config import to_dict
-from pipeline.io import atomic_write_json
-from pipeline.shards import FORMAT_VERSION, MANIFEST, row_dtype, shard_name, write_shard
+from onebit_bert.config import to_dict
+from onebit_bert.io import atomic_write_json
+from onebit_bert.shards import FORMAT_VERSION, MANIFEST, row_dtype, shard_name, write_shard
 
 log = logging.getLogger("data_prep")
 

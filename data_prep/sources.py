@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from data_prep.config import DataPrepConfig, SourceConfig
-from pipeline.io import sha256_file
+from onebit_bert.io import sha256_file
 
 PROBE_BYTES = 1 << 16
 

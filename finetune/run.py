@@ -22,9 +22,9 @@ from finetune.config import RECIPES, FinetuneConfig
 from finetune.glue_tasks import get_task
 from finetune.metrics import compute_glue, compute_squad
 from finetune.trainer import fit, predict, seed_everything
-from pipeline.config import save_config
-from pipeline.io import atomic_write_json
-from pipeline.precision import resolve_precision
+from onebit_bert.config import save_config
+from onebit_bert.io import atomic_write_json
+from onebit_bert.precision import resolve_precision
 
 log = logging.getLogger("finetune")
 

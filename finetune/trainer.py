@@ -9,8 +9,8 @@ import random
 import numpy as np
 import torch
 
-from pipeline.optim.build import weight_decay_groups
-from pipeline.precision import autocast
+from onebit_bert.optim.build import weight_decay_groups
+from onebit_bert.precision import autocast
 
 
 def seed_everything(seed: int) -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from onebit_bert.config import ConfigError
 from pipeline.experiment import Experiment, Stage, load_experiment
 
 

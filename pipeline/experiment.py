@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.config import load_config, save_config
+from onebit_bert.config import load_config, save_config
 
 
 @dataclass
@@ -322,7 +322,7 @@ class Experiment:
             ]
         if stage.kind == "finetune":
             return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
-        return [python, "-m", "finetune", "report", *stage.args, "--out", str(stage.output)]
+        return [python, "-m", "pipeline.report", *stage.args, "--out", str(stage.output)]
 
 
 def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from onebit_bert.io import atomic_write_json, atomic_write_text
 from pipeline.experiment import Experiment, Stage
-from pipeline.io import atomic_write_json, atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = REPO / "slurm"

@@ -7,8 +7,8 @@ import argparse
 import json
 import sys
 
-from pipeline.config import ConfigError, load_config
-from pipeline.distributed.env import destroy_distributed, init_distributed
+from onebit_bert.config import ConfigError, load_config
+from onebit_bert.distributed.env import destroy_distributed, init_distributed
 from pretrain.config import PretrainConfig
 from pretrain.train import train
 

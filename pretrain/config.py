@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pipeline.logging import LoggingConfig
-from pipeline.optim.build import OptimizerConfig
+from onebit_bert.metrics_log import LoggingConfig
+from onebit_bert.optim.build import OptimizerConfig
 
 PRESETS = ("bert-tiny", "bert-mini", "bert-small", "bert-base", "bert-large")
 

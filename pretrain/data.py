@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.shards import PretrainingShards
+from onebit_bert.shards import PretrainingShards
 
 
 @dataclass(frozen=True)

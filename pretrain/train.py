@@ -21,15 +21,15 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline.checkpoint import CheckpointManager
-from pipeline.config import save_config, to_dict
-from pipeline.distributed.env import DistContext
-from pipeline.distributed.netdev import InterfaceCounter, resolve_interface
-from pipeline.io import atomic_write_json
-from pipeline.logging import MetricsLogger
-from pipeline.optim.build import build_optimizer, syncs_internally
-from pipeline.precision import LossScaler, autocast, resolve_precision
-from pipeline.shards import PretrainingShards
+from onebit_bert.checkpoint import CheckpointManager
+from onebit_bert.config import save_config, to_dict
+from onebit_bert.distributed.env import DistContext
+from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
+from onebit_bert.io import atomic_write_json
+from onebit_bert.metrics_log import MetricsLogger
+from onebit_bert.optim.build import build_optimizer, syncs_internally
+from onebit_bert.precision import LossScaler, autocast, resolve_precision
+from onebit_bert.shards import PretrainingShards
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, TokenIds, make_batch
 from pretrain.model import PretrainingLoss, build_model, load_weights, untrained_position_rows

@@ -72,7 +72,7 @@ def prepare_corpus(directory: Path, seq_length: int = 64, n_docs: int = 600) -> 
     """A prepared (data_prep) corpus of generated text; returns its seq<N> directory."""
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare
-    from pipeline.config import from_dict
+    from onebit_bert.config import from_dict
 
     paths = write_corpus(directory / "corpus", n_docs=n_docs)
     cfg = from_dict(

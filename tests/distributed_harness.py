@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.distributed import Communicator
+from onebit_bert.distributed import Communicator
 
 TIMEOUT_S = 120
 

@@ -65,7 +65,7 @@ def _run(comm, cfg: dict) -> dict:
 def record(name: str, corpus: Path, workdir: Path) -> dict:
     """Run ``name`` on 2 ranks; its per-step losses (exact, as hex floats), validation
     losses and the final weights' digest on each rank."""
-    from pipeline.logging import read_metrics
+    from onebit_bert.metrics_log import read_metrics
     from tests.distributed_harness import run_ranks
     from tests.test_pretrain import tiny_config
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.hf_mlm_baseline import run_hf_mlm_baseline
+from bench.rss import PeakRSS
 
-from hf_mlm_baseline import run_hf_mlm_baseline  # noqa: E402
-from rss import PeakRSS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 SHARED_DATA = Path(
     os.environ.get("SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+from bench import netem
 
-import netem  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+
 
 REASON = netem.check_privileges() if sys.platform == "linux" else "not Linux"
 
@@ -45,7 +45,8 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "netem.py"),
+            "-m",
+            "bench.netem",
             "--data",
             str(tiny_corpus),
             "--model",

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pipeline.distributed import Communicator, ErrorFeedback
-from pipeline.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.distributed import Communicator, ErrorFeedback
+from onebit_bert.distributed.packing import pack_signs, unpack_signs
 from tests.distributed_harness import run_ranks
 
 # ----------------------------------------------------------------------------- packing

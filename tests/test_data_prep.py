@@ -19,8 +19,8 @@ from data_prep.config import DataPrepConfig
 from data_prep.prepare import OutputConflictError, prepare
 from data_prep.sources import SourceError
 from data_prep.tokenizer import TokenizerError
-from pipeline.config import ConfigError, load_config
-from pipeline.shards import PretrainingShards
+from onebit_bert.config import ConfigError, load_config
+from onebit_bert.shards import PretrainingShards
 from tests.corpus import WORDS, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def config(tmp: Path, corpus: dict[str, Path], **overrides) -> DataPrepConfig:
         "progress": False,
     }
     items.update(overrides)
-    from pipeline.config import from_dict
+    from onebit_bert.config import from_dict
 
     return from_dict(DataPrepConfig, items)
 
@@ -180,7 +180,7 @@ def _run_in_subprocess(cfg_path: Path) -> subprocess.Popen:
 def test_resume_after_a_kill_gives_the_same_bytes(tmp_path, corpus, finished):
     cfg, _ = finished
     killed = config(tmp_path, corpus, keep_work=True)
-    from pipeline.config import save_config
+    from onebit_bert.config import save_config
 
     cfg_path = tmp_path / "cfg.yaml"
     save_config(killed, cfg_path)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipeline.distributed import Communicator, resolve_launch_env
-from pipeline.distributed.env import expand_hostlist
+from onebit_bert.distributed import Communicator, resolve_launch_env
+from onebit_bert.distributed.env import expand_hostlist
 from tests.distributed_harness import run_ranks
 
 # ----------------------------------------------------------------------------- environment
@@ -90,7 +90,7 @@ def _free_port() -> int:
 
 
 def _init_from_env(rank, env_for_rank, out_dir):
-    from pipeline.distributed import destroy_distributed, init_distributed
+    from onebit_bert.distributed import destroy_distributed, init_distributed
 
     os.environ.update(env_for_rank(rank))
     torch.set_num_threads(1)
@@ -155,7 +155,7 @@ def test_init_distributed_joins_real_gloo_group(tmp_path, kind):
 
 
 def test_init_distributed_alone_creates_no_group():
-    from pipeline.distributed import init_distributed
+    from onebit_bert.distributed import init_distributed
 
     ctx = init_distributed(env={})
     assert ctx.world_size == 1 and ctx.backend is None and ctx.comm.group is None

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from finetune.config import FinetuneConfig
-from finetune.report import write_report
 from finetune.run import run
-from pipeline.config import from_dict
+from onebit_bert.config import from_dict
+from pipeline.report import write_report
 from tests.corpus import WORDS, sentence
 
 SHARED = Path(

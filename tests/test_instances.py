@@ -14,7 +14,7 @@ from data_prep.instances import (
     rows_from_pairs,
     truncate_pair,
 )
-from pipeline.shards import rows_to_features
+from onebit_bert.shards import rows_to_features
 
 CLS, SEP = 2, 3
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pipeline.optim import Lamb
+from onebit_bert.optim import Lamb
 
 
 def _one_step(w, g, **kw):

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from pipeline.distributed.netdev import (
+from onebit_bert.distributed.netdev import (
     InterfaceBytes,
     InterfaceCounter,
     read_interfaces,

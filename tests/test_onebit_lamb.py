@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from pipeline.distributed import Communicator
-from pipeline.optim import Lamb, OneBitLamb
+from onebit_bert.distributed import Communicator
+from onebit_bert.optim import Lamb, OneBitLamb
 from tests.distributed_harness import run_ranks
 from tests.test_compressed_allreduce import simulate
 from tests.toy import ToyConfig, train_toy

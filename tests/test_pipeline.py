@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from onebit_bert.config import ConfigError
 from pipeline.__main__ import main
-from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
 from pipeline.slurm import SlurmChain, render
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, from_dict, load_config, save_config
-from pipeline.distributed.env import DistContext, LaunchEnv
-from pipeline.logging import read_metrics
+from onebit_bert.config import ConfigError, from_dict, load_config, save_config
+from onebit_bert.distributed.env import DistContext, LaunchEnv
+from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig, ScheduleConfig
 from pretrain.data import BatchSchedule, TokenIds, mask_tokens
 from pretrain.schedule import lr_multiplier
@@ -311,7 +311,7 @@ def test_bad_configs_fail_before_compute(tiny_corpus, tmp_path, overrides, error
 
 
 def _single():
-    from pipeline.distributed import Communicator
+    from onebit_bert.distributed import Communicator
 
     return Communicator(None)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import load_config, save_config
+from onebit_bert.config import load_config, save_config
+from onebit_bert.metrics_log import read_metrics
 from pipeline.experiment import Stage, load_experiment
-from pipeline.logging import read_metrics
 from pipeline.slurm import SlurmChain
 from pretrain.config import PretrainConfig
 from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
+import smoke_data
 from finetune.glue_tasks import get_task
 from finetune.squad import read_squad_json, split_by_article
-from pipeline import smoke_data
-from pipeline.smoke_data import (
+from smoke_data import (
     TASK_SIZES,
     clean_text,
-    main,
     smoke_documents,
     write_corpus,
     write_tasks,
 )
+from smoke_data.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER_COLUMNS = {"SST-2": 2, "MRPC": 5, "STS-B": 10}
@@ -80,7 +80,7 @@ def test_a_fresh_process_with_another_hash_seed_writes_the_same_files(out, tmp_p
     # (transformers adds methods to logging.Logger), which must not change the corpus.
     code = (
         "import sys, torch, transformers, datasets\n"
-        "from pipeline.smoke_data import main\n"
+        "from smoke_data.__main__ import main\n"
         "main(['--out', sys.argv[1]])\n"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

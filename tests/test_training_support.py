@@ -8,11 +8,11 @@ import warnings
 import pytest
 import torch
 
-from pipeline.checkpoint import CheckpointManager
-from pipeline.config import ConfigError, load_config, parse_overrides
-from pipeline.distributed import Communicator
-from pipeline.logging import LoggingConfig, MetricsLogger, read_metrics
-from pipeline.precision import LossScaler, resolve_precision
+from onebit_bert.checkpoint import CheckpointManager
+from onebit_bert.config import ConfigError, load_config, parse_overrides
+from onebit_bert.distributed import Communicator
+from onebit_bert.metrics_log import LoggingConfig, MetricsLogger, read_metrics
+from onebit_bert.precision import LossScaler, resolve_precision
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipeline.distributed import Communicator
-from pipeline.optim import Lamb, OneBitLamb
+from onebit_bert.distributed import Communicator
+from onebit_bert.optim import Lamb, OneBitLamb
 
 NOISE_STD = 0.1
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from pipeline.distributed.comm import Communicator
-from pipeline.io import atomic_open, atomic_write_json
+from onebit_bert.distributed.comm import Communicator
+from onebit_bert.io import atomic_open, atomic_write_json
 
 COMPLETE = "complete.json"
 SHARED = "shared.pt"

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from pipeline.io import atomic_write_text
+from onebit_bert.io import atomic_write_text
 
 T = TypeVar("T")
 

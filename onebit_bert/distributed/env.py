@@ -3,7 +3,7 @@
 Precedence: torchrun variables (RANK/WORLD_SIZE) win over SLURM's, because a job that runs
 one ``torchrun`` per node under ``srun`` has both and torchrun's are the per-process ones.
 With neither, the process runs alone: no process group is created and every collective of
-:class:`pipeline.distributed.comm.Communicator` is a no-op.
+:class:`onebit_bert.distributed.comm.Communicator` is a no-op.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed.comm import Communicator
+from onebit_bert.distributed.comm import Communicator
 
 # Ports 29500-30499: torchrun's default port plus an offset derived from the job id, so
 # two jobs sharing a node do not collide on the rendezvous port.

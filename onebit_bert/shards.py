@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.io import atomic_open
+from onebit_bert.io import atomic_open
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

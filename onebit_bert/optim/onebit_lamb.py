@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from pipeline.distributed.comm import Communicator
-from pipeline.distributed.compression import ErrorFeedback, padded_size
-from pipeline.optim.lamb import (
+from onebit_bert.distributed.comm import Communicator
+from onebit_bert.distributed.compression import ErrorFeedback, padded_size
+from onebit_bert.optim.lamb import (
     check_lamb_hyperparameters,
     check_params_and_grads,
     check_state_shapes,

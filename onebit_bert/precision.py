@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from pipeline.distributed.comm import Communicator
+from onebit_bert.distributed.comm import Communicator
 
 Mode = Literal["auto", "fp32", "bf16", "fp16"]
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.io import atomic_write_json, atomic_write_text
-from pipeline.logging import read_metrics
+from onebit_bert.io import atomic_write_json, atomic_write_text
+from onebit_bert.metrics_log import read_metrics
 from pipeline.stats import mean_std, welch_t_test
 
 ALPHA = 0.05
@@ -492,3 +492,34 @@ def write_report(run_specs: list[str], out: str | Path) -> dict:
     }
     atomic_write_json(out / "report.json", report)
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.report --run NAME=PRETRAIN_DIR:FINETUNE_DIR ... --out DIR``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.report",
+        description="Compare pretraining runs (and their fine-tuning) and write report.md "
+        "with figures; runs that share a NAME are seeds of one arm.",
+    )
+    parser.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        help="NAME=PRETRAIN_RUN_DIR:FINETUNE_OUTPUT_DIR (two or more)",
+    )
+    parser.add_argument("--out", required=True, help="report directory")
+    args = parser.parse_args(argv)
+    try:
+        write_report(args.run, args.out)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {args.out}/report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

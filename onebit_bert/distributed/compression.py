@@ -1,7 +1,7 @@
 """State and arithmetic of the error-compensated 1-bit all-reduce.
 
 The collective itself (which tensors go where) is
-:meth:`pipeline.distributed.comm.Communicator.compressed_all_reduce`; this module holds what
+:meth:`onebit_bert.distributed.comm.Communicator.compressed_all_reduce`; this module holds what
 it needs between calls (:class:`ErrorFeedback`) and the per-bucket arithmetic, so the
 collective reads as "compress, exchange, combine, exchange, expand".
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.distributed.packing import pack_signs, unpack_signs
 
 # Bytes used to carry one fp32 scale next to the packed signs in the same message.
 SCALE_BYTES = 4

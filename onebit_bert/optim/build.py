@@ -14,9 +14,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from pipeline.distributed.comm import Communicator
-from pipeline.optim.lamb import Lamb
-from pipeline.optim.onebit_lamb import OneBitLamb
+from onebit_bert.distributed.comm import Communicator
+from onebit_bert.optim.lamb import Lamb
+from onebit_bert.optim.onebit_lamb import OneBitLamb
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm.weight")
 

@@ -1,50 +1,14 @@
-"""Offline smoke-test data: a small English corpus and generated fine-tuning tasks.
-
-``make smoke`` runs the whole chain (data prep, pretraining, fine-tuning, report) on a fresh
-machine with no network and no third-party text in the repository, so the text comes from
-what every CPython installation carries:
-
-* ``pydoc_data.topics.topics``: the language reference topics shown by ``help()`` (~79
-  topics, ~465 KB of English prose), one document per topic, cleaned of reST headings,
-  directives, tables and code blocks, with hard-wrapped lines joined into paragraphs;
-* the docstrings of :data:`STDLIB_MODULES`, a fixed list of pure-Python standard-library
-  modules, one document per module: its docstring followed by the docstrings of its public
-  classes (and their public methods) and functions, in sorted-name order, without doctest
-  or code-like lines and without very short docstrings.
-
-Everything is deterministic for a given Python version and platform (sorted names, no order
-taken from sets or string hashes, :class:`random.Random` seeded from the task seed); another
-Python version ships other docs, so the corpus and tasks differ between versions.
-
-From the same documents :func:`write_tasks` builds small tasks whose labels follow simple
-rules that a small BERT can learn, in the layouts the fine-tuning stage reads:
-
-* ``SST-2``: is the sentence from a standard-library docstring (1) or a language-reference
-  topic (0)? Balanced 50/50, every sentence used once;
-* ``MRPC``: is sentence 2 sentence 1 with one or two words dropped or two adjacent words
-  swapped (1), or another sentence of a document (0)?
-* ``STS-B``: sentence 2 is sentence 1 with a random share of its words replaced by words of
-  another sentence (or an unrelated sentence); the score is 5 x the Jaccard overlap of the
-  two sentences' lower-cased word sets;
-* ``squad/dev-v1.1.json``: articles are documents, contexts their paragraphs; a question
-  ``What comes after "w1 w2 w3"?`` is answered by the next one to three words. Only a dev
-  file: the fine-tuning stage splits it by article for local runs.
-
-Run ``python -m pipeline.smoke_data --out DIR`` to write ``DIR/corpus.jsonl`` (+
-``corpus.json``), ``DIR/{SST-2,MRPC,STS-B}/{train,dev}.tsv`` and ``DIR/squad/dev-v1.1.json``;
-it prints a one-line JSON summary.
-"""
+"""The smoke corpus: CPython's language-reference topics and standard-library docstrings,
+cleaned into English paragraphs (see the package docstring for what is kept and why)."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import importlib
 import inspect
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -53,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.io import atomic_write_bytes, atomic_write_json
+from onebit_bert.io import atomic_write_bytes, atomic_write_json
 
 STDLIB_MODULES: tuple[str, ...] = (
     "argparse",
@@ -141,23 +105,6 @@ e.g. a build without ``_ssl`` or ``_sqlite3``, is skipped; none of these needs o
 
 SOURCE_TOPICS = "pydoc_topics"
 SOURCE_DOCSTRINGS = "stdlib_docstrings"
-
-TASK_SIZES: dict[str, tuple[int, int]] = {
-    "SST-2": (2000, 400),
-    "MRPC": (1500, 300),
-    "STS-B": (1500, 300),
-}
-"""GLUE-like task -> (train rows, dev rows)."""
-
-SQUAD_ARTICLES = 40
-SQUAD_PARAGRAPHS = 5
-"""SQuAD-like file: articles (documents) and paragraphs (contexts) per article."""
-
-MRPC_HEADER = "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String"
-STSB_HEADER = (
-    "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore"
-)
-SST2_HEADER = "sentence\tlabel"
 
 MIN_DOCSTRING_CHARS = 60
 """Docstrings (after cleaning) shorter than this are skipped."""
@@ -419,7 +366,7 @@ def _candidate_documents() -> list[Document]:
 
 _CHILD = (
     "import json, sys\n"
-    "from pipeline.smoke_data import _candidate_documents\n"
+    "from smoke_data.documents import _candidate_documents\n"
     "json.dump([[d.title, d.source, list(d.paragraphs)] for d in _candidate_documents()],"
     " sys.stdout)\n"
 )
@@ -501,303 +448,3 @@ def write_corpus(directory: Path) -> Path:
         },
     )
     return path
-
-
-# ----------------------------------------------------------------------------- sentences
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"\u201d)]?\s+(?=[\"\u201c(]?[A-Z])")
-_ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "Mr.", "Dr.", "No.", "approx.")
-_TOKEN = re.compile(r"\w+")
-
-
-def _sentences(paragraph: str) -> list[str]:
-    """Split a paragraph at sentence ends (not after common abbreviations)."""
-    out: list[str] = []
-    start = 0
-    for m in _SENTENCE_END.finditer(paragraph):
-        head = paragraph[start : m.start()]
-        if head.endswith(_ABBREVIATIONS) or re.search(r"\b[A-Za-z]\.$", head):
-            continue
-        out.append(paragraph[start : m.end()].strip())
-        start = m.end()
-    out.append(paragraph[start:].strip())
-    return [s for s in out if s]
-
-
-_TSV_BREAKERS = re.compile("[\t\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
-"""Characters that break a TSV row: tabs and whatever ``str.splitlines`` splits on."""
-
-
-def _tsv_safe(text: str) -> str:
-    """One line of text: every whitespace run (tabs and line breaks included) -> one space."""
-    return " ".join(_TSV_BREAKERS.sub(" ", text).split())
-
-
-def _good_sentence(sentence: str) -> bool:
-    words = sentence.split()
-    return (
-        8 <= len(words) <= 40
-        and sentence[0].isupper()
-        and sentence.endswith((".", "!", "?"))
-        and not sentence.endswith(":")
-    )
-
-
-def _sentence_pool(docs: Sequence[Document]) -> list[tuple[str, int]]:
-    """Distinct good sentences in corpus order, with the index of their document."""
-    seen: dict[str, int] = {}
-    for i, doc in enumerate(docs):
-        for paragraph in doc.paragraphs:
-            for sentence in _sentences(paragraph):
-                sentence = _tsv_safe(sentence)
-                if _good_sentence(sentence):
-                    seen.setdefault(sentence, i)
-    return list(seen.items())
-
-
-def _words(sentence: str) -> list[str]:
-    return sentence.split()
-
-
-def _jaccard(a: str, b: str) -> float:
-    wa = dict.fromkeys(t.lower() for t in _TOKEN.findall(a))
-    wb = dict.fromkeys(t.lower() for t in _TOKEN.findall(b))
-    union = len(wa | wb)
-    return len(wa.keys() & wb.keys()) / union if union else 1.0
-
-
-# ----------------------------------------------------------------------------- GLUE-like tasks
-
-
-def _split(rows: list, sizes: tuple[int, int]) -> tuple[list, list]:
-    train, dev = sizes
-    if len(rows) < train + dev:
-        raise RuntimeError(f"only {len(rows)} rows for {train} train + {dev} dev")
-    return rows[:train], rows[train : train + dev]
-
-
-def _sst2(pool: list[tuple[str, int]], docs, rng: random.Random) -> tuple[list, list]:
-    sizes = TASK_SIZES["SST-2"]
-    half = (sizes[0] + sizes[1]) // 2
-    by_label: dict[int, list[str]] = {0: [], 1: []}
-    for sentence, d in pool:
-        by_label[int(docs[d].source == SOURCE_DOCSTRINGS)].append(sentence)
-    rows = []
-    for label in (0, 1):
-        if len(by_label[label]) < half:
-            raise RuntimeError(
-                f"SST-2: only {len(by_label[label])} sentences with label {label}, need {half}"
-            )
-        chosen = rng.sample(by_label[label], half)
-        rows.extend((s, label) for s in chosen)
-    rng.shuffle(rows)
-    return _split(rows, sizes)
-
-
-def _perturb_equivalent(sentence: str, rng: random.Random) -> str:
-    """Drop one or two words, or swap two adjacent words."""
-    words = _words(sentence)
-    if rng.random() < 0.5:
-        for _ in range(rng.choice((1, 2))):
-            del words[rng.randrange(1, len(words) - 1)]
-    else:
-        i = rng.randrange(1, len(words) - 2)
-        words[i], words[i + 1] = words[i + 1], words[i]
-    return " ".join(words)
-
-
-def _mrpc(pool: list[tuple[str, int]], rng: random.Random) -> tuple[list, list]:
-    sizes = TASK_SIZES["MRPC"]
-    total = sum(sizes)
-    firsts = rng.sample(range(len(pool)), total)
-    rows = []
-    for n, i in enumerate(firsts):
-        s1 = pool[i][0]
-        if n % 2 == 0:
-            label, s2 = 1, _perturb_equivalent(s1, rng)
-        else:
-            j = rng.randrange(len(pool) - 1)
-            j += j >= i  # any other sentence
-            label, s2 = 0, pool[j][0]
-        rows.append((label, 100000 + 2 * n, 100001 + 2 * n, s1, s2))
-    rng.shuffle(rows)
-    return _split(rows, sizes)
-
-
-def _stsb(pool: list[tuple[str, int]], rng: random.Random) -> tuple[list, list]:
-    sizes = TASK_SIZES["STS-B"]
-    total = sum(sizes)
-    firsts = rng.sample(range(len(pool)), total)
-    rows = []
-    for n, i in enumerate(firsts):
-        s1 = pool[i][0]
-        other = _words(pool[rng.randrange(len(pool))][0])
-        if n % 6 == 0:
-            s2 = " ".join(other)  # unrelated (or, rarely, the same) sentence
-        else:
-            words = _words(s1)
-            share = rng.random() ** 1.5  # share of words replaced (skewed low: even scores)
-            for k in range(len(words)):
-                if rng.random() < share:
-                    words[k] = rng.choice(other)
-            if rng.random() < 0.3 and len(words) > 4:
-                del words[rng.randrange(len(words))]
-            s2 = " ".join(words)
-        score = round(5 * _jaccard(s1, s2), 2)
-        rows.append((n, s1, s2, score))
-    rng.shuffle(rows)
-    return _split(rows, sizes)
-
-
-def _write_tsv(path: Path, header: str, rows: list[Sequence[object]]) -> None:
-    lines = [header]
-    for row in rows:
-        cells = [str(c) for c in row]
-        for cell in cells:
-            if _TSV_BREAKERS.search(cell):
-                raise ValueError(f"tab or line break in TSV cell {cell!r}")
-        lines.append("\t".join(cells))
-    _write_utf8(path, "\n".join(lines) + "\n")
-
-
-# ----------------------------------------------------------------------------- SQuAD-like
-
-_SPAN_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_'\-]*")
-
-
-def _questions(context: str, rng: random.Random, count: int) -> list[tuple[str, str, int]]:
-    """Up to ``count`` (question, answer, answer_start): the 1-3 words after a word trigram
-    that occurs once in the context, all separated by single spaces."""
-    words = [(m.start(), m.end()) for m in _SPAN_WORD.finditer(context)]
-    text = [context[a:b] for a, b in words]
-    trigrams: dict[tuple[str, ...], int] = {}
-    for i in range(len(words) - 2):
-        key = tuple(w.lower() for w in text[i : i + 3])
-        trigrams[key] = trigrams.get(key, 0) + 1
-    starts = [
-        i for i in range(len(words) - 3) if trigrams[tuple(w.lower() for w in text[i : i + 3])] == 1
-    ]
-    chosen: list[tuple[int, int]] = []
-    for i in rng.sample(starts, len(starts)):
-        last = min(i + 2 + rng.randint(1, 3), len(words) - 1)  # 1-3 answer words
-        if any(context[words[k][1] : words[k + 1][0]] != " " for k in range(i, last)):
-            continue  # punctuation or a line break inside the cue or the answer
-        if all(last < j or i > end for j, end in chosen):  # no overlapping spans
-            chosen.append((i, last))
-            if len(chosen) == count:
-                break
-    out = []
-    for i, last in sorted(chosen):
-        cue = " ".join(text[i : i + 3])
-        start, end = words[i + 3][0], words[last][1]
-        out.append((f'What comes after "{cue}"?', context[start:end], start))
-    return out
-
-
-def _squad(docs: Sequence[Document], rng: random.Random) -> dict:
-    eligible = []
-    for doc in docs:
-        paragraphs = [p for p in doc.paragraphs if 250 <= len(p) <= 1200]
-        if len(paragraphs) >= SQUAD_PARAGRAPHS:
-            eligible.append((doc, paragraphs))
-    articles = []
-    qid = 0
-    for doc, paragraphs in rng.sample(eligible, min(SQUAD_ARTICLES, len(eligible))):
-        entries = []
-        for context in rng.sample(paragraphs, SQUAD_PARAGRAPHS):
-            questions = _questions(context, rng, rng.choice((2, 3)))
-            if len(questions) < 2:
-                continue  # (not seen in practice: paragraphs have many unique trigrams)
-            qas = []
-            for question, answer, start in questions:
-                qas.append(
-                    {
-                        "id": f"smoke-{qid:05d}",
-                        "question": question,
-                        "answers": [{"text": answer, "answer_start": start}],
-                    }
-                )
-                qid += 1
-            entries.append({"context": context, "qas": qas})
-        articles.append({"title": doc.title, "paragraphs": entries})
-    return {"version": "1.1", "data": articles}
-
-
-def write_tasks(directory: Path, seed: int = 0) -> Path:
-    """Write the generated fine-tuning tasks under ``directory`` (GLUE layout
-    ``SST-2``/``MRPC``/``STS-B`` ``{train,dev}.tsv`` and ``squad/dev-v1.1.json``), atomically;
-    deterministic for ``seed``. Returns ``directory``."""
-    directory = Path(directory)
-    docs = documents()
-    pool = _sentence_pool(docs)
-
-    rng = random.Random(f"smoke-data/sst2/{seed}")
-    train, dev = _sst2(pool, docs, rng)
-    for name, rows in (("train", train), ("dev", dev)):
-        _write_tsv(directory / "SST-2" / f"{name}.tsv", SST2_HEADER, rows)
-
-    rng = random.Random(f"smoke-data/mrpc/{seed}")
-    train, dev = _mrpc(pool, rng)
-    for name, rows in (("train", train), ("dev", dev)):
-        _write_tsv(directory / "MRPC" / f"{name}.tsv", MRPC_HEADER, rows)
-
-    rng = random.Random(f"smoke-data/stsb/{seed}")
-    train, dev = _stsb(pool, rng)
-    for name, rows in (("train", train), ("dev", dev)):
-        table = [
-            (k, "smoke", "generated", "2024", n, "none", "none", s1, s2, f"{score:.2f}")
-            for k, (n, s1, s2, score) in enumerate(rows)
-        ]
-        _write_tsv(directory / "STS-B" / f"{name}.tsv", STSB_HEADER, table)
-
-    rng = random.Random(f"smoke-data/squad/{seed}")
-    atomic_write_json(directory / "squad" / "dev-v1.1.json", _squad(docs, rng))
-    return directory
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def _count_rows(path: Path) -> int:
-    return path.read_text(encoding="utf-8").count("\n") - 1
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.smoke_data",
-        description="Write the offline smoke corpus (corpus.jsonl) and generated fine-tuning "
-        "tasks (SST-2, MRPC, STS-B TSVs in GLUE's layout, squad/dev-v1.1.json) into one folder.",
-    )
-    parser.add_argument("--out", required=True, type=Path, help="output folder")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated tasks")
-    args = parser.parse_args(argv)
-
-    corpus = write_corpus(args.out)
-    write_tasks(args.out, seed=args.seed)
-    counts = json.loads((args.out / "corpus.json").read_text(encoding="utf-8"))
-    squad = json.loads((args.out / "squad" / "dev-v1.1.json").read_text(encoding="utf-8"))
-    summary = {
-        "out": str(args.out),
-        "corpus": str(corpus),
-        "documents": counts["documents"],
-        "characters": counts["characters"],
-        "tasks": {
-            task: {
-                split: _count_rows(args.out / task / f"{split}.tsv") for split in ("train", "dev")
-            }
-            for task in TASK_SIZES
-        },
-        "squad": {
-            "articles": len(squad["data"]),
-            "paragraphs": sum(len(a["paragraphs"]) for a in squad["data"]),
-            "questions": sum(len(p["qas"]) for a in squad["data"] for p in a["paragraphs"]),
-        },
-        "seed": args.seed,
-        "python_version": counts["python_version"],
-    }
-    print(json.dumps(summary), flush=True)
-    return summary
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Distributed machinery shared by every stage: process-group setup and all collectives."""
 
-from pipeline.distributed.comm import CommStats, Communicator
-from pipeline.distributed.compression import ErrorFeedback
-from pipeline.distributed.env import (
+from onebit_bert.distributed.comm import CommStats, Communicator
+from onebit_bert.distributed.compression import ErrorFeedback
+from onebit_bert.distributed.env import (
     DistContext,
     LaunchEnv,
     destroy_distributed,

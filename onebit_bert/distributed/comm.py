@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed.compression import (
+from onebit_bert.distributed.compression import (
     SCALE_BYTES,
     ErrorFeedback,
     combine_chunks,
@@ -34,7 +34,7 @@ from pipeline.distributed.compression import (
     frame,
     read_scales,
 )
-from pipeline.distributed.packing import sign_table, unpack_signs
+from onebit_bert.distributed.packing import sign_table, unpack_signs
 
 
 @dataclass
