@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from data_prep.outputs import seq_dir
+
 REPO = Path(__file__).resolve().parents[1]
 WIKI = "enwiki_wikiextractor_sample/*.txt.gz"
 VOCAB = "bert_vocab/uncased/vocab.txt"
@@ -36,6 +38,9 @@ def pretrain_config(
             "name": optimizer,
             "lr": 1e-4 if optimizer == "adamw" else 5e-3,
             "freeze_step": freeze_step,
+            "eps": 1e-6,
+            "weight_decay": 0.01,
+            "max_coeff": 0.3,
         },
         "schedule": {"name": "constant", "max_steps": steps, "warmup_proportion": 0.0},
         "checkpoint": {"every": 10**6},
@@ -88,4 +93,4 @@ def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 30
         max_documents=max_documents,
     )
     subprocess.run(command, cwd=REPO, check=True, capture_output=True)
-    return out / "seq128"
+    return seq_dir(out, 128)

@@ -32,6 +32,7 @@ from pathlib import Path
 from bench.common import WIKI, data_prep_command
 from bench.hf_mlm_baseline import run_hf_mlm_baseline
 from bench.rss import PeakRSS
+from data_prep.outputs import read_manifest, tokenizer_dir
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -60,7 +61,7 @@ def run_ours(data_root: Path, output: Path, seq_length: int, workers: int) -> di
         seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"data_prep failed:\n{done.stdout}\n{done.stderr}")
-    manifest = json.loads((output / f"seq{seq_length}" / "manifest.json").read_text())
+    manifest = read_manifest(output, seq_length)
     tokens = manifest["corpus_tokens"]
     return {
         "tokens": tokens,
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
         extract_bodies(data_root, text_file)
         baseline = run_hf_mlm_baseline(
             str(text_file),
-            str(tmp / "ours" / "tokenizer"),
+            str(tokenizer_dir(tmp / "ours")),
             block_size=args.seq_length,
             num_proc=args.workers,
         )

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bench.common import prepare_wikipedia_seq128, pretrain_config, shared_data_error
+from pretrain.outputs import metrics_path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -54,9 +55,7 @@ def our_loop(data: Path, tmp: Path, optimizer: str, steps: int, batch: int, warm
     )
     train(cfg, ctx)
     rates = [
-        r["samples_per_s"]
-        for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
-        if "samples_per_s" in r
+        r["samples_per_s"] for r in read_metrics(metrics_path(cfg.run_dir)) if "samples_per_s" in r
     ][warmup:]
     return statistics.median(rates)
 
@@ -168,7 +167,7 @@ def breakdown(
         check=True,
         capture_output=True,
     )
-    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "step_seconds" in r]
+    records = [r for r in read_metrics(metrics_path(run_dir)) if "step_seconds" in r]
     if optimizer == "onebit_lamb":
         records = [r for r in records if r["stage"] == "compression"]
     records = records[2:]  # warm-up

@@ -42,12 +42,21 @@ from data_prep.instances import (
     rows_from_chunks,
     rows_from_pairs,
 )
+from data_prep.outputs import (
+    TOKENIZER,
+    manifest_path,
+    seq_dir,
+    seq_lengths_present,
+    tokenizer_dir,
+    work_dir,
+    write_manifest,
+)
 from data_prep.sources import RawDocument, check_sources, input_bytes, read_source
 from data_prep.text import document_sentences
 from data_prep.tokenizer import build_tokenizer, load_backend, save_tokenizer, tokenizer_hash
 from onebit_bert.config import to_dict
 from onebit_bert.io import atomic_write_json
-from onebit_bert.shards import FORMAT_VERSION, MANIFEST, row_dtype, shard_name, write_shard
+from onebit_bert.shards import FORMAT_VERSION, row_dtype, shard_name, write_shard
 
 log = logging.getLogger("data_prep")
 
@@ -188,7 +197,7 @@ def process_unit(task: tuple) -> dict:
 
 
 def unit_path(work: Path, seq_length: int, split: str, index: int) -> Path:
-    return work / f"seq{seq_length}" / split / f"{index:07d}.npy"
+    return seq_dir(work, seq_length) / split / f"{index:07d}.npy"
 
 
 def done_path(work: Path, index: int) -> Path:
@@ -271,7 +280,7 @@ class ShardWriter:
 
 
 def write_shards(cfg: DataPrepConfig, work: Path, seq_length: int, num_units: int) -> dict:
-    directory = Path(cfg.output) / f"seq{seq_length}"
+    directory = seq_dir(cfg.output, seq_length)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = row_dtype(seq_length)
     out = {}
@@ -340,16 +349,16 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
     if manifests is not None:
         print_("data_prep: %s is complete and up to date", out)
         return manifests
-    work = out / "work"
+    work = work_dir(out)
     _claim_work_dir(work, fp, out)
 
-    tokenizer_dir = out / "tokenizer"
-    if not (tokenizer_dir / "tokenizer.json").is_file():
+    tok_dir = tokenizer_dir(out)
+    if not (tok_dir / "tokenizer.json").is_file():
         texts = _training_texts(cfg) if cfg.tokenizer.train else None
-        save_tokenizer(build_tokenizer(cfg, texts), tokenizer_dir)
+        save_tokenizer(build_tokenizer(cfg, texts), tok_dir)
     from transformers import AutoTokenizer
 
-    hf_tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    hf_tok = AutoTokenizer.from_pretrained(tok_dir)
     settings = {
         "seq_lengths": cfg.instances.seq_lengths,
         "mode": cfg.instances.mode,
@@ -362,7 +371,7 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
     }
 
     start = time.perf_counter()
-    totals = _run_units(cfg, work, tokenizer_dir, settings, input_bytes(described))
+    totals = _run_units(cfg, work, tok_dir, settings, input_bytes(described))
     unit_seconds = time.perf_counter() - start
 
     manifests = {}
@@ -385,15 +394,15 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
             "sentences": totals["sentences"],
             "units": totals["units"],
             "tokenizer": {
-                "path": "../tokenizer",
-                "sha256": tokenizer_hash(tokenizer_dir),
+                "path": f"../{TOKENIZER}",
+                "sha256": tokenizer_hash(tok_dir),
                 "vocab_size": len(hf_tok),
             },
             "sources": described,
             "fingerprint": fp,
             "config": to_dict(cfg),
         }
-        atomic_write_json(out / f"seq{seq_length}" / MANIFEST, manifest)
+        write_manifest(out, seq_length, manifest)
         manifests[seq_length] = manifest
     if not cfg.keep_work:
         shutil.rmtree(work)
@@ -409,7 +418,7 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
 def _finished_manifests(cfg: DataPrepConfig, fp: str) -> dict[int, dict] | None:
     manifests = {}
     for seq_length in cfg.instances.seq_lengths:
-        path = Path(cfg.output) / f"seq{seq_length}" / MANIFEST
+        path = manifest_path(cfg.output, seq_length)
         if not path.is_file():
             return None
         manifest = json.loads(path.read_text())
@@ -432,7 +441,7 @@ def _claim_work_dir(work: Path, fp: str, out: Path) -> None:
             )
         return
     if out.exists() and any(out.iterdir()):
-        stale = [p.name for p in out.iterdir() if p.name.startswith("seq")]
+        stale = [seq_dir(out, n).name for n in seq_lengths_present(out)]
         if stale:
             raise OutputConflictError(
                 f"{out} already holds {stale} from another run; choose another output "

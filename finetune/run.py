@@ -21,6 +21,7 @@ import torch
 from finetune.config import RECIPES, FinetuneConfig
 from finetune.glue_tasks import get_task
 from finetune.metrics import compute_glue, compute_squad
+from finetune.outputs import config_path, run_path, write_results, write_task_results
 from finetune.trainer import fit, predict, seed_everything
 from onebit_bert.config import save_config
 from onebit_bert.io import atomic_write_json
@@ -201,10 +202,6 @@ def make_runner(task: str, cfg: FinetuneConfig):
     return SquadRunner(cfg) if task == "squad" else GlueRunner(task, cfg)
 
 
-def _run_file(out: Path, task: str, lr: float, epochs: float, seed: int) -> Path:
-    return out / task / "runs" / f"lr{lr:g}_ep{epochs:g}_seed{seed}.json"
-
-
 def run(cfg: FinetuneConfig) -> dict:
     """Fine-tune on every task; returns (and writes) ``<output>/results.json``."""
     from transformers import AutoTokenizer
@@ -221,14 +218,14 @@ def run(cfg: FinetuneConfig) -> dict:
     precision = resolve_precision(cfg.precision, device)
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    save_config(cfg, config_path(out))
     results = {}
     for runner in runners:
         features = None
         batch_size = cfg.batch_size or runner.recipe.batch_size
         for lr, epochs in cfg.grid(runner.name):
             for seed in cfg.seeds:
-                path = _run_file(out, runner.name, lr, epochs, seed)
+                path = run_path(out, runner.name, lr, epochs, seed)
                 if path.is_file():
                     continue
                 if features is None:
@@ -263,8 +260,8 @@ def run(cfg: FinetuneConfig) -> dict:
                 )
                 log.info("%s lr=%g epochs=%g seed=%d: %s", runner.name, lr, epochs, seed, metrics)
         results[runner.name] = summarize(runner, cfg, out)
-        atomic_write_json(out / runner.name / "results.json", results[runner.name])
-    atomic_write_json(out / "results.json", results)
+        write_task_results(out, runner.name, results[runner.name])
+    write_results(out, results)
     return results
 
 
@@ -274,7 +271,7 @@ def summarize(runner, cfg: FinetuneConfig, out: Path) -> dict:
     grid = []
     for lr, epochs in cfg.grid(runner.name):
         runs = [
-            json.loads(_run_file(out, runner.name, lr, epochs, s).read_text()) for s in cfg.seeds
+            json.loads(run_path(out, runner.name, lr, epochs, s).read_text()) for s in cfg.seeds
         ]
         names = sorted(runs[0]["metrics"])
         mean = {k: statistics.fmean(r["metrics"][k] for r in runs) for k in names}

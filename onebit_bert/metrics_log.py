@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+METRICS_FILE = "metrics.jsonl"
+"""The file name of the metrics log in a run directory."""
+
 
 @dataclass
 class LoggingConfig:
@@ -60,7 +63,7 @@ class MetricsLogger:
     ):
         self.is_main = is_main
         self.cfg = cfg
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
         self._file = None
         self._wandb = None
         if not is_main:

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from onebit_bert.config import ConfigError
-from pipeline.experiment import Experiment, Stage, load_experiment
+from pipeline.experiment import INPUTS_COMPLETE, Experiment, Stage, load_experiment
+from pretrain.outputs import describe
 
 
 def stage_threads(kind: str, nproc: int, cores: int | None = None) -> int:
@@ -57,7 +58,7 @@ def _run_stage(exp: Experiment, stage: Stage) -> None:
     if proc.returncode != 0:
         raise RuntimeError(f"stage {stage.name} failed (exit {proc.returncode}); see {log}")
     if stage.kind == "inputs":
-        (stage.output / ".complete").write_text("")
+        (stage.output / INPUTS_COMPLETE).write_text("")
     if not stage.done():
         raise RuntimeError(
             f"stage {stage.name} ended without finishing its outputs "
@@ -89,24 +90,32 @@ def cmd_run(exp: Experiment, stages: list[str] | None) -> int:
     return 0
 
 
+def stage_state(stage: Stage, jobs: dict[str, int]) -> str:
+    """One line on a stage: done, what its outputs say (pretraining: see
+    :func:`pretrain.outputs.describe`), its SLURM job's state, or pending."""
+    from pipeline.slurm import job_state
+
+    if stage.done():
+        return "done"
+    parts = []
+    if stage.kind == "pretrain":
+        run = describe(stage.output)
+        if run.word != "pending":
+            parts.append(run.text)
+    if stage.name in jobs:
+        slurm = job_state(jobs[stage.name])
+        parts.append(
+            f"slurm job {jobs[stage.name]}: {slurm or 'unknown to SLURM (finished or failed)'}"
+        )
+    return "; ".join(parts) or "pending"
+
+
 def cmd_status(exp: Experiment) -> int:
-    from pipeline.slurm import SlurmChain, job_state
+    """Print every stage's state; reads outputs only, writes nothing."""
+    from pipeline.slurm import SlurmChain
 
     jobs = SlurmChain(exp).jobs()
-    rows = []
-    for stage in exp.stages:
-        if stage.done():
-            state = "done"
-        elif stage.name in jobs and (slurm := job_state(jobs[stage.name])) is not None:
-            state = f"slurm job {jobs[stage.name]}: {slurm}"
-        elif stage.kind == "pretrain" and (stage.output / "status.json").is_file():
-            info = json.loads((stage.output / "status.json").read_text())
-            state = f"{info.get('state')} at step {info.get('step')}"
-        elif stage.name in jobs:
-            state = f"slurm job {jobs[stage.name]}: unknown to SLURM (finished or failed)"
-        else:
-            state = "pending"
-        rows.append((stage.name, state))
+    rows = [(stage.name, stage_state(stage, jobs)) for stage in exp.stages]
     width = max(len(n) for n, _ in rows)
     for name, state in rows:
         print(f"{name:<{width}}  {state}")
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, *extra]
     try:
         exp = load_experiment(Path(args.config), overrides)
-        exp.resolve()  # every stage config checked and saved before anything runs
+        # Every stage config is checked, and saved before anything runs; status writes nothing.
+        exp.resolve(write=args.command != "status")
         if args.command == "run":
             return cmd_run(exp, args.stages)
         if args.command == "submit":

@@ -6,18 +6,24 @@ Each stage runs one of the stage programs (``python -m data_prep``, ``-m pretrai
 ``-m finetune``) with a stage config written under ``<workdir>/configs/``: the stage's own
 config file plus the experiment's overrides plus the paths that link stages (data
 directory, ``init_from``, checkpoint, output). Stages hand off through those directories
-only; a stage is done when its outputs say so (manifests, ``status.json``,
-``results.json``).
+only; a stage is done when its outputs say so, as each stage's ``outputs`` module reads
+them (:mod:`data_prep.outputs`, :mod:`pretrain.outputs`, :mod:`finetune.outputs`).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from data_prep import outputs as data_outputs
+from finetune import outputs as finetune_outputs
 from onebit_bert.config import load_config, save_config
+from pretrain import outputs as pretrain_outputs
+
+INPUTS_COMPLETE = ".complete"
+"""Marker the orchestrator writes in ``<workdir>/inputs`` once the generator succeeded."""
 
 
 @dataclass
@@ -125,42 +131,52 @@ class Stage:
     depends: list[str]
     args: list[str] = field(default_factory=list)
     """Extra arguments (the report's NAME=PRETRAIN:FINETUNE runs)."""
+    config: Any = None
+    """The resolved stage config (a DataPrepConfig, PretrainConfig or FinetuneConfig);
+    loaded from ``config_path`` on first use when not given."""
+
+    def stage_config(self) -> Any:
+        """The stage's config dataclass (None for stages without a config file)."""
+        if self.config is None and self.config_path is not None:
+            self.config = load_config(_config_class(self.kind), self.config_path)
+        return self.config
 
     def done(self) -> bool:
+        """Whether the stage's outputs say it is finished."""
         return _DONE[self.kind](self)
 
 
+def _config_class(kind: str) -> type:
+    if kind == "data":
+        from data_prep.config import DataPrepConfig
+
+        return DataPrepConfig
+    if kind == "pretrain":
+        from pretrain.config import PretrainConfig
+
+        return PretrainConfig
+    if kind == "finetune":
+        from finetune.config import FinetuneConfig
+
+        return FinetuneConfig
+    raise ValueError(f"{kind} stages have no config file")
+
+
 def _inputs_done(stage: Stage) -> bool:
-    return (stage.output / ".complete").is_file()
+    return (stage.output / INPUTS_COMPLETE).is_file()
 
 
 def _data_done(stage: Stage) -> bool:
-    import yaml
-
-    cfg = yaml.safe_load(stage.config_path.read_text())
-    return all(
-        (stage.output / f"seq{n}" / "manifest.json").is_file()
-        for n in cfg["instances"]["seq_lengths"]
-    )
+    return data_outputs.is_complete(stage.output, stage.stage_config().instances.seq_lengths)
 
 
 def _pretrain_done(stage: Stage) -> bool:
-    status = stage.output / "status.json"
-    return (
-        status.is_file()
-        and json.loads(status.read_text()).get("state") == "complete"
-        and (stage.output / "final" / "config.json").is_file()
-    )
+    return pretrain_outputs.is_complete(stage.output)
 
 
 def _finetune_done(stage: Stage) -> bool:
-    import yaml
-
-    results = stage.output / "results.json"
-    if not results.is_file():
-        return False
-    tasks = yaml.safe_load(stage.config_path.read_text())["tasks"]
-    return set(tasks) <= set(json.loads(results.read_text()))
+    cfg = stage.stage_config()
+    return finetune_outputs.is_complete(stage.output, cfg.tasks, cfg.seeds)
 
 
 def _report_done(stage: Stage) -> bool:
@@ -188,8 +204,9 @@ class Experiment:
     def path(self, *parts: str) -> Path:
         return self.workdir.joinpath(*parts)
 
-    def resolve(self) -> list[Stage]:
-        """Check every stage config and write it under ``<workdir>/configs`` (nothing runs)."""
+    def resolve(self, write: bool = True) -> list[Stage]:
+        """Check every stage config and, with ``write``, save it under ``<workdir>/configs``
+        with the experiment config (nothing runs). ``write=False`` touches no file."""
         from data_prep.config import DataPrepConfig
         from finetune.config import FinetuneConfig
         from pretrain.config import PretrainConfig
@@ -197,7 +214,12 @@ class Experiment:
         cfg = self.cfg
         stages: list[Stage] = []
         configs = self.path("configs")
-        save_config(cfg, self.path("experiment.yaml"))
+
+        def save(config, path: Path) -> None:
+            if write:
+                save_config(config, path)
+
+        save(cfg, self.path("experiment.yaml"))
         if cfg.inputs:
             stages.append(Stage("inputs", "inputs", None, self.path("inputs"), []))
         data_out = self.path("data")
@@ -209,9 +231,10 @@ class Experiment:
                 f"phases train on seq lengths {missing} that the data stage does not "
                 f"prepare (instances.seq_lengths={data_cfg.instances.seq_lengths})"
             )
-        save_config(data_cfg, configs / "data.yaml")
+        save(data_cfg, configs / "data.yaml")
+        data_depends = ["inputs"] if cfg.inputs else []
         stages.append(
-            Stage("data", "data", configs / "data.yaml", data_out, ["inputs"] if cfg.inputs else [])
+            Stage("data", "data", configs / "data.yaml", data_out, data_depends, config=data_cfg)
         )
         reports = []
         finetune_names = []
@@ -222,7 +245,7 @@ class Experiment:
                 run_dir = self.path("pretrain", instance, f"phase{i}")
                 links = [
                     f"run_dir={run_dir}",
-                    f"data.path={data_out / f'seq{phase.seq_length}'}",
+                    f"data.path={data_outputs.seq_dir(data_out, phase.seq_length)}",
                     f"logging.experiment={cfg.name}",
                     f"logging.run_name={instance}-phase{i}",
                 ]
@@ -232,21 +255,24 @@ class Experiment:
                     links.append(f"model.init_from={previous.output}")
                 pcfg = self._stage_config(PretrainConfig, phase, links)
                 path = configs / f"pretrain_{instance}_phase{i}.yaml"
-                save_config(pcfg, path)
-                stage = Stage(
-                    name, "pretrain", path, run_dir, [previous.name] if previous else ["data"]
-                )
+                save(pcfg, path)
+                depends = [previous.name] if previous else ["data"]
+                stage = Stage(name, "pretrain", path, run_dir, depends, config=pcfg)
                 stages.append(stage)
                 previous = stage
             ft_out = self.path("finetune", instance)
             fcfg = self._stage_config(
                 FinetuneConfig,
                 cfg.finetune,
-                [f"checkpoint={previous.output / 'final'}", f"output={ft_out}"],
+                [f"checkpoint={pretrain_outputs.final_dir(previous.output)}", f"output={ft_out}"],
             )
             path = configs / f"finetune_{instance}.yaml"
-            save_config(fcfg, path)
-            stages.append(Stage(f"finetune/{instance}", "finetune", path, ft_out, [previous.name]))
+            save(fcfg, path)
+            stages.append(
+                Stage(
+                    f"finetune/{instance}", "finetune", path, ft_out, [previous.name], config=fcfg
+                )
+            )
             finetune_names.append(f"finetune/{instance}")
             reports.append(f"{run.name}={previous.output}:{ft_out}")
         runs_args = [arg for r in reports for arg in ("--run", r)]
@@ -270,12 +296,10 @@ class Experiment:
     def check_world_size(self, world_size: int, stages: list[Stage]) -> None:
         """Every pretraining stage's batch must divide over ``world_size`` processes: a clear
         error now rather than a failed job later."""
-        from pretrain.config import PretrainConfig
-
         for stage in stages:
             if stage.kind == "pretrain":
                 try:
-                    load_config(PretrainConfig, stage.config_path).batch_plan(world_size)
+                    stage.stage_config().batch_plan(world_size)
                 except ValueError as err:
                     raise ValueError(f"stage {stage.name}: {err}") from None
 

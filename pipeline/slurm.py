@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from pipeline.experiment import Experiment, Stage
 
@@ -95,8 +93,8 @@ class SlurmChain:
             )
             return render(_template("pretrain.sbatch"), values)
         if stage.kind == "finetune":
-            cfg = yaml.safe_load(stage.config_path.read_text())
-            tasks, seeds = cfg["tasks"], cfg["seeds"]
+            cfg = stage.stage_config()
+            tasks, seeds = cfg.tasks, cfg.seeds
             values.update(
                 run=stage.name.split("/")[1],
                 time_finetune=spec.time_finetune,

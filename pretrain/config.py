@@ -12,6 +12,7 @@ from typing import Literal
 
 from onebit_bert.metrics_log import LoggingConfig
 from onebit_bert.optim.build import OptimizerConfig
+from onebit_bert.strategies import StrategyConfig, resolve_strategy_name
 
 PRESETS = ("bert-tiny", "bert-mini", "bert-small", "bert-base", "bert-large")
 
@@ -54,6 +55,10 @@ class DataConfig:
     """Run a validation pass every this many steps (0: only at the end)."""
     validation_batches: int = 10
     """Micro-batches (per rank) of the validation split in one pass."""
+
+    def max_predictions(self, seq_length: int) -> int:
+        """Masked tokens per sequence at most, for sequences of ``seq_length``."""
+        return self.max_predictions_per_seq or round(0.15 * seq_length)
 
     def __post_init__(self):
         if not 0 < self.mlm_probability < 1:
@@ -122,6 +127,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -132,11 +138,6 @@ class PretrainConfig:
     local, so each rank clips its own."""
     seed: int = 42
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
-    """How gradients are averaged while the optimizer needs it: ``ddp`` overlaps bucketed
-    all-reduces with the backward pass (DistributedDataParallel, ``no_sync`` during
-    accumulation); ``allreduce`` runs one bucketed all-reduce after the last micro-batch
-    (every second of it measurable); ``auto``: ddp on GPUs, allreduce on CPUs."""
     stop_after: int | None = None
     """Stop (with a checkpoint) after this many steps of this invocation; for tests and
     time-boxed jobs."""
@@ -144,6 +145,9 @@ class PretrainConfig:
     def __post_init__(self):
         if self.clip_grad_norm < 0:
             raise ValueError("clip_grad_norm must be >= 0")
+        if self.seed < 0:
+            raise ValueError("seed must be >= 0")
+        resolve_strategy_name(self.strategy, self.optimizer)
 
     def batch_plan(self, world_size: int) -> int:
         """Gradient accumulation steps; a clear error if the batch does not divide."""

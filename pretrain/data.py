@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from onebit_bert.shards import PretrainingShards
+from pretrain.config import DataConfig
 
 
 @dataclass(frozen=True)
@@ -111,15 +112,14 @@ def make_batch(
     shards: PretrainingShards,
     rows: np.ndarray,
     ids: TokenIds,
+    data: DataConfig,
+    *,
     seed: int,
     step: int,
     micro: int,
-    mlm_probability: float,
-    max_predictions: int,
-    mask_prob: float,
-    random_prob: float,
 ) -> dict[str, np.ndarray]:
-    """Model inputs for one micro-batch, masked deterministically."""
+    """Model inputs for micro-batch ``micro`` of ``step`` (-1: validation), masked as
+    ``data`` says, deterministically for (seed, step, micro)."""
     features = shards.batch(rows)
     rng = np.random.default_rng([seed, step + 1, micro])  # step -1 marks validation
     masked, labels = mask_tokens(
@@ -127,10 +127,10 @@ def make_batch(
         features["attention_mask"],
         ids,
         rng,
-        mlm_probability,
-        max_predictions,
-        mask_prob,
-        random_prob,
+        data.mlm_probability,
+        data.max_predictions(shards.seq_length),
+        data.mask_prob,
+        data.random_prob,
     )
     return {
         "input_ids": masked,

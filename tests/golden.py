@@ -25,11 +25,16 @@ GOLDEN = Path(__file__).resolve().parent / "golden" / "trajectories.json"
 STEPS = 8
 
 # name -> overrides of tests.test_pretrain.tiny_config
+AR, DDP = {"strategy.grad_sync": "allreduce"}, {"strategy.grad_sync": "ddp"}
 RUNS: dict[str, dict] = {
-    "lamb_allreduce": {"optimizer.name": "lamb", "grad_sync": "allreduce"},
-    "lamb_ddp": {"optimizer.name": "lamb", "grad_sync": "ddp"},
-    "adamw_allreduce": {"optimizer.name": "adamw", "optimizer.lr": 1e-3, "grad_sync": "allreduce"},
-    "adamw_ddp": {"optimizer.name": "adamw", "optimizer.lr": 1e-3, "grad_sync": "ddp"},
+    "lamb_allreduce": {"optimizer.name": "lamb", "strategy.grad_sync": "allreduce"},
+    "lamb_ddp": {"optimizer.name": "lamb", "strategy.grad_sync": "ddp"},
+    "adamw_allreduce": {
+        "optimizer.name": "adamw",
+        "optimizer.lr": 1e-3,
+        "strategy.grad_sync": "allreduce",
+    },
+    "adamw_ddp": {"optimizer.name": "adamw", "optimizer.lr": 1e-3, "strategy.grad_sync": "ddp"},
     # freeze_step 4 of 8: four warmup steps, four compressed ones
     "onebit_lamb": {"optimizer.name": "onebit_lamb", "optimizer.freeze_step": 4},
 }

@@ -34,7 +34,14 @@ def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
         "model": {"preset": "bert-tiny", "max_position_embeddings": 64},
         "data": {"path": str(corpus), "validation_batches": 2},
         "batch": {"global_batch_size": 32, "micro_batch_size": 8},
-        "optimizer": {"name": "lamb", "lr": 0.02, "freeze_step": 4},
+        "optimizer": {
+            "name": "lamb",
+            "lr": 0.02,
+            "freeze_step": 4,
+            "eps": 1e-6,
+            "weight_decay": 0.01,
+            "max_coeff": 0.3,
+        },
         "schedule": {"name": "poly", "max_steps": 12, "warmup_proportion": 0.2},
         "checkpoint": {"every": 4, "keep_last": 2},
         "logging": {"wandb": False, "progress_every": 1000},
@@ -98,6 +105,12 @@ def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
         assert stages[:4] == ["warmup"] * 4 and set(stages[4:]) == {"compression"}
         warm, compressed = records[1]["comm_bytes"], records[10]["comm_bytes"]
         assert 0 < compressed < warm / 10  # momentum in 1 bit instead of fp32 gradients
+        # per kind of traffic: fp32 gradients in warmup, then only the 1-bit momentum
+        assert (
+            records[1]["comm_bytes_gradients"] == warm and "comm_bytes_momentum" not in records[1]
+        )
+        assert records[10]["comm_bytes_momentum"] == compressed
+        assert "comm_bytes_gradients" not in records[10]
         # the switch diagnostics: factor f and the relative compression error after it only
         steps = [r for r in records if "stage" in r]
         assert not any("factor_mean" in r or "compression_error" in r for r in steps[:4])
@@ -105,6 +118,8 @@ def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
             assert r["factor_min"] <= r["factor_mean"] <= r["factor_max"]
             assert 0 < r["compression_error"] < 2
             assert r["trust_ratio_min"] <= r["trust_ratio_mean"] <= r["trust_ratio_max"]
+    else:
+        assert all(r["comm_bytes_gradients"] == r["comm_bytes"] for r in records if "stage" in r)
     # Both ranks talk over loopback: its counter saw at least what rank 0's communicator sent.
     steps = [r for r in records if "comm_bytes" in r]
     assert all(r["net_tx_bytes"] >= r["comm_bytes"] > 0 for r in steps), steps[:2]
@@ -133,10 +148,14 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_corpus, tmp_pa
 def test_ddp_and_explicit_allreduce_agree(tiny_corpus, tmp_path, optimizer):
     common = {"model.dropout": 0.0, "schedule.max_steps": 8, "optimizer.name": optimizer}
     ddp = run_ranks(
-        _train, 2, tiny_config(tiny_corpus, tmp_path / "ddp", grad_sync="ddp", **common)
+        _train,
+        2,
+        tiny_config(tiny_corpus, tmp_path / "ddp", **{"strategy.grad_sync": "ddp"}, **common),
     )[0]
     plain = run_ranks(
-        _train, 2, tiny_config(tiny_corpus, tmp_path / "ar", grad_sync="allreduce", **common)
+        _train,
+        2,
+        tiny_config(tiny_corpus, tmp_path / "ar", **{"strategy.grad_sync": "allreduce"}, **common),
     )[0]
     for name, a in ddp["model"].items():
         torch.testing.assert_close(a, plain["model"][name], rtol=1e-5, atol=1e-6, msg=name)
@@ -151,15 +170,15 @@ def test_ddp_and_explicit_allreduce_agree(tiny_corpus, tmp_path, optimizer):
 
 
 def test_phase_two_starts_from_phase_one(tiny_corpus, tmp_path):
-    phase1 = tiny_config(
-        tiny_corpus, tmp_path / "p1", **{"optimizer.name": "onebit_lamb", "schedule.max_steps": 8}
-    )
+    # one process: 1-bit LAMB compresses only when forced (else it is exact LAMB)
+    forced = {"optimizer.name": "onebit_lamb", "strategy.force_compression": True}
+    phase1 = tiny_config(tiny_corpus, tmp_path / "p1", **forced, **{"schedule.max_steps": 8})
     run_ranks(_train, 1, phase1)
     from_run = tiny_config(
         tiny_corpus,
         tmp_path / "p2",
+        **forced,
         **{
-            "optimizer.name": "onebit_lamb",
             "optimizer.freeze_step": 6,
             "schedule.max_steps": 2,
             "model.init_from": str(tmp_path / "p1"),

@@ -1,6 +1,6 @@
 """Distributed machinery shared by every stage: process-group setup and all collectives."""
 
-from onebit_bert.distributed.comm import CommStats, Communicator
+from onebit_bert.distributed.comm import TRAFFIC_KINDS, CommStats, Communicator
 from onebit_bert.distributed.compression import ErrorFeedback
 from onebit_bert.distributed.env import (
     DistContext,
@@ -11,6 +11,7 @@ from onebit_bert.distributed.env import (
 )
 
 __all__ = [
+    "TRAFFIC_KINDS",
     "CommStats",
     "Communicator",
     "DistContext",

@@ -15,13 +15,18 @@ broadcast           tensor bytes on every rank except the last of the chain
 
 The benchmark ``bench/comm.py`` checks these counts against the kernel's interface
 counters.
+
+Every count is also filed under a *kind of traffic* (:data:`TRAFFIC_KINDS`): the caller
+names it with ``with comm.traffic("momentum"): ...``; collectives outside any such block
+count as ``other``. Strategies use this to report bytes and seconds per kind, and a
+compression policy can choose a codec per kind.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,20 +41,51 @@ from onebit_bert.distributed.compression import (
 )
 from onebit_bert.distributed.packing import sign_table, unpack_signs
 
+TRAFFIC_KINDS = ("gradients", "momentum", "parameters", "neighbour", "statistics", "other")
+"""What a collective carries: averaged gradients, compressed optimizer momentum, model
+parameters (outer steps), a neighbour exchange, small statistics (losses, counters, stop
+flags), or anything else."""
+
 
 @dataclass
 class CommStats:
-    """Running totals for one communicator; subtract two snapshots for a per-step figure."""
+    """Running totals for one communicator, overall and per kind of traffic
+    (``by_kind[kind] = [bytes, seconds, calls]``); subtract two snapshots for a per-step
+    figure."""
 
     bytes_sent: int = 0
     seconds: float = 0.0
     calls: int = 0
+    by_kind: dict[str, list] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.bytes_sent += nbytes
+        self.seconds += seconds
+        self.calls += 1
+        entry = self.by_kind.setdefault(kind, [0, 0.0, 0])
+        entry[0] += nbytes
+        entry[1] += seconds
+        entry[2] += 1
+
+    def copy(self) -> CommStats:
+        return CommStats(
+            self.bytes_sent,
+            self.seconds,
+            self.calls,
+            {k: list(v) for k, v in self.by_kind.items()},
+        )
 
     def __sub__(self, other: CommStats) -> CommStats:
+        by_kind = {}
+        for kind, (b, s, c) in self.by_kind.items():
+            ob, os_, oc = other.by_kind.get(kind, (0, 0.0, 0))
+            if c - oc:
+                by_kind[kind] = [b - ob, s - os_, c - oc]
         return CommStats(
             self.bytes_sent - other.bytes_sent,
             self.seconds - other.seconds,
             self.calls - other.calls,
+            by_kind,
         )
 
 
@@ -76,11 +112,23 @@ class Communicator:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        self.kind = "other"
         self._tables: dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ bookkeeping
     def snapshot(self) -> CommStats:
-        return CommStats(self.stats.bytes_sent, self.stats.seconds, self.stats.calls)
+        return self.stats.copy()
+
+    @contextmanager
+    def traffic(self, kind: str):
+        """File the collectives run inside this block under ``kind`` (nests; restores)."""
+        if kind not in TRAFFIC_KINDS:
+            raise ValueError(f"traffic kind must be one of {TRAFFIC_KINDS}, got {kind!r}")
+        previous, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = previous
 
     @contextmanager
     def _count(self, nbytes: int):
@@ -91,9 +139,7 @@ class Communicator:
         yield
         if sync:
             torch.cuda.synchronize(self.device)
-        self.stats.seconds += time.perf_counter() - start
-        self.stats.bytes_sent += int(nbytes)
-        self.stats.calls += 1
+        self.stats.add(self.kind, int(nbytes), time.perf_counter() - start)
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if device not in self._tables:
@@ -152,18 +198,17 @@ class Communicator:
     def ddp_comm_hook(self):
         """A ``DistributedDataParallel`` comm hook that averages each gradient bucket with
         an asynchronous all-reduce and counts its bytes (and its time in flight, which
-        overlaps the backward pass) in this communicator's stats."""
+        overlaps the backward pass) in this communicator's stats, as ``gradients``."""
         p = self.world_size
 
         def hook(_state, bucket):
             buffer = bucket.buffer()
             start = time.perf_counter()
-            self.stats.bytes_sent += 2 * (p - 1) * buffer.numel() * buffer.element_size() // p
-            self.stats.calls += 1
+            nbytes = 2 * (p - 1) * buffer.numel() * buffer.element_size() // p
             future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
 
             def finish(fut):
-                self.stats.seconds += time.perf_counter() - start
+                self.stats.add("gradients", nbytes, time.perf_counter() - start)
                 return fut.value()[0].div_(p)
 
             return future.then(finish)

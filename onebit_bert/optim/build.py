@@ -1,8 +1,7 @@
 """Optimizer settings and the one place that turns them into an optimizer.
 
-Trainers call :func:`build_optimizer` and then only use the optimizer's generic surface
-(``step``, ``zero_grad``, ``state_dict``, ``syncs_internally``), so the training loop never
-branches on which optimizer it runs.
+Sync strategies (:mod:`onebit_bert.strategies`) call :func:`build_optimizer`; the training
+loop only talks to the strategy, never to the optimizer's type.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from onebit_bert.distributed.comm import Communicator
+from onebit_bert.optim import defaults
 from onebit_bert.optim.lamb import Lamb
 from onebit_bert.optim.onebit_lamb import OneBitLamb
 
@@ -23,26 +23,34 @@ NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm.w
 
 @dataclass
 class OptimizerConfig:
-    """Which optimizer, and its hyperparameters (DeepSpeed's names for 1-bit LAMB)."""
+    """Which optimizer, and its hyperparameters (DeepSpeed's names and defaults for 1-bit
+    LAMB, from :mod:`onebit_bert.optim.defaults`)."""
 
     name: Literal["lamb", "onebit_lamb", "adamw"] = "lamb"
-    lr: float = 1e-3
+    lr: float = defaults.LR
     """Peak learning rate (the schedule scales it)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
-    weight_decay: float = 0.01
-    """Decoupled weight decay, not applied to biases and LayerNorm weights."""
-    max_coeff: float = 0.3
-    """LAMB trust-ratio bounds (BERT recipes: 0.3 / 0.01)."""
-    min_coeff: float = 0.01
-    bias_correction: bool = False
+    betas: tuple[float, float] = defaults.BETAS
+    eps: float = defaults.EPS
+    """Added outside the square root (BERT recipes: 1e-6)."""
+    weight_decay: float = defaults.WEIGHT_DECAY
+    """Decoupled weight decay, not applied to biases and LayerNorm weights (BERT: 0.01)."""
+    max_coeff: float = defaults.MAX_COEFF
+    """LAMB trust-ratio upper bound (BERT recipes: 0.3)."""
+    min_coeff: float = defaults.MIN_COEFF
+    """LAMB trust-ratio lower bound."""
+    bias_correction: bool = defaults.BIAS_CORRECTION
     """LAMB and AdamW only; 1-bit LAMB has none."""
-    freeze_step: int = 1000
-    """1-bit LAMB: last step of the full-precision warmup stage."""
-    coeff_beta: float = 0.9
-    factor_max: float = 4.0
-    factor_min: float = 0.5
-    factor_threshold: float = 0.1
+    freeze_step: int = defaults.FREEZE_STEP
+    """1-bit LAMB: last step of the full-precision warmup stage (recipes: 15-25 % of the
+    steps)."""
+    coeff_beta: float = defaults.COEFF_BETA
+    """1-bit LAMB: EMA rate of the recorded trust ratio."""
+    factor_max: float = defaults.FACTOR_MAX
+    """1-bit LAMB: upper bound of the compression-stage factor."""
+    factor_min: float = defaults.FACTOR_MIN
+    """1-bit LAMB: lower bound of the compression-stage factor."""
+    factor_threshold: float = defaults.FACTOR_THRESHOLD
+    """1-bit LAMB: largest relative change of the factor between steps."""
     bucket_numel: int | None = None
     """1-bit LAMB: compress momentum in buckets of at most this many elements."""
 
@@ -111,9 +119,3 @@ def build_optimizer(
     for name, mask in (momentum_masks or {}).items():
         opt.set_momentum_mask(params[name], mask)
     return opt
-
-
-def syncs_internally(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer's next step averages across ranks by itself (torch's own
-    optimizers never do)."""
-    return bool(getattr(optimizer, "syncs_internally", False))

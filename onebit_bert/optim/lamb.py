@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import torch
 from torch.optim import Optimizer
 
+from onebit_bert.optim import defaults
+
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped so each group can go through one ``torch._foreach_*``."""
@@ -168,13 +170,13 @@ class Lamb(Optimizer):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        bias_correction: bool = False,
+        lr: float = defaults.LR,
+        betas: tuple[float, float] = defaults.BETAS,
+        eps: float = defaults.EPS,
+        weight_decay: float = defaults.WEIGHT_DECAY,
+        max_coeff: float = defaults.MAX_COEFF,
+        min_coeff: float = defaults.MIN_COEFF,
+        bias_correction: bool = defaults.BIAS_CORRECTION,
     ):
         check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
         defaults = dict(

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.distributed.compression import ErrorFeedback, padded_size
+from onebit_bert.optim import defaults
 from onebit_bert.optim.lamb import (
     check_lamb_hyperparameters,
     check_params_and_grads,
@@ -60,17 +61,17 @@ class OneBitLamb(Optimizer):
     def __init__(
         self,
         params: Iterable,
-        lr: float = 1e-3,
-        freeze_step: int = 100000,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        max_coeff: float = 10.0,
-        min_coeff: float = 0.01,
-        coeff_beta: float = 0.9,
-        factor_max: float = 4.0,
-        factor_min: float = 0.5,
-        factor_threshold: float = 0.1,
+        lr: float = defaults.LR,
+        freeze_step: int = defaults.FREEZE_STEP,
+        betas: tuple[float, float] = defaults.BETAS,
+        eps: float = defaults.EPS,
+        weight_decay: float = defaults.WEIGHT_DECAY,
+        max_coeff: float = defaults.MAX_COEFF,
+        min_coeff: float = defaults.MIN_COEFF,
+        coeff_beta: float = defaults.COEFF_BETA,
+        factor_max: float = defaults.FACTOR_MAX,
+        factor_min: float = defaults.FACTOR_MIN,
+        factor_threshold: float = defaults.FACTOR_THRESHOLD,
         comm: Communicator | None = None,
         bucket_numel: int | None = None,
     ):
@@ -419,7 +420,8 @@ class OneBitLamb(Optimizer):
 
         momentum_norm = torch.linalg.vector_norm(flat)
         before = self.comm.snapshot()
-        self.comm.compressed_all_reduce(flat, self._feedback)
+        with self.comm.traffic("momentum"):
+            self.comm.compressed_all_reduce(flat, self._feedback)
         # What 1-bit rounding left out on this rank, relative to what it was asked to send.
         self.last_compression_error = torch.linalg.vector_norm(
             self._feedback.worker_error

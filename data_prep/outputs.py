@@ -1,0 +1,78 @@
+"""Where the data stage puts its outputs, and how to tell they are finished.
+
+    <output>/
+        tokenizer/              the tokenizer every sequence length shares
+        seq<N>/                 one prepared corpus per sequence length N
+            manifest.json       written last: its presence marks seq<N> as finished
+            train-00000.npy ... validation-00000.npy ...
+        work/                   work units of an unfinished run (removed when it finishes)
+
+A ``seq<N>`` directory is what pretraining reads (``data.path``); the shard format inside
+it is :mod:`onebit_bert.shards`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from onebit_bert.io import atomic_write_json
+from onebit_bert.shards import MANIFEST
+
+TOKENIZER = "tokenizer"
+WORK = "work"
+_SEQ_DIR = re.compile(r"seq(\d+)")
+
+
+def seq_dir(output: str | Path, seq_length: int) -> Path:
+    """The prepared corpus of one sequence length: ``<output>/seq<N>``."""
+    return Path(output) / f"seq{int(seq_length)}"
+
+
+def manifest_path(output: str | Path, seq_length: int) -> Path:
+    """The manifest of one sequence length (its completion marker)."""
+    return seq_dir(output, seq_length) / MANIFEST
+
+
+def tokenizer_dir(output: str | Path) -> Path:
+    """The tokenizer shared by every sequence length."""
+    return Path(output) / TOKENIZER
+
+
+def work_dir(output: str | Path) -> Path:
+    """Intermediate work units of an unfinished run."""
+    return Path(output) / WORK
+
+
+def seq_lengths_present(output: str | Path) -> list[int]:
+    """Sequence lengths with a ``seq<N>`` directory under ``output``, finished or not."""
+    output = Path(output)
+    if not output.is_dir():
+        return []
+    found = (_SEQ_DIR.fullmatch(p.name) for p in output.iterdir() if p.is_dir())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def is_complete(output: str | Path, seq_lengths: Iterable[int]) -> bool:
+    """Every one of ``seq_lengths`` has its manifest (written last, atomically)."""
+    return all(manifest_path(output, n).is_file() for n in seq_lengths)
+
+
+def read_manifest(output: str | Path, seq_length: int) -> dict:
+    """The manifest of one sequence length; FileNotFoundError when it is not finished."""
+    path = manifest_path(output, seq_length)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} is missing: seq {seq_length} of {output} is not prepared (run data_prep)"
+        ) from None
+
+
+def write_manifest(output: str | Path, seq_length: int, manifest: dict) -> Path:
+    """Write the manifest of one sequence length (last, once its shards are in place)."""
+    path = manifest_path(output, seq_length)
+    atomic_write_json(path, manifest)
+    return path

@@ -1,0 +1,85 @@
+"""Where the fine-tuning stage puts its outputs, and how to tell they are finished.
+
+    <output>/
+        config.yaml                     the resolved config
+        results.json                    per task: the best grid point's metrics, mean and
+                                        std over seeds, the whole grid (the stage's result)
+        <task>/results.json             the same for one task
+        <task>/runs/lr<LR>_ep<E>_seed<S>.json   one finished (lr, epochs, seed) run each;
+                                        a rerun skips the ones present
+
+``results.json`` is rewritten at the end of every run of the stage with the tasks and seeds
+of that run (a SLURM array task writes one task and seed; the aggregating run writes all).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from onebit_bert.io import atomic_write_json
+
+RESULTS = "results.json"
+CONFIG = "config.yaml"
+
+
+def results_path(output: str | Path) -> Path:
+    """The stage's ``results.json``."""
+    return Path(output) / RESULTS
+
+
+def config_path(output: str | Path) -> Path:
+    """The resolved config of the last run of the stage."""
+    return Path(output) / CONFIG
+
+
+def task_results_path(output: str | Path, task: str) -> Path:
+    """One task's ``results.json``."""
+    return Path(output) / task / RESULTS
+
+
+def run_path(output: str | Path, task: str, lr: float, epochs: float, seed: int) -> Path:
+    """The record of one finished (task, learning rate, epochs, seed) run."""
+    return Path(output) / task / "runs" / f"lr{lr:g}_ep{epochs:g}_seed{seed}.json"
+
+
+def write_results(output: str | Path, results: dict) -> Path:
+    """Write ``results.json`` (``{task: summary}``) atomically."""
+    path = results_path(output)
+    atomic_write_json(path, results)
+    return path
+
+
+def write_task_results(output: str | Path, task: str, summary: dict) -> Path:
+    """Write one task's ``results.json`` atomically."""
+    path = task_results_path(output, task)
+    atomic_write_json(path, summary)
+    return path
+
+
+def read_results(output: str | Path) -> dict:
+    """``{task: summary}`` from ``results.json``; FileNotFoundError when there is none."""
+    path = results_path(output)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: fine-tuning has not finished") from None
+
+
+def is_complete(
+    output: str | Path, tasks: Iterable[str], seeds: Iterable[int] | None = None
+) -> bool:
+    """``results.json`` holds every one of ``tasks`` (and, when ``seeds`` is given, each
+    task's summary covers all of them)."""
+    path = results_path(output)
+    if not path.is_file():
+        return False
+    results = json.loads(path.read_text())
+    wanted = None if seeds is None else set(seeds)
+    for task in tasks:
+        if task not in results:
+            return False
+        if wanted is not None and not wanted <= set(results[task].get("seeds", ())):
+            return False
+    return True

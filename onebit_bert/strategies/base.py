@@ -1,0 +1,122 @@
+"""What the training loop asks of a sync strategy.
+
+One optimizer step of the loop, and the hook each part calls::
+
+    for each micro-batch:   with strategy.backward_context(last): forward, backward
+    strategy.after_backward()          gradient sync (all-reduce, DDP's, or none)
+    (loss-scale check, clipping: the loop's own)
+    strategy.step()                    the optimizer step (may communicate)
+    strategy.after_step(step)          outer step / neighbour exchange (may start async work)
+    strategy.drain()                   before validation, checkpoints, export and exit
+
+The loop runs forward passes through ``strategy.module``, evaluates and exports
+``strategy.eval_model()``, and checkpoints ``strategy.state_dict()`` (a part every rank
+shares and a per-rank part). Everything a strategy sends goes through the communicator
+under a kind of traffic, so the loop can report bytes and seconds per kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from onebit_bert.distributed.env import DistContext
+
+STRATEGY_NAMES = ("auto", "data_parallel", "onebit_lamb")
+
+
+@dataclass
+class StrategyConfig:
+    """How data-parallel ranks synchronise; the optimizer section picks the optimizer."""
+
+    name: Literal["auto", "data_parallel", "onebit_lamb"] = "auto"
+    """data_parallel: average gradients every step, then step the optimizer (LAMB, AdamW);
+    onebit_lamb: 1-bit LAMB (averaged gradients in its warmup, then its own compressed
+    momentum all-reduce); auto: onebit_lamb for optimizer.name onebit_lamb, otherwise
+    data_parallel."""
+    grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
+    """How gradients are averaged while they are: ``ddp`` overlaps bucketed all-reduces
+    with the backward pass (DistributedDataParallel, ``no_sync`` during accumulation);
+    ``allreduce`` runs one bucketed all-reduce after the last micro-batch (every second of
+    it measurable); ``auto``: ddp on GPUs, allreduce on CPUs."""
+    force_compression: bool = False
+    """1-bit LAMB on one process runs as exact LAMB (there is nothing to send, and
+    compression would only add error, as in DeepSpeed); true compresses anyway (tests)."""
+
+
+class Strategy:
+    """Base sync strategy: no communication at all (the hooks a subclass overrides).
+
+    ``module`` is what forward/backward runs through (the loss module, or its DDP
+    wrapper), ``model`` the bare network, ``optimizer`` the optimizer it steps.
+    """
+
+    name = "none"
+
+    def __init__(self, model: nn.Module, module: nn.Module, optimizer, ctx: DistContext):
+        self.model = model
+        self.module = module
+        self.optimizer = optimizer
+        self.ctx = ctx
+        self.comm = ctx.comm
+
+    # ------------------------------------------------------------------ one step
+    def backward_context(self, last_micro_batch: bool):
+        """Around one micro-batch's forward and backward."""
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        """After the last micro-batch's backward: make gradients ready for the step."""
+
+    def step(self) -> None:
+        """The optimizer step."""
+        self.optimizer.step()
+
+    def after_step(self, step: int) -> None:
+        """After the optimizer step ``step`` (1-based) and the schedule's update."""
+
+    def drain(self) -> None:
+        """Wait for any collective still in flight."""
+
+    # ------------------------------------------------------------------ model and state
+    def eval_model(self) -> nn.Module:
+        """The model to validate and export."""
+        return self.model
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def state_dict(self) -> tuple[dict, dict]:
+        """(state every rank holds alike, this rank's own state) for a checkpoint."""
+        state = self.optimizer.state_dict()
+        per_rank = state.pop("per_rank", None)
+        return {"optimizer": state}, {"optimizer": per_rank}
+
+    def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
+        """Restore from :meth:`state_dict`'s two parts (``per_rank`` None: another world
+        size wrote the checkpoint; per-rank state starts fresh)."""
+        state = dict(shared["optimizer"])
+        state["per_rank"] = (per_rank or {}).get("optimizer")
+        self.optimizer.load_state_dict(state)
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict:
+        """Per-step figures of the last step: stage, per-layer trust ratios and factors
+        (min/mean/max), the relative compression error, where the optimizer keeps them."""
+        opt = self.optimizer
+        out = {"stage": getattr(opt, "stage", "full")}
+        for prefix, attr in (("trust_ratio", "last_trust_ratios"), ("factor", "last_factors")):
+            values = getattr(opt, attr, None)
+            if values is not None and len(values):
+                out[f"{prefix}_min"] = float(values.min())
+                out[f"{prefix}_mean"] = float(values.mean())
+                out[f"{prefix}_max"] = float(values.max())
+        error = getattr(opt, "last_compression_error", None)
+        if error is not None:
+            out["compression_error"] = float(error)
+        return out

@@ -1,0 +1,140 @@
+"""Checkpoints of a pretraining run: what is saved, restoring it, starting from another
+run (``model.init_from``), and the HF-format export at the end."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from onebit_bert.checkpoint import CheckpointManager
+from onebit_bert.io import atomic_write_json
+from onebit_bert.strategies import Strategy
+from pretrain.config import PretrainConfig
+from pretrain.model import load_weights
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    """Python's, numpy's and torch's generators from ``seed + rank``."""
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+    torch.manual_seed(seed + rank)
+
+
+def rng_state() -> dict:
+    """This process's generator states (per-rank checkpoint state)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(checkpoints: CheckpointManager, step: int, strategy: Strategy, scheduler, scaler) -> None:
+    """Model, strategy (optimizer) state, schedule, loss scale; per rank: the strategy's
+    own state and the generators."""
+    shared, per_rank = strategy.state_dict()
+    checkpoints.save(
+        step,
+        {
+            "model": strategy.model.state_dict(),
+            **shared,
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+        },
+        {**per_rank, "rng": rng_state()},
+    )
+
+
+def restore(shared: dict, per_rank: dict | None, strategy: Strategy, scheduler, scaler) -> None:
+    """The inverse of :func:`save` (``per_rank`` None: written at another world size)."""
+    strategy.model.load_state_dict(shared["model"])
+    strategy.load_state_dict(shared, per_rank)
+    scheduler.load_state_dict(shared["scheduler"])
+    scaler.load_state_dict(shared["scaler"])
+    if per_rank is not None:
+        set_rng_state(per_rank["rng"])
+
+
+def latest_training_checkpoint(path: Path) -> Path | None:
+    """``path`` itself, or the newest finished checkpoint under a run directory."""
+    if (path / "complete.json").is_file():
+        return path
+    candidates = sorted(
+        p for p in (path / "checkpoints").glob("step_*") if (p / "complete.json").is_file()
+    )
+    return candidates[-1] if candidates else None
+
+
+def resolve_init(cfg: PretrainConfig) -> tuple[str, Path] | None:
+    """What ``model.init_from`` points at: ("checkpoint", dir) or ("hf", dir); checked
+    before anything is built."""
+    if not cfg.model.init_from:
+        return None
+    source = Path(cfg.model.init_from)
+    checkpoint = latest_training_checkpoint(source) if source.is_dir() else None
+    if checkpoint is not None:
+        return "checkpoint", checkpoint
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.init_from {source} is neither a pretraining run, a "
+            f"checkpoint, nor an HF model directory"
+        )
+    if cfg.model.init_optimizer:
+        raise ValueError(
+            "model.init_optimizer needs a training checkpoint in init_from, "
+            f"and {source} is an HF model directory"
+        )
+    return "hf", source
+
+
+def initialise(cfg: PretrainConfig, init: tuple[str, Path], strategy: Strategy) -> None:
+    """Weights (and with ``model.init_optimizer`` the optimizer state) from
+    ``model.init_from``; the optimizer keeps this phase's own peak learning rate."""
+    kind, checkpoint = init
+    if kind == "hf":
+        load_weights(strategy.model, checkpoint)
+        return
+    shared = torch.load(checkpoint / "shared.pt", map_location="cpu", weights_only=False)
+    strategy.model.load_state_dict(shared["model"])
+    if cfg.model.init_optimizer:
+        comm = strategy.comm
+        rank_file = checkpoint / f"rank{comm.rank:05d}.pt"
+        meta = json.loads((checkpoint / "complete.json").read_text())
+        per_rank = None
+        if meta["world_size"] == comm.world_size and rank_file.is_file():
+            per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
+        strategy.load_state_dict(shared, per_rank)
+        for group in strategy.optimizer.param_groups:
+            group["lr"] = cfg.optimizer.lr
+            group["initial_lr"] = cfg.optimizer.lr
+
+
+def export_hf(model, tokenizer_dir: Path, out: Path, summary: dict) -> None:
+    """The trained model and its tokenizer in HF format (``from_pretrained`` loads both)."""
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, tmp / f.name)
+    atomic_write_json(tmp / "pretrain_summary.json", summary)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)

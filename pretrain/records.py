@@ -1,0 +1,101 @@
+"""What one training step reports: :class:`StepRecord` and the metrics and progress line
+made from it."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from onebit_bert.distributed.comm import CommStats
+from onebit_bert.distributed.netdev import InterfaceBytes
+
+STAT_KEYS = (
+    "mlm_loss_sum",
+    "mlm_tokens",
+    "mlm_correct",
+    "nsp_loss_sum",
+    "nsp_examples",
+    "nsp_correct",
+)
+"""Sums a forward pass returns, added over micro-batches and ranks before dividing."""
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: statistics summed over ranks (:data:`STAT_KEYS`, then the
+    tokens seen), the gradient norm before clipping (NaN when not clipped or skipped),
+    wall-clock marks, this rank's communication and network-interface deltas, and whether
+    any rank asked to stop."""
+
+    stats: dict[str, float]
+    tokens: float
+    grad_norm: float
+    t_start: float
+    t_backward_done: float
+    t_sync_done: float
+    t_end: float
+    comm: CommStats
+    net: InterfaceBytes | None
+    preempted: bool
+
+    @property
+    def mlm_loss(self) -> float:
+        return self.stats["mlm_loss_sum"] / max(self.stats["mlm_tokens"], 1)
+
+    def metrics(self, lr: float, global_batch: int, extra: dict) -> dict:
+        """The step's log record; ``extra``: the precision and strategy figures."""
+        s = self.stats
+        step_s = self.t_end - self.t_start
+        nsp = s["nsp_loss_sum"] / s["nsp_examples"] if s["nsp_examples"] else 0.0
+        metrics = {
+            "loss": self.mlm_loss + nsp,
+            "mlm_loss": self.mlm_loss,
+            "mlm_accuracy": s["mlm_correct"] / max(s["mlm_tokens"], 1),
+            "lr": lr,
+            "grad_norm": self.grad_norm,
+            "samples_per_s": global_batch / step_s,
+            "tokens_per_s": self.tokens / step_s,
+            "step_seconds": step_s,
+            "forward_backward_seconds": self.t_backward_done - self.t_start,
+            "grad_sync_seconds": self.t_sync_done - self.t_backward_done,
+            "optimizer_seconds": self.t_end - self.t_sync_done,
+            "comm_bytes": self.comm.bytes_sent,
+            "comm_seconds": self.comm.seconds,
+        }
+        for kind, (nbytes, seconds, _calls) in sorted(self.comm.by_kind.items()):
+            metrics[f"comm_bytes_{kind}"] = nbytes
+            metrics[f"comm_seconds_{kind}"] = seconds
+        metrics.update(extra)
+        if self.net is not None:
+            metrics.update(net_tx_bytes=self.net.tx, net_rx_bytes=self.net.rx)
+        if s["nsp_examples"]:
+            metrics["nsp_loss"] = s["nsp_loss_sum"] / s["nsp_examples"]
+            metrics["nsp_accuracy"] = s["nsp_correct"] / s["nsp_examples"]
+        return metrics
+
+
+def progress_line(
+    record: StepRecord,
+    step: int,
+    start_step: int,
+    max_steps: int,
+    started: float,
+    tokens_per_step: int,
+) -> str:
+    """``step 50/200  mlm_loss 6.1  0.9 steps/s  3.6k tok/s  eta 0:02:47``."""
+    elapsed = time.perf_counter() - started
+    rate = (step - start_step) / elapsed if elapsed > 0 else 0.0
+    eta = (max_steps - step) / rate if rate > 0 else math.inf
+    return (
+        f"step {step}/{max_steps}  mlm_loss {record.mlm_loss:.4f}  {rate:.3f} steps/s  "
+        f"{rate * tokens_per_step / 1e3:.1f}k tok/s  eta {hms(eta)}"
+    )
+
+
+def hms(seconds: float) -> str:
+    """``H:MM:SS``, or ``?`` for an unknown time."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
