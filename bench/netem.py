@@ -2,8 +2,9 @@
 
 Builds an N-host cluster on this machine: one network namespace per host, each joined to a
 bridge by a veth pair (host side ``<tag>h<i>``, namespace side ``eth0``, addresses
-198.18.0.0/24), with an htb rate limit on BOTH directions of every link. Then runs the real
-pretraining stage (``python -m pretrain``), one gloo process per host, three ways:
+198.18.0.0/24), with an htb rate limit on BOTH directions of every link (see
+:mod:`bench.netem_cluster`). Then runs the real pretraining stage (``python -m pretrain``),
+one gloo process per host, three ways:
 
 * LAMB (the gradient all-reduce every step);
 * 1-bit LAMB: ``freeze_step`` full-precision warmup steps, then the compression stage;
@@ -28,20 +29,21 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import prepare_wikipedia_seq128, pretrain_config, shared_data_error
+from bench.common import REPO, prepare_wikipedia_seq128, pretrain_config, shared_data_error
+from bench.netem_cluster import (
+    Cluster,
+    check_privileges,
+    remove_stale_clusters,
+    run_compute_only,
+    run_distributed,
+)
+from pretrain.outputs import metrics_path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-
-SUBNET = "198.18.0"
-MASTER_PORT = 29500
 BERT_LARGE_PARAMS = 335_000_000  # BERT-Large with its MLM/NSP heads, about
 WHY_COMM_BOUND = (
     "A LAMB step all-reduces every fp32 gradient: a ring moves 2(p-1)/p of the gradient "
@@ -56,209 +58,13 @@ WHY_COMM_BOUND = (
 )
 
 
-# ----------------------------------------------------------------------------- the cluster
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return _run(["ip", *args], check=check)
-
-
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
-    return proc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_clusters(prefix: str = "obn") -> list[str]:
-    """Delete namespaces and bridges left by a benchmark process that no longer exists
-    (names carry the creating pid: ``obn<pid>...``)."""
-    removed = []
-    names = _ip("netns", "list", check=False).stdout.split()
-    links = _ip("-o", "link", "show", check=False).stdout.splitlines()
-    link_names = [line.split(":")[1].strip().split("@")[0] for line in links if ":" in line]
-    for name in [n for n in names if n.startswith(prefix)] + [
-        n for n in link_names if n.startswith(prefix) and n.endswith("br")
-    ]:
-        digits = name[len(prefix) :].split("h")[0].split("br")[0]
-        if digits.isdigit() and not _pid_alive(int(digits)):
-            if name.endswith("br"):
-                _ip("link", "del", name, check=False)
-            else:
-                _ip("netns", "del", name, check=False)
-            removed.append(name)
-    return removed
-
-
-@dataclass
-class Cluster:
-    """``hosts`` namespaces on one bridge; every link shaped in both directions."""
-
-    hosts: int
-    mtu: int = 9000
-    prefix: str = "obn"
-
-    def __post_init__(self):
-        tag = f"{self.prefix}{os.getpid()}"
-        self.bridge = f"{tag}br"
-        self.namespaces = [f"{tag}h{i}" for i in range(self.hosts)]
-        self.veths = [f"{tag}h{i}" for i in range(self.hosts)]  # host-side ends
-        if any(len(v) > 15 for v in self.veths + [self.bridge]):
-            raise ValueError("interface names too long; use a shorter prefix")
-        self.rate_mbit: float | None = None
-
-    def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
-
-    def __enter__(self) -> Cluster:
-        try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            _ip("link", "set", self.bridge, "mtu", str(self.mtu), "up")
-            for i, (ns, veth) in enumerate(zip(self.namespaces, self.veths, strict=True)):
-                _ip("netns", "add", ns)
-                _ip("link", "add", veth, "mtu", str(self.mtu), "type", "veth", "peer", "name",
-                    "eth0", "mtu", str(self.mtu), "netns", ns)  # fmt: skip
-                _ip("link", "set", veth, "master", self.bridge, "up")
-                _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-                _ip("-n", ns, "link", "set", "eth0", "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.cleanup()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.cleanup()
-
-    def _links(self):
-        for ns, veth in zip(self.namespaces, self.veths, strict=True):
-            yield [], veth  # bridge -> host direction
-            yield ["ip", "netns", "exec", ns], "eth0"  # host -> bridge direction
-
-    def shape(self, rate_mbit: float) -> None:
-        """Limit every link, both directions, to ``rate_mbit`` Mbit/s (htb)."""
-        rate = f"{rate_mbit:g}mbit"
-        for prefix, dev in self._links():
-            if self.rate_mbit is None:  # htb cannot be replaced in place: add it once
-                _run([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
-                      "default", "10"])  # fmt: skip
-            _run([*prefix, "tc", "class", "replace", "dev", dev, "parent", "1:", "classid",
-                  "1:10", "htb", "rate", rate, "ceil", rate, "burst", "512kb", "cburst", "512kb",
-                  "quantum", "200000"])  # fmt: skip
-        self.rate_mbit = rate_mbit
-
-    def cleanup(self) -> None:
-        for ns in self.namespaces:
-            _ip("netns", "del", ns, check=False)  # takes its veth pair with it
-        _ip("link", "del", self.bridge, check=False)
-
-    def prefix_for(self, i: int) -> list[str]:
-        """Run in host ``i``'s namespace, pinned to core ``i mod cores`` (ranks of one run
-        then share the cores evenly and do not migrate: steadier step times)."""
-        cores = sorted(os.sched_getaffinity(0))
-        pin = ["taskset", "-c", str(cores[i % len(cores)])] if shutil.which("taskset") else []
-        return ["ip", "netns", "exec", self.namespaces[i], *pin]
-
-
-def check_privileges() -> str | None:
-    """Why the cluster cannot be built here, or None."""
-    if sys.platform != "linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "building network namespaces and tc rate limits needs root: run it as root"
-    for tool in ("ip", "tc"):
-        if _run(["sh", "-c", f"command -v {tool}"], check=False).returncode != 0:
-            return f"`{tool}` is missing: install iproute2"
-    probe = f"obnprobe{os.getpid()}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
-
-
 # ----------------------------------------------------------------------------- the runs
-
-
-def _launch(cmds: list[list[str]], envs: list[dict], logs: Path, timeout: float) -> None:
-    """Start every command, wait for all; on a failure stop the others and raise."""
-    logs.mkdir(parents=True, exist_ok=True)
-    procs = []
-    try:
-        for i, (cmd, env) in enumerate(zip(cmds, envs, strict=True)):
-            out = open(logs / f"proc{i}.log", "wb")  # noqa: SIM115 (closed below)
-            procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=out), out))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p, _ in procs):
-            failed = [i for i, (p, _) in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                i = failed[0]
-                tail = (logs / f"proc{i}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"process {i} ({' '.join(cmds[i][-4:])}) failed:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run did not finish within {timeout:.0f} s (logs: {logs})")
-            time.sleep(0.2)
-        for i, (p, _) in enumerate(procs):
-            if p.returncode != 0:
-                tail = (logs / f"proc{i}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"process {i} failed:\n{tail}")
-    finally:
-        for p, out in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            out.close()
-
-
-def _env(threads: int, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS=str(threads), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def run_distributed(cluster: Cluster, cfg_path: Path, logs: Path, threads: int, timeout: float):
-    world = cluster.hosts
-    cmds, envs = [], []
-    for i in range(world):
-        cmds.append([*cluster.prefix_for(i), sys.executable, "-m", "pretrain", "--config",
-                     str(cfg_path)])  # fmt: skip
-        envs.append(
-            _env(
-                threads,
-                RANK=str(i),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK="0",
-                MASTER_ADDR=cluster.address(0),
-                MASTER_PORT=str(MASTER_PORT),
-                GLOO_SOCKET_IFNAME="eth0",
-            )
-        )
-    _launch(cmds, envs, logs, timeout)
-
-
-def run_compute_only(cluster: Cluster, cfg_paths: list[Path], logs: Path, threads: int, timeout):
-    cmds = [
-        [*cluster.prefix_for(i), sys.executable, "-m", "pretrain", "--config", str(path)]
-        for i, path in enumerate(cfg_paths)
-    ]
-    _launch(cmds, [_env(threads) for _ in cmds], logs, timeout)
 
 
 def step_records(run_dir: Path) -> list[dict]:
     from onebit_bert.metrics_log import read_metrics
 
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "step_seconds" in r]
+    return [r for r in read_metrics(metrics_path(run_dir)) if "step_seconds" in r]
 
 
 def summarize(records: list[dict], batch: int) -> dict:
@@ -286,33 +92,37 @@ def summarize(records: list[dict], batch: int) -> dict:
 # ----------------------------------------------------------------------------- the sweep
 
 
-def measure(
-    cluster: Cluster,
-    data: Path,
-    work: Path,
-    args: argparse.Namespace,
-    bandwidth: float,
-) -> dict:
-    world = cluster.hosts
-    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
-    batch = args.batch * world
-    tag = f"{bandwidth:g}mbit_p{world}"
-    cluster.shape(bandwidth)
-    timeout = args.run_timeout
+@dataclass
+class SweepPoint:
+    """One point of the sweep: a cluster shaped to one bandwidth, the benchmark's arguments,
+    and the folder that holds this point's configs, run folders and logs."""
 
-    def config(name: str, optimizer: str, steps: int, per_rank: bool = False, i: int = 0) -> Path:
+    cluster: Cluster
+    data: Path
+    folder: Path
+    args: argparse.Namespace
+    threads: int
+    batch: int
+
+    def config(self, name: str, optimizer: str, steps: int, rank: int | None = None) -> Path:
+        """Write the pretraining config ``<name>[rank].yaml`` and return its run folder. With
+        ``rank``: a single-process run of one rank's batch; without: the distributed run of
+        the global batch, with ``eth0``'s sent bytes logged."""
         from onebit_bert.config import from_dict, save_config
         from pretrain.config import PretrainConfig
 
-        run_dir = work / tag / (f"{name}{i}" if per_rank else name)
+        per_rank = rank is not None
+        suffix = str(rank) if per_rank else ""
+        run_dir = self.folder / f"{name}{suffix}"
+        args = self.args
         cfg = from_dict(
             PretrainConfig,
             pretrain_config(
-                data,
+                self.data,
                 run_dir,
                 optimizer,
                 model=args.model,
-                batch=args.batch if per_rank else batch,
+                batch=args.batch if per_rank else self.batch,
                 micro=min(args.micro_batch, args.batch),
                 steps=steps,
                 freeze_step=args.freeze_step,
@@ -320,48 +130,96 @@ def measure(
                 net_interface=None if per_rank else "eth0",
             ),
         )
-        path = work / tag / f"{name}{i if per_rank else ''}.yaml"
+        path = self.folder / f"{name}{suffix}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_config(cfg, path)
         return run_dir
 
-    warm = args.warmup_steps
-    lamb_dir = config("lamb", "lamb", warm + args.steps)
-    run_distributed(cluster, work / tag / "lamb.yaml", work / tag / "logs_lamb", threads, timeout)
-    lamb = summarize(step_records(lamb_dir)[warm:], batch)
+    def run_distributed(self, name: str) -> None:
+        """Run the distributed config ``<name>.yaml`` on every host."""
+        run_distributed(
+            self.cluster,
+            self.folder / f"{name}.yaml",
+            self.folder / f"logs_{name}",
+            self.threads,
+            self.args.run_timeout,
+        )
 
-    onebit_steps = args.freeze_step + 1 + args.steps
-    onebit_dir = config("onebit", "onebit_lamb", onebit_steps)
-    run_distributed(
-        cluster, work / tag / "onebit.yaml", work / tag / "logs_onebit", threads, timeout
-    )
+
+def _measure_lamb(point: SweepPoint) -> dict:
+    args = point.args
+    warm = args.warmup_steps
+    lamb_dir = point.config("lamb", "lamb", warm + args.steps)
+    point.run_distributed("lamb")
+    return summarize(step_records(lamb_dir)[warm:], point.batch)
+
+
+def _measure_onebit(point: SweepPoint) -> tuple[dict, dict]:
+    """The warmup stage's and the compression stage's summaries (first step of each
+    skipped)."""
+    args = point.args
+    onebit_dir = point.config("onebit", "onebit_lamb", args.freeze_step + 1 + args.steps)
+    point.run_distributed("onebit")
     records = step_records(onebit_dir)
     warmup_records = [r for r in records if r["stage"] == "warmup"][1:]
     compression_records = [r for r in records if r["stage"] == "compression"][1:]
-    onebit_warmup = summarize(warmup_records, batch)
-    onebit = summarize(compression_records, batch)
+    return summarize(warmup_records, point.batch), summarize(compression_records, point.batch)
 
-    compute_dirs = [config("compute", "lamb", warm + args.steps, True, i) for i in range(world)]
+
+def _measure_compute_only(point: SweepPoint) -> float:
+    """Samples/s of the compute-only runs, summed over the hosts."""
+    args = point.args
+    world = point.cluster.hosts
+    warm = args.warmup_steps
+    dirs = [point.config("compute", "lamb", warm + args.steps, i) for i in range(world)]
     run_compute_only(
-        cluster,
-        [work / tag / f"compute{i}.yaml" for i in range(world)],
-        work / tag / "logs_compute",
-        threads,
-        timeout,
+        point.cluster,
+        [point.folder / f"compute{i}.yaml" for i in range(world)],
+        point.folder / "logs_compute",
+        point.threads,
+        args.run_timeout,
     )
-    per_process = [summarize(step_records(d)[warm:], args.batch) for d in compute_dirs]
-    compute_only = sum(p["samples_per_s"] for p in per_process)
+    per_process = [summarize(step_records(d)[warm:], args.batch) for d in dirs]
+    return sum(p["samples_per_s"] for p in per_process)
 
-    def agreement(run: dict) -> float | None:
-        if not run["wire_bytes_per_step"] or not run["counted_bytes_per_step"]:
-            return None
-        return run["wire_bytes_per_step"] / run["counted_bytes_per_step"]
 
+def _bytes_per_step(run: dict) -> dict:
+    """Wire and counted bytes per step, and their ratio (None when either is missing)."""
+    wire, counted = run["wire_bytes_per_step"], run["counted_bytes_per_step"]
+    return {
+        "wire": wire,
+        "counted": counted,
+        "wire_over_counted": wire / counted if wire and counted else None,
+    }
+
+
+def measure(
+    cluster: Cluster,
+    data: Path,
+    work: Path,
+    args: argparse.Namespace,
+    bandwidth: float,
+) -> dict:
+    """Shape ``cluster`` to ``bandwidth`` Mbit/s and measure LAMB, 1-bit LAMB and the
+    compute-only runs there: one result row."""
+    world = cluster.hosts
+    point = SweepPoint(
+        cluster,
+        data,
+        work / f"{bandwidth:g}mbit_p{world}",
+        args,
+        threads=args.threads or max(1, (os.cpu_count() or 1) // world),
+        batch=args.batch * world,
+    )
+    cluster.shape(bandwidth)
+    lamb = _measure_lamb(point)
+    onebit_warmup, onebit = _measure_onebit(point)
+    compute_only = _measure_compute_only(point)
     return {
         "bandwidth_mbit": bandwidth,
         "world_size": world,
-        "threads_per_rank": threads,
-        "global_batch": batch,
+        "threads_per_rank": point.threads,
+        "global_batch": point.batch,
         "lamb_samples_per_s": lamb["samples_per_s"],
         "onebit_warmup_samples_per_s": onebit_warmup["samples_per_s"],
         "onebit_samples_per_s": onebit["samples_per_s"],
@@ -370,21 +228,9 @@ def measure(
         "onebit_comm_fraction": onebit["comm_fraction"],
         "speedup": onebit["samples_per_s"] / lamb["samples_per_s"],
         "onebit_vs_compute_only": onebit["samples_per_s"] / compute_only,
-        "lamb_bytes_per_step": {
-            "wire": lamb["wire_bytes_per_step"],
-            "counted": lamb["counted_bytes_per_step"],
-            "wire_over_counted": agreement(lamb),
-        },
-        "onebit_warmup_bytes_per_step": {
-            "wire": onebit_warmup["wire_bytes_per_step"],
-            "counted": onebit_warmup["counted_bytes_per_step"],
-            "wire_over_counted": agreement(onebit_warmup),
-        },
-        "onebit_bytes_per_step": {
-            "wire": onebit["wire_bytes_per_step"],
-            "counted": onebit["counted_bytes_per_step"],
-            "wire_over_counted": agreement(onebit),
-        },
+        "lamb_bytes_per_step": _bytes_per_step(lamb),
+        "onebit_warmup_bytes_per_step": _bytes_per_step(onebit_warmup),
+        "onebit_bytes_per_step": _bytes_per_step(onebit),
         "bytes_ratio": lamb["wire_bytes_per_step"] / onebit["wire_bytes_per_step"],
         "counted_bytes_ratio": lamb["counted_bytes_per_step"] / onebit["counted_bytes_per_step"],
         "runs": {"lamb": lamb, "onebit_warmup": onebit_warmup, "onebit": onebit},
@@ -466,7 +312,7 @@ def _terminate_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def main(argv=None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--data-root", default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data")
@@ -492,7 +338,22 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_netem")
     parser.add_argument("--keep", action="store_true", help="keep the run folders")
-    args = parser.parse_args(argv)
+    return parser
+
+
+@dataclass
+class SweepPlan:
+    """The checked command line: the points to measure, where the data comes from, and the
+    (max_steps, freeze_step) of the whole-run config."""
+
+    bandwidths: list[float]
+    worlds: list[int]
+    data_root: Path | None  # None when --data names prepared shards
+    run_steps: tuple[int, int]
+
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPlan:
+    """Check the arguments, root and the data; exits through ``parser`` on a problem."""
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     worlds = [int(w) for w in args.world_sizes.split(",")]
     if min(worlds) < 2 or max(worlds) > 250:
@@ -506,6 +367,7 @@ def main(argv=None) -> dict:
     reason = check_privileges()
     if reason:
         parser.exit(2, f"bench.netem: {reason}\n")
+    data_root = None
     if args.data is None:
         data_root = Path(args.data_root).resolve()
         error = shared_data_error(data_root)
@@ -520,16 +382,19 @@ def main(argv=None) -> dict:
         run_steps = whole_run_steps(args.whole_run_config)
     except (OSError, ValueError) as exc:
         parser.error(f"--whole-run-config {args.whole_run_config}: {exc}")
+    return SweepPlan(bandwidths, worlds, data_root, run_steps)
 
-    _terminate_on_sigterm()
-    remove_stale_clusters()
+
+def _sweep(args: argparse.Namespace, plan: SweepPlan) -> tuple[list[dict], int, int]:
+    """Measure every (world size, bandwidth) point in a temporary folder; returns the result
+    rows, the model's parameter count and the sequence length."""
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_netem_") as tmp:
         work = Path(tmp)
-        data = args.data or prepare_wikipedia_seq128(data_root, work / "data")
-        for world in worlds:
+        data = args.data or prepare_wikipedia_seq128(plan.data_root, work / "data")
+        for world in plan.worlds:
             with Cluster(world, mtu=args.mtu) as cluster:
-                for bandwidth in bandwidths:
+                for bandwidth in plan.bandwidths:
                     results.append(measure(cluster, data, work, args, bandwidth))
                     print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}),
                           file=sys.stderr, flush=True)  # fmt: skip
@@ -537,10 +402,15 @@ def main(argv=None) -> dict:
             shutil.copytree(work, args.out / "work", dirs_exist_ok=True)
         params = _parameter_count(args.model, data)
         seq_length = _seq_length(data)
+    return results, params, seq_length
 
+
+def _summary(
+    args: argparse.Namespace, plan: SweepPlan, results: list[dict], params: int, seq_length: int
+) -> dict:
     threads = results[0]["threads_per_rank"]
     large = 2 * BERT_LARGE_PARAMS * 4 * 8 / 10e9  # seconds of ring all-reduce at 10 Gbit/s
-    summary = {
+    return {
         "model": args.model,
         "parameters": params,
         "seq_length": seq_length,
@@ -559,12 +429,25 @@ def main(argv=None) -> dict:
             threads=threads,
         ),
         "whole_run": {
-            str(r["world_size"]): whole_run_reduction(r, args.whole_run_config, *run_steps)
+            str(r["world_size"]): whole_run_reduction(r, args.whole_run_config, *plan.run_steps)
             for r in results
-            if r["bandwidth_mbit"] == bandwidths[0]
+            if r["bandwidth_mbit"] == plan.bandwidths[0]
         },
         "results": results,
     }
+
+
+def main(argv=None) -> dict:
+    """``python -m bench.netem``: run the sweep, write ``netem.json`` and ``netem.png`` to
+    ``--out`` and print the summary as the last line."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    plan = _plan(parser, args)
+
+    _terminate_on_sigterm()
+    remove_stale_clusters()
+    results, params, seq_length = _sweep(args, plan)
+    summary = _summary(args, plan, results, params, seq_length)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, args.out / "netem.png")
     summary["plot"] = str(args.out / "netem.png")

@@ -79,6 +79,8 @@ def hf_trainer(data: Path, tmp: Path, steps: int, batch: int, warmup: int) -> fl
     tokenizer = AutoTokenizer.from_pretrained(rows.tokenizer_dir)
 
     class Rows(torch.utils.data.Dataset):
+        """The pretraining shard rows as a map-style dataset of tensors."""
+
         def __len__(self):
             return len(rows)
 
@@ -92,6 +94,8 @@ def hf_trainer(data: Path, tmp: Path, steps: int, batch: int, warmup: int) -> fl
     times: list[float] = []
 
     class StepTimes(TrainerCallback):
+        """Records the time at the end of every optimizer step."""
+
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter())
 

@@ -9,13 +9,15 @@ import sys
 
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
-from onebit_bert.config import ConfigError, load_config
+from onebit_bert.config import ConfigError, config_help, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="Turn text corpora into sharded, tokenized BERT pretraining data.",
+        epilog=config_help(DataPrepConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="YAML config (see configs/data/)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")

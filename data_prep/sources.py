@@ -33,6 +33,10 @@ class SourceError(ValueError):
 
 @dataclass(frozen=True)
 class RawDocument:
+    """One document read from a source, before sentence splitting. ``layout`` says how its
+    paragraphs are separated: ``"lines"``, one paragraph per line; ``"blocks"``, blank
+    lines between paragraphs."""
+
     text: str
     layout: str  # "lines" or "blocks"
 

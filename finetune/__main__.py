@@ -13,19 +13,27 @@ import json
 import logging
 import sys
 
-from onebit_bert.config import ConfigError, load_config
+from finetune.config import FinetuneConfig
+from onebit_bert.config import ConfigError, config_help, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("run", help="fine-tune a checkpoint on GLUE / SQuAD tasks")
+    run_p = sub.add_parser(
+        "run",
+        help="fine-tune a checkpoint on GLUE / SQuAD tasks",
+        description="Fine-tune a checkpoint on GLUE / SQuAD tasks, several seeds each.",
+        epilog=config_help(
+            FinetuneConfig, heading="config fields (set in the YAML file or as field=value):"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run_p.add_argument("--config", help="YAML config (optional; overrides also work alone)")
     run_p.add_argument("overrides", nargs="*", help="field=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        from finetune.config import FinetuneConfig
         from finetune.run import run
 
         cfg = load_config(FinetuneConfig, args.config, args.overrides)

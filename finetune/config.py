@@ -35,6 +35,7 @@ class FinetuneConfig:
     """An HF-format model directory with its tokenizer (a pretraining run's ``final/``),
     or a hub model name when online."""
     tasks: list[str] = field(default_factory=lambda: ["sst2", "mrpc"])
+    """Any of cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (GLUE) and squad (v1.1)."""
     data_root: str | None = None
     """Local data: ``<data_root>/<GLUE TASK>/{train,dev}.tsv`` (GLUE's layout; also found
     under ``<data_root>/glue/``) and ``<data_root>/squad/{train,dev}-v1.1.json``; unset: the

@@ -237,6 +237,8 @@ _BINARY_FILE_LABELS = ("0", "1")
 
 
 class CoLA(GlueTask):
+    """CoLA: is a single sentence grammatically acceptable (Matthews correlation)."""
+
     name = hub_config = "cola"
     folder = "CoLA"
     labels = ("unacceptable", "acceptable")
@@ -248,6 +250,8 @@ class CoLA(GlueTask):
 
 
 class SST2(GlueTask):
+    """SST-2: positive or negative sentiment of a single sentence."""
+
     name = hub_config = "sst2"
     folder = "SST-2"
     labels = ("negative", "positive")
@@ -257,6 +261,8 @@ class SST2(GlueTask):
 
 
 class MRPC(GlueTask):
+    """MRPC: are two sentences paraphrases (accuracy and F1)."""
+
     name = hub_config = "mrpc"
     folder = "MRPC"
     labels = ("not_equivalent", "equivalent")
@@ -267,6 +273,8 @@ class MRPC(GlueTask):
 
 
 class STSB(GlueTask):
+    """STS-B: similarity score of a sentence pair, regression (Pearson and Spearman)."""
+
     name = hub_config = "stsb"
     folder = "STS-B"
     labels = None
@@ -276,6 +284,8 @@ class STSB(GlueTask):
 
 
 class QQP(GlueTask):
+    """QQP: are two questions duplicates (accuracy and F1)."""
+
     name = hub_config = "qqp"
     folder = "QQP"
     labels = ("not_duplicate", "duplicate")
@@ -286,6 +296,9 @@ class QQP(GlueTask):
 
 
 class MNLI(GlueTask):
+    """MNLI: entailment, neutral or contradiction for a premise and hypothesis; evaluated
+    on the matched and mismatched validation sets."""
+
     name = hub_config = "mnli"
     folder = "MNLI"
     labels = ("entailment", "neutral", "contradiction")
@@ -298,6 +311,8 @@ class MNLI(GlueTask):
 
 
 class QNLI(GlueTask):
+    """QNLI: does a sentence contain the answer to a question."""
+
     name = hub_config = "qnli"
     folder = "QNLI"
     labels = ("entailment", "not_entailment")
@@ -306,6 +321,8 @@ class QNLI(GlueTask):
 
 
 class RTE(GlueTask):
+    """RTE: does the first sentence entail the second."""
+
     name = hub_config = "rte"
     folder = "RTE"
     labels = ("entailment", "not_entailment")
@@ -314,6 +331,8 @@ class RTE(GlueTask):
 
 
 class WNLI(GlueTask):
+    """WNLI: entailment of a sentence pair built from Winograd schemas."""
+
     name = hub_config = "wnli"
     folder = "WNLI"
     labels = ("not_entailment", "entailment")

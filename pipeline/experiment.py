@@ -36,6 +36,8 @@ class StageSpec:
 
 @dataclass
 class PhaseSpec(StageSpec):
+    """One pretraining phase of a run: its config, overrides and sequence length."""
+
     seq_length: int = 128
     """Which prepared length this phase trains on (the data stage must produce it)."""
 
@@ -57,6 +59,8 @@ class RunSpec:
 
 @dataclass
 class LocalSpec:
+    """How `python -m pipeline run` executes stages on this machine."""
+
     nproc_per_node: int = 2
     """Pretraining processes on this machine (torchrun --nproc-per-node)."""
 
@@ -91,6 +95,9 @@ class SlurmSpec:
 
 @dataclass
 class ExperimentConfig:
+    """A whole experiment: inputs, data, pretraining runs (x seeds), fine-tuning, report,
+    and how to run them locally or on SLURM."""
+
     name: str
     workdir: str
     data: StageSpec

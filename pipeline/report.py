@@ -5,7 +5,7 @@ its ``metrics.jsonl`` and ``config.yaml``, and a fine-tuning output directory wi
 ``results.json``). Runs that share a NAME are the pretraining seeds of one *arm*. Output,
 in one directory: ``report.md``, ``report.json`` and PNG plots (pretraining loss with the
 freeze step marked, validation MLM accuracy against samples seen, the 1-bit switch
-diagnostics, fine-tuning scores per task).
+diagnostics, fine-tuning scores per task; drawn by :mod:`pipeline.report_plots`).
 
 Statistics (see :data:`TEST`): pretraining metrics are mean ± std over an arm's
 pretraining seeds; fine-tuning metrics are mean ± std over pretraining × fine-tuning seeds.
@@ -18,16 +18,18 @@ there is no verdict.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from finetune import outputs as finetune_outputs
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.metrics_log import read_metrics
+from pipeline.report_plots import write_figures
 from pipeline.stats import mean_std, welch_t_test
+from pretrain import outputs as pretrain_outputs
 
 ALPHA = 0.05
 TEST = (
@@ -51,6 +53,9 @@ SWITCH_KEYS = (
 
 @dataclass
 class RunInputs:
+    """One ``--run`` argument: the arm name, the pretraining run directory and the
+    fine-tuning output directory."""
+
     name: str
     pretrain_dir: Path
     finetune_dir: Path
@@ -67,9 +72,9 @@ def parse_run(spec: str) -> RunInputs:
 
 def load_run(run: RunInputs) -> dict:
     """One pretraining seed: its curves, final metrics and fine-tuning results."""
-    metrics_path = run.pretrain_dir / "metrics.jsonl"
-    config_path = run.pretrain_dir / "config.yaml"
-    results_path = run.finetune_dir / "results.json"
+    metrics_path = pretrain_outputs.metrics_path(run.pretrain_dir)
+    config_path = pretrain_outputs.config_path(run.pretrain_dir)
+    results_path = finetune_outputs.results_path(run.finetune_dir)
     for path in (metrics_path, config_path, results_path):
         if not path.is_file():
             raise FileNotFoundError(f"run {run.name!r}: {path} is missing")
@@ -106,7 +111,7 @@ def load_run(run: RunInputs) -> dict:
         "switch": switch,
         "final": final,
         "comm_bytes_total": sum(comm),
-        "finetune": json.loads(results_path.read_text()),
+        "finetune": finetune_outputs.read_results(run.finetune_dir),
     }
 
 
@@ -215,158 +220,6 @@ def compare_finetuning(arms: list[dict]) -> dict:
     return table
 
 
-# ----------------------------------------------------------------------------- plots
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _finish(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _running_mean(ys: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, y in enumerate(ys):
-        total += y
-        if i >= window:
-            total -= ys[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def _mark_freeze(ax, arms: list[dict], scale: int = 1) -> None:
-    marked = set()
-    for arm in arms:
-        step = arm["seeds"][0]["freeze_step"]
-        if step is not None and step not in marked:
-            marked.add(step)
-            ax.axvline(step * scale, color="grey", ls="--", lw=1)
-            ax.text(
-                step * scale,
-                0.98,
-                f" freeze step {step}",
-                transform=ax.get_xaxis_transform(),
-                va="top",
-                fontsize=8,
-                color="grey",
-            )
-
-
-def _plot_loss(arms: list[dict], path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, arm in enumerate(arms):
-        for j, run in enumerate(arm["seeds"]):
-            if run["train_loss"]:
-                xs, ys = zip(*run["train_loss"], strict=True)
-                window = max(1, len(ys) // 60)
-                ax.plot(
-                    xs,
-                    _running_mean(list(ys), window),
-                    color=f"C{i}",
-                    lw=1,
-                    alpha=0.8,
-                    label=arm["name"] if j == 0 else None,
-                )
-    _mark_freeze(ax, arms)
-    _finish(plt, fig, ax, "step", "pretraining loss (MLM + NSP), running mean", path)
-
-
-def _plot_val(arms: list[dict], path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, arm in enumerate(arms):
-        curves = [dict(r["val_mlm_accuracy"]) for r in arm["seeds"] if r["val_mlm_accuracy"]]
-        for curve in curves:
-            ax.plot(list(curve), list(curve.values()), color=f"C{i}", lw=0.8, alpha=0.4)
-        common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-        if common:
-            mean = [sum(c[x] for c in curves) / len(curves) for x in common]
-            ax.plot(
-                common,
-                mean,
-                color=f"C{i}",
-                lw=2,
-                marker=".",
-                label=f"{arm['name']} (mean of {len(curves)} seeds)",
-            )
-    batch = arms[0]["seeds"][0]["global_batch_size"]
-    _mark_freeze(ax, arms, scale=batch)
-    _finish(plt, fig, ax, "samples seen", "validation MLM accuracy", path)
-
-
-def _plot_switch(arms: list[dict], path: Path) -> bool:
-    """c·f (or r before the switch) min/mean/max, the factor f, and the relative compression
-    error per step; False (no plot) when no run has a compression stage."""
-    if not any(r["switch"]["compression_error"] for a in arms for r in a["seeds"]):
-        return False
-    plt = _pyplot()
-    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
-    for i, arm in enumerate(arms):
-        for j, run in enumerate(arm["seeds"]):
-            label = arm["name"] if j == 0 else None
-            sw = run["switch"]
-            for ax, prefix in ((axes[0], "trust_ratio"), (axes[1], "factor")):
-                if sw[f"{prefix}_mean"]:
-                    xs, mean = zip(*sw[f"{prefix}_mean"], strict=True)
-                    lo = [v for _, v in sw[f"{prefix}_min"]]
-                    hi = [v for _, v in sw[f"{prefix}_max"]]
-                    ax.plot(xs, mean, color=f"C{i}", lw=1, label=label)
-                    ax.fill_between(xs, lo, hi, color=f"C{i}", alpha=0.12, lw=0)
-            if sw["compression_error"]:
-                xs, ys = zip(*sw["compression_error"], strict=True)
-                axes[2].plot(xs, ys, color=f"C{i}", lw=1, label=label)
-    axes[0].set_ylabel("trust ratio: r, then c·f\n(mean; band: min–max)")
-    axes[0].set_yscale("log")
-    axes[1].set_ylabel("factor f\n(mean; band: min–max)")
-    axes[2].set_ylabel("‖worker error‖ / ‖momentum‖")
-    axes[2].set_xlabel("step")
-    for ax in axes:
-        _mark_freeze(ax, arms)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def _plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
-    plt = _pyplot()
-    tasks = list(table)
-    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks)), 4))
-    width = 0.8 / len(arms)
-    for i, arm in enumerate(arms):
-        means, errs = [], []
-        for task in tasks:
-            row = table[task]["metrics"][table[task]["main_metric"]][arm["name"]]
-            scale = 1.0 if task == "squad" else 100.0  # GLUE metrics are fractions
-            means.append(row["mean"] * scale)
-            errs.append(row["std"] * scale)
-        xs = [t + (i - (len(arms) - 1) / 2) * width for t in range(len(tasks))]
-        ax.bar(xs, means, width, yerr=errs, capsize=3, label=arm["name"])
-    ax.set_xticks(range(len(tasks)))
-    ax.set_xticklabels([f"{t}\n({table[t]['main_metric']})" for t in tasks])
-    ax.set_ylabel("score (x100 for GLUE)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------- report
 
 
@@ -391,32 +244,31 @@ def _verdict_cell(row: dict) -> str:
     return f"{mark} (p = {row['p']:.2f})"
 
 
-def write_report(run_specs: list[str], out: str | Path) -> dict:
-    runs = [load_run(parse_run(spec)) for spec in run_specs]
-    arms = group_arms(runs)
+def load_arms(run_specs: list[str]) -> list[dict]:
+    """Load every ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` run and group them into arms (two or
+    more)."""
+    arms = group_arms([load_run(parse_run(spec)) for spec in run_specs])
     if len(arms) < 2:
         raise ValueError(
             "a parity report needs at least two runs with different names "
             "(NAME=PRETRAIN:FINETUNE; a repeated NAME adds a pretraining seed)"
         )
-    pretraining = compare_pretraining(arms)
-    finetuning = compare_finetuning(arms)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _plot_loss(arms, out / "pretrain_loss.png")
-    _plot_val(arms, out / "val_mlm_accuracy.png")
-    has_switch = _plot_switch(arms, out / "onebit_switch.png")
-    _plot_finetune(arms, finetuning, out / "finetune_scores.png")
+    return arms
 
-    names = [a["name"] for a in arms]
-    others = names[1:]
+
+def _table_header(columns: list[str], right: int, left: int) -> list[str]:
+    """A markdown table's header row and alignment row: ``columns`` beyond the first
+    ``len(columns) - right - left`` (left-aligned) are ``right`` right-aligned ones, then
+    ``left`` left-aligned ones."""
+    plain = len(columns) - right - left
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * plain + "---:|" * right + ":---|" * left,
+    ]
+
+
+def _arms_table(arms: list[dict]) -> list[str]:
     lines = [
-        "# Parity report",
-        "",
-        f"Reference arm: **{names[0]}**. Verdicts: {TEST}",
-        "",
-        "## Pretraining",
-        "",
         "| arm | optimizer | pretraining seeds | global batch | steps | bytes sent per rank |",
         "|---|---|---:|---:|---:|---:|",
     ]
@@ -428,17 +280,17 @@ def write_report(run_specs: list[str], out: str | Path) -> dict:
             f"| {arm['name']} | {arm['optimizer']} | {len(seeds)} ({', '.join(map(str, seeds))}) "
             f"| {first['global_batch_size']} | {first['steps']} | {comm:,.0f} |"
         )
-    lines += [
-        "",
-        "Final values, mean ± std over pretraining seeds:",
-        "",
-        "| metric | "
-        + " | ".join(names)
-        + " | "
-        + " | ".join(f"{n} vs {names[0]}" for n in others)
-        + " |",
-        "|---|" + "---:|" * len(names) + ":---|" * len(others),
-    ]
+    return lines
+
+
+def _pretraining_section(arms: list[dict], pretraining: dict, has_switch: bool) -> list[str]:
+    names = [a["name"] for a in arms]
+    others = names[1:]
+    lines = ["## Pretraining", "", *_arms_table(arms)]
+    lines += ["", "Final values, mean ± std over pretraining seeds:", ""]
+    lines += _table_header(
+        ["metric", *names, *(f"{n} vs {names[0]}" for n in others)], len(names), len(others)
+    )
     for metric, rows in pretraining.items():
         cells = " | ".join(_cell(rows[n]) for n in names)
         verdicts = " | ".join(_verdict_cell(rows[n]) for n in others)
@@ -450,21 +302,21 @@ def write_report(run_specs: list[str], out: str | Path) -> dict:
     ]
     if has_switch:
         lines += ["![1-bit switch: c·f, f, compression error](onebit_switch.png)"]
-    lines += [
-        "",
-        "## Fine-tuning",
-        "",
-        "Mean ± std over pretraining × fine-tuning seeds.",
-        "",
-        "| task | metric | "
-        + " | ".join(names)
-        + " | "
-        + " | ".join(f"{n} − {names[0]}" for n in others)
-        + " | "
-        + " | ".join(f"{n} vs {names[0]}" for n in others)
-        + " |",
-        "|---|---|" + "---:|" * (len(names) + len(others)) + ":---|" * len(others),
+    return lines
+
+
+def _finetuning_section(arms: list[dict], finetuning: dict) -> list[str]:
+    names = [a["name"] for a in arms]
+    others = names[1:]
+    lines = ["## Fine-tuning", "", "Mean ± std over pretraining × fine-tuning seeds.", ""]
+    columns = [
+        "task",
+        "metric",
+        *names,
+        *(f"{n} − {names[0]}" for n in others),
+        *(f"{n} vs {names[0]}" for n in others),
     ]
+    lines += _table_header(columns, len(names) + len(others), len(others))
     for task, info in finetuning.items():
         for metric, rows in info["metrics"].items():
             cells = " | ".join(_cell(rows[n]) for n in names)
@@ -473,8 +325,25 @@ def write_report(run_specs: list[str], out: str | Path) -> dict:
             main = " (main)" if metric == info["main_metric"] else ""
             lines.append(f"| {task} | {metric}{main} | {cells} | {diffs} | {verdicts} |")
     lines += ["", "![fine-tuning scores](finetune_scores.png)", ""]
-    atomic_write_text(out / "report.md", "\n".join(lines))
-    report = {
+    return lines
+
+
+def render_markdown(arms: list[dict], pretraining: dict, finetuning: dict, has_switch: bool) -> str:
+    """``report.md``: the arms, the pretraining and fine-tuning tables and the figures."""
+    head = ["# Parity report", "", f"Reference arm: **{arms[0]['name']}**. Verdicts: {TEST}", ""]
+    lines = [
+        *head,
+        *_pretraining_section(arms, pretraining, has_switch),
+        "",
+        *_finetuning_section(arms, finetuning),
+    ]
+    return "\n".join(lines)
+
+
+def report_data(arms: list[dict], pretraining: dict, finetuning: dict) -> dict:
+    """``report.json``: the test, each arm's seeds (without curves and fine-tuning results)
+    and both comparison tables."""
+    return {
         "test": TEST,
         "arms": [
             {
@@ -490,6 +359,19 @@ def write_report(run_specs: list[str], out: str | Path) -> dict:
         "pretraining": pretraining,
         "finetune": finetuning,
     }
+
+
+def write_report(run_specs: list[str], out: str | Path) -> dict:
+    """Compare the runs and write ``report.md``, ``report.json`` and the figures into
+    ``out``; returns what ``report.json`` holds."""
+    arms = load_arms(run_specs)
+    pretraining = compare_pretraining(arms)
+    finetuning = compare_finetuning(arms)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    has_switch = write_figures(arms, finetuning, out)
+    atomic_write_text(out / "report.md", render_markdown(arms, pretraining, finetuning, has_switch))
+    report = report_data(arms, pretraining, finetuning)
     atomic_write_json(out / "report.json", report)
     return report
 

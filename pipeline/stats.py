@@ -66,6 +66,9 @@ def t_two_sided_p(t: float, df: float) -> float:
 
 @dataclass(frozen=True)
 class WelchResult:
+    """The outcome of :func:`welch_t_test`: difference of means, its standard error, the t
+    statistic, the Welch-Satterthwaite degrees of freedom and the two-sided p-value."""
+
     difference: float
     """mean(b) - mean(a)"""
     standard_error: float

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from onebit_bert.config import ConfigError, load_config
+from onebit_bert.config import ConfigError, config_help, load_config
 from onebit_bert.distributed.env import destroy_distributed, init_distributed
 from pretrain.config import PretrainConfig
 from pretrain.train import train
@@ -15,7 +15,10 @@ from pretrain.train import train
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pretrain", description="BERT pretraining with LAMB / 1-bit LAMB"
+        prog="python -m pretrain",
+        description="BERT pretraining with LAMB / 1-bit LAMB",
+        epilog=config_help(PretrainConfig),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="YAML config (see configs/pretrain/)")
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")

@@ -108,6 +108,8 @@ class ScheduleConfig:
 
 @dataclass
 class CheckpointConfig:
+    """When to save training checkpoints and how many to keep."""
+
     every: int = 200
     """Save every this many steps (and at the end, and on SIGUSR1/SIGTERM)."""
     keep_last: int = 3

@@ -26,6 +26,9 @@ from pretrain.config import DataConfig
 
 @dataclass(frozen=True)
 class TokenIds:
+    """The special token ids (``[CLS]``, ``[SEP]``, padding, ``[MASK]``) and the vocabulary
+    size that batch building and masking need."""
+
     cls: int
     sep: int
     pad: int

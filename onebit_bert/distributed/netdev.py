@@ -19,6 +19,9 @@ _ENV_INTERFACES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 @dataclass(frozen=True)
 class InterfaceBytes:
+    """Bytes received (``rx``) and sent (``tx``) by one network interface; subtracting
+    two readings gives the traffic between them."""
+
     rx: int
     tx: int
 

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.distributed.compression import ErrorFeedback, padded_size
 from onebit_bert.optim import defaults
+from onebit_bert.optim.deepspeed import onebit_lamb_kwargs
 from onebit_bert.optim.lamb import (
     check_lamb_hyperparameters,
     check_params_and_grads,
@@ -126,20 +127,6 @@ class OneBitLamb(Optimizer):
         self.bytes_sent = 0
 
     # ------------------------------------------------------------------ construction
-    _DEEPSPEED_KEYS = {
-        "lr",
-        "freeze_step",
-        "betas",
-        "eps",
-        "weight_decay",
-        "max_coeff",
-        "min_coeff",
-        "coeff_beta",
-        "factor_max",
-        "factor_min",
-        "factor_threshold",
-    }
-
     @classmethod
     def from_deepspeed_config(
         cls,
@@ -148,34 +135,10 @@ class OneBitLamb(Optimizer):
         comm: Communicator | None = None,
         bucket_numel: int | None = None,
     ) -> OneBitLamb:
-        """Build from the ``params`` of a DeepSpeed ``{"type": "OneBitLamb"}`` optimizer.
-
-        Keys that only steer DeepSpeed's engine (``cuda_aware``, ``comm_backend_name``) are
-        accepted and ignored: the communicator decides the transport. ``bias_correction``
-        is ignored as in DeepSpeed. Options DeepSpeed's 1-bit LAMB does not implement
-        either are refused.
-        """
-        config = dict(config)
-        for key in ("cuda_aware", "comm_backend_name", "bias_correction"):
-            config.pop(key, None)
-        if config.pop("amsgrad", False):
-            raise ValueError("1-bit LAMB has no AMSGrad variant; remove amsgrad from the config")
-        if config.pop("eps_inside_sqrt", False):
-            raise ValueError("1-bit LAMB adds eps outside the square root; remove eps_inside_sqrt")
-        if config.pop("max_grad_norm", 0.0):
-            raise ValueError(
-                "clip gradients in the trainer (its gradient-clipping setting), "
-                "not through the optimizer's max_grad_norm"
-            )
-        unknown = set(config) - cls._DEEPSPEED_KEYS
-        if unknown:
-            raise ValueError(
-                f"unknown 1-bit LAMB option(s) {sorted(unknown)}; "
-                f"known: {sorted(cls._DEEPSPEED_KEYS)}"
-            )
-        if "betas" in config:
-            config["betas"] = tuple(config["betas"])
-        return cls(params, comm=comm, bucket_numel=bucket_numel, **config)
+        """Build from the ``params`` of a DeepSpeed ``{"type": "OneBitLamb"}`` optimizer
+        (see :func:`onebit_bert.optim.deepspeed.onebit_lamb_kwargs` for what is accepted)."""
+        kwargs = onebit_lamb_kwargs(config)
+        return cls(params, comm=comm, bucket_numel=bucket_numel, **kwargs)
 
     def _check_single_fp32_device(self) -> None:
         devices = set()

@@ -1,0 +1,178 @@
+"""The parity report's figures (matplotlib, Agg backend): pretraining loss, validation MLM
+accuracy against samples seen, the 1-bit switch diagnostics and fine-tuning scores.
+
+Every function takes the arms built by :func:`pipeline.report.group_arms` (and, for the
+fine-tuning figure, the table of :func:`pipeline.report.compare_finetuning`) and writes one
+PNG.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_figures(arms: list[dict], finetuning: dict, out: Path) -> bool:
+    """Write every figure into ``out``; True when the 1-bit switch figure was written."""
+    plot_loss(arms, out / "pretrain_loss.png")
+    plot_val_accuracy(arms, out / "val_mlm_accuracy.png")
+    has_switch = plot_switch(arms, out / "onebit_switch.png")
+    plot_finetune(arms, finetuning, out / "finetune_scores.png")
+    return has_switch
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _running_mean(ys: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= window:
+            total -= ys[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _mark_freeze(ax, arms: list[dict], scale: int = 1) -> None:
+    marked = set()
+    for arm in arms:
+        step = arm["seeds"][0]["freeze_step"]
+        if step is not None and step not in marked:
+            marked.add(step)
+            ax.axvline(step * scale, color="grey", ls="--", lw=1)
+            ax.text(
+                step * scale,
+                0.98,
+                f" freeze step {step}",
+                transform=ax.get_xaxis_transform(),
+                va="top",
+                fontsize=8,
+                color="grey",
+            )
+
+
+def plot_loss(arms: list[dict], path: Path) -> None:
+    """Pretraining loss per step (running mean), one line per pretraining seed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(arm["seeds"]):
+            if run["train_loss"]:
+                xs, ys = zip(*run["train_loss"], strict=True)
+                window = max(1, len(ys) // 60)
+                ax.plot(
+                    xs,
+                    _running_mean(list(ys), window),
+                    color=f"C{i}",
+                    lw=1,
+                    alpha=0.8,
+                    label=arm["name"] if j == 0 else None,
+                )
+    _mark_freeze(ax, arms)
+    _finish(plt, fig, ax, "step", "pretraining loss (MLM + NSP), running mean", path)
+
+
+def plot_val_accuracy(arms: list[dict], path: Path) -> None:
+    """Validation MLM accuracy against samples seen: each seed, and each arm's mean over the
+    evaluation points its seeds share."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(arms):
+        curves = [dict(r["val_mlm_accuracy"]) for r in arm["seeds"] if r["val_mlm_accuracy"]]
+        for curve in curves:
+            ax.plot(list(curve), list(curve.values()), color=f"C{i}", lw=0.8, alpha=0.4)
+        common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if common:
+            mean = [sum(c[x] for c in curves) / len(curves) for x in common]
+            ax.plot(
+                common,
+                mean,
+                color=f"C{i}",
+                lw=2,
+                marker=".",
+                label=f"{arm['name']} (mean of {len(curves)} seeds)",
+            )
+    batch = arms[0]["seeds"][0]["global_batch_size"]
+    _mark_freeze(ax, arms, scale=batch)
+    _finish(plt, fig, ax, "samples seen", "validation MLM accuracy", path)
+
+
+def _plot_band(ax, switch: dict, prefix: str, color: str, label: str | None) -> None:
+    """The ``prefix`` mean per step with its min–max band."""
+    if switch[f"{prefix}_mean"]:
+        xs, mean = zip(*switch[f"{prefix}_mean"], strict=True)
+        lo = [v for _, v in switch[f"{prefix}_min"]]
+        hi = [v for _, v in switch[f"{prefix}_max"]]
+        ax.plot(xs, mean, color=color, lw=1, label=label)
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.12, lw=0)
+
+
+def plot_switch(arms: list[dict], path: Path) -> bool:
+    """c·f (or r before the switch) min/mean/max, the factor f, and the relative compression
+    error per step; False (no plot) when no run has a compression stage."""
+    if not any(r["switch"]["compression_error"] for a in arms for r in a["seeds"]):
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(arm["seeds"]):
+            label = arm["name"] if j == 0 else None
+            sw = run["switch"]
+            for ax, prefix in ((axes[0], "trust_ratio"), (axes[1], "factor")):
+                _plot_band(ax, sw, prefix, f"C{i}", label)
+            if sw["compression_error"]:
+                xs, ys = zip(*sw["compression_error"], strict=True)
+                axes[2].plot(xs, ys, color=f"C{i}", lw=1, label=label)
+    axes[0].set_ylabel("trust ratio: r, then c·f\n(mean; band: min–max)")
+    axes[0].set_yscale("log")
+    axes[1].set_ylabel("factor f\n(mean; band: min–max)")
+    axes[2].set_ylabel("‖worker error‖ / ‖momentum‖")
+    axes[2].set_xlabel("step")
+    for ax in axes:
+        _mark_freeze(ax, arms)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
+    """Each task's main metric per arm (mean with a ±std bar); GLUE fractions ×100."""
+    plt = _pyplot()
+    tasks = list(table)
+    fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks)), 4))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        means, errs = [], []
+        for task in tasks:
+            row = table[task]["metrics"][table[task]["main_metric"]][arm["name"]]
+            scale = 1.0 if task == "squad" else 100.0  # GLUE metrics are fractions
+            means.append(row["mean"] * scale)
+            errs.append(row["std"] * scale)
+        xs = [t + (i - (len(arms) - 1) / 2) * width for t in range(len(tasks))]
+        ax.bar(xs, means, width, yerr=errs, capsize=3, label=arm["name"])
+    ax.set_xticks(range(len(tasks)))
+    ax.set_xticklabels([f"{t}\n({table[t]['main_metric']})" for t in tasks])
+    ax.set_ylabel("score (x100 for GLUE)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
