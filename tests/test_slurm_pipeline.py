@@ -31,7 +31,14 @@ PRETRAIN = [
     "data.validation_every=10",
     "logging.wandb=false",
 ]
-FINETUNE = ["tasks=[sst2, squad]", "max_train_samples=200", "max_eval_samples=100", "epochs=[1]"]
+# two fine-tuning seeds (the smoke config has one): the array runs one job per (task, seed)
+FINETUNE = [
+    "tasks=[sst2, squad]",
+    "seeds=[1, 2]",
+    "max_train_samples=200",
+    "max_eval_samples=100",
+    "epochs=[1]",
+]
 
 
 def _phase(optimizer: str) -> dict:
