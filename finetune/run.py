@@ -56,6 +56,24 @@ def check_checkpoint(checkpoint: str) -> None:
             f"checkpoint {path} has no tokenizer (tokenizer.json or "
             f"vocab.txt): save the tokenizer with the model"
         )
+    check_finite_weights(path)
+
+
+def check_finite_weights(path: Path) -> None:
+    """Refuse a model whose weights hold NaN or inf (a diverged pretraining run)."""
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        return  # another format; from_pretrained reads it
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        names = list(f.keys())  # noqa: SIM118 (safe_open is not a mapping)
+        bad = [k for k in names if not torch.isfinite(f.get_tensor(k)).all()]
+    if bad:
+        raise ValueError(
+            f"checkpoint {path} has non-finite weights in {len(bad)} tensor(s) (e.g. "
+            f"{bad[0]}): its pretraining diverged; fine-tune an earlier, finite checkpoint"
+        )
 
 
 def _tensors(encoded: dict, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:

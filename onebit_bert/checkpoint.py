@@ -3,16 +3,25 @@
 A checkpoint is a directory ``step_00001234/`` holding ``shared.pt`` (what all ranks have
 in common: model, replicated optimizer state, loss scale; written by rank 0),
 ``rank00003.pt`` per rank (what differs: this rank's optimizer errors, RNG states) and
-``complete.json`` (step, world size, file sizes), written last. Ranks write into
-``step_00001234.tmp/``, which rank 0 renames into place once every rank is done, so a
-crash leaves either the previous checkpoint or a ``.tmp`` directory that is ignored.
+``complete.json`` (step, world size, size and sha256 of every file), written last. Ranks
+write into ``step_00001234.tmp/``, which rank 0 renames into place once every rank is
+done, so a crash leaves either the previous checkpoint or a ``.tmp`` directory that is
+ignored.
 
-On load, the newest checkpoint whose files all check out on every rank is used; a corrupt
-or partial one is skipped with a warning.
+On load, the newest checkpoint whose files all check out (size and sha256) on every rank
+is used; a corrupt or partial one is skipped with a warning naming it. Files are read with
+``torch.load(weights_only=True)``: a checkpoint holds tensors and plain Python values only,
+so loading one cannot run code. When checkpoints exist but none is usable,
+:meth:`CheckpointManager.load_latest` raises :class:`NoUsableCheckpoint` (listing them)
+instead of letting the run silently start again from step 0.
+
+Saving step ``S`` removes any checkpoint of a later step (left by a timeline that was
+abandoned because none of them could be loaded) before keeping the newest ``keep_last``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import warnings
@@ -26,6 +35,23 @@ from onebit_bert.io import atomic_open, atomic_write_json
 
 COMPLETE = "complete.json"
 SHARED = "shared.pt"
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Checkpoints exist, but none loads on every rank."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("_", 1)[1])
 
 
 def _rank_file(rank: int) -> str:
@@ -70,30 +96,54 @@ class CheckpointManager:
         self.comm.barrier()
         if self.comm.rank == 0:
             files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+            sha256 = {name: sha256_file(tmp / name) for name in files}
             atomic_write_json(
-                tmp / COMPLETE, {"step": step, "world_size": self.comm.world_size, "files": files}
+                tmp / COMPLETE,
+                {
+                    "step": step,
+                    "world_size": self.comm.world_size,
+                    "files": files,
+                    "sha256": sha256,
+                },
             )
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-            for old in self.checkpoints()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune(step)
         self.comm.barrier()
         return final
+
+    def _prune(self, step: int) -> None:
+        """After saving ``step``: drop checkpoints of later steps (an abandoned timeline),
+        then all but the newest ``keep_last``."""
+        kept = []
+        for path in self.checkpoints():
+            if _step_of(path) > step:
+                warnings.warn(f"removing {path}: later than the step just saved", stacklevel=3)
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                kept.append(path)
+        for old in kept[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _check(self, path: Path) -> tuple[dict, dict | None] | None:
         """This rank's view of one checkpoint: (shared, per_rank) or None if unusable."""
         try:
             meta = json.loads((path / COMPLETE).read_text())
-            for name, size in meta["files"].items():
-                if (path / name).stat().st_size != size:
-                    raise OSError(f"{name} has the wrong size")
-            shared = torch.load(path / SHARED, map_location="cpu", weights_only=False)
-            per_rank = None
+            names = [SHARED]
             if meta["world_size"] == self.comm.world_size:
-                per_rank = torch.load(
-                    path / _rank_file(self.comm.rank), map_location="cpu", weights_only=False
-                )
+                names.append(_rank_file(self.comm.rank))
+            for name in meta["files"]:
+                if (path / name).stat().st_size != meta["files"][name]:
+                    raise OSError(f"{name} has the wrong size")
+            for name in names:
+                expected = meta.get("sha256", {}).get(name)
+                if expected is None:
+                    raise OSError(f"{COMPLETE} has no checksum for {name} (an older format)")
+                if sha256_file(path / name) != expected:
+                    raise OSError(f"{name} does not match its sha256 (corrupted)")
+            shared = load_file(path / SHARED)
+            per_rank = load_file(path / names[1]) if len(names) > 1 else None
             return shared, per_rank
         except Exception as err:  # any unreadable piece makes the checkpoint unusable
             warnings.warn(
@@ -102,14 +152,29 @@ class CheckpointManager:
             )
             return None
 
-    def load_latest(self) -> tuple[int, dict, dict | None] | None:
+    def load_latest(self, allow_restart: bool = False) -> tuple[int, dict, dict | None] | None:
         """Collective: (step, shared, per_rank) of the newest checkpoint usable on every
-        rank, or None. ``per_rank`` is None when it was saved by a different world size."""
-        for path in reversed(self.checkpoints()):
+        rank, or None when there is none. ``per_rank`` is None when it was saved by a
+        different world size. Checkpoints that exist but none of which is usable raise
+        :class:`NoUsableCheckpoint`, unless ``allow_restart``."""
+        candidates = self.checkpoints()
+        for path in reversed(candidates):
             found = self._check(path)
             ok = torch.tensor([0.0 if found is None else 1.0], device=self.comm.device)
             self.comm.all_reduce(ok, op="min")
             if ok.item() == 1.0 and found is not None:
                 step = json.loads((path / COMPLETE).read_text())["step"]
                 return step, found[0], found[1]
+        if candidates and not allow_restart:
+            raise NoUsableCheckpoint(
+                f"none of the checkpoints in {self.directory} can be loaded "
+                f"({', '.join(p.name for p in candidates)}; the warnings above say why). "
+                f"Restore one, or set checkpoint.allow_restart=true to start again from "
+                f"step 0 (later checkpoints are then replaced)"
+            )
         return None
+
+
+def load_file(path: Path) -> Any:
+    """A checkpoint file, on CPU, with ``weights_only=True`` (tensors and plain values)."""
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -7,10 +7,11 @@ import argparse
 import json
 import sys
 
+from onebit_bert.checkpoint import NoUsableCheckpoint
 from onebit_bert.config import ConfigError, config_help, load_config
 from onebit_bert.distributed.env import destroy_distributed, init_distributed
 from pretrain.config import PretrainConfig
-from pretrain.train import train
+from pretrain.train import TrainingDiverged, train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed(backend=backend)
     try:
         summary = train(cfg, ctx)
-    except (ValueError, FileNotFoundError) as err:
+    except TrainingDiverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError, NoUsableCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

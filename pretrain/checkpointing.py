@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onebit_bert.checkpoint import CheckpointManager
+from onebit_bert.checkpoint import CheckpointManager, load_file
 from onebit_bert.io import atomic_write_json
 from onebit_bert.strategies import Strategy
 from pretrain.config import PretrainConfig
@@ -27,9 +27,11 @@ def seed_everything(seed: int, rank: int) -> None:
 
 def rng_state() -> dict:
     """This process's generator states (per-rank checkpoint state)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # as tensors and plain values, so the file loads with weights_only=True
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -39,7 +41,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -110,7 +113,7 @@ def initialise(cfg: PretrainConfig, init: tuple[str, Path], strategy: Strategy) 
     if kind == "hf":
         load_weights(strategy.model, checkpoint)
         return
-    shared = torch.load(checkpoint / "shared.pt", map_location="cpu", weights_only=False)
+    shared = load_file(checkpoint / "shared.pt")
     strategy.model.load_state_dict(shared["model"])
     if cfg.model.init_optimizer:
         comm = strategy.comm
@@ -118,8 +121,8 @@ def initialise(cfg: PretrainConfig, init: tuple[str, Path], strategy: Strategy) 
         meta = json.loads((checkpoint / "complete.json").read_text())
         per_rank = None
         if meta["world_size"] == comm.world_size and rank_file.is_file():
-            per_rank = torch.load(rank_file, map_location="cpu", weights_only=False)
-        strategy.load_state_dict(shared, per_rank)
+            per_rank = load_file(rank_file)
+        strategy.load_state_dict(shared, per_rank, same_run=False)
         for group in strategy.optimizer.param_groups:
             group["lr"] = cfg.optimizer.lr
             group["initial_lr"] = cfg.optimizer.lr

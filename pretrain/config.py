@@ -113,10 +113,27 @@ class CheckpointConfig:
     every: int = 200
     """Save every this many steps (and at the end, and on SIGUSR1/SIGTERM)."""
     keep_last: int = 3
+    """Checkpoints kept (the newest; a checkpoint with non-finite weights is never saved)."""
+    allow_restart: bool = False
+    """When checkpoints exist but none can be loaded (corrupt), start again from step 0
+    instead of stopping with an error."""
 
     def __post_init__(self):
         if self.every < 1 or self.keep_last < 1:
             raise ValueError("checkpoint.every and checkpoint.keep_last must be >= 1")
+
+
+@dataclass
+class DivergenceConfig:
+    """When a run whose numbers broke stops instead of training (and exporting) NaNs."""
+
+    max_bad_steps: int = 3
+    """Stop, with exit code 3, after this many consecutive bad steps: a non-finite loss or
+    gradient norm on any rank, or an fp16 overflow skip at the smallest loss scale (1)."""
+
+    def __post_init__(self):
+        if self.max_bad_steps < 1:
+            raise ValueError("divergence.max_bad_steps must be >= 1")
 
 
 @dataclass
@@ -133,6 +150,7 @@ class PretrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPUs that have it (fp16 + loss scaling on older ones), fp32 on CPU."""
     clip_grad_norm: float = 1.0

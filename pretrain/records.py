@@ -26,7 +26,7 @@ class StepRecord:
     """One optimizer step: statistics summed over ranks (:data:`STAT_KEYS`, then the
     tokens seen), the gradient norm before clipping (NaN when not clipped or skipped),
     wall-clock marks, this rank's communication and network-interface deltas, and whether
-    any rank asked to stop."""
+    any rank asked to stop, and what (if anything) made the step numerically bad."""
 
     stats: dict[str, float]
     tokens: float
@@ -38,6 +38,8 @@ class StepRecord:
     comm: CommStats
     net: InterfaceBytes | None
     preempted: bool
+    bad: str | None = None
+    """Why the step is bad (non-finite loss or gradient norm, fp16 overflow at scale 1)."""
 
     @property
     def mlm_loss(self) -> float:

@@ -10,6 +10,7 @@ after-step hook. The loop never asks which optimizer or strategy it runs.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 import warnings
@@ -32,6 +33,10 @@ from pretrain.data import BatchSchedule, TokenIds, make_batch
 from pretrain.model import PretrainingLoss, build_model, untrained_position_rows
 from pretrain.records import STAT_KEYS, StepRecord, progress_line
 from pretrain.schedule import lr_multiplier
+
+
+class TrainingDiverged(RuntimeError):
+    """The run stopped because its loss or gradients stopped being finite."""
 
 
 class Preemption:
@@ -84,7 +89,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             outputs.checkpoints_dir(self.run_dir), ctx.comm, cfg.checkpoint.keep_last
         )
-        resumed = self.checkpoints.load_latest()
+        resumed = self.checkpoints.load_latest(cfg.checkpoint.allow_restart)
         if resumed is None and init is not None:
             checkpointing.initialise(cfg, init, self.strategy)
         # Built after any inherited optimizer state, so this phase's schedule starts at 0.
@@ -160,7 +165,8 @@ class Trainer:
         t0 = time.perf_counter()
         comm_before = comm.snapshot()
         net_before = self.net.snapshot() if self.net is not None else None
-        totals = torch.zeros(len(STAT_KEYS) + 2, device=ctx.device, dtype=torch.float64)
+        # statistics, then tokens, bad-step flag and stop flag, summed in one all-reduce
+        totals = torch.zeros(len(STAT_KEYS) + 3, device=ctx.device, dtype=torch.float64)
         micro = self.schedule.micro_indices(step, ctx.rank)
         for a, (k, rows) in enumerate(micro):
             raw = make_batch(
@@ -174,17 +180,19 @@ class Trainer:
             for i, key in enumerate(STAT_KEYS):
                 if key in stats:
                     totals[i] += stats[key].double()
-            totals[-2] += float(batch["attention_mask"].sum())
+            totals[-3] += float(batch["attention_mask"].sum())
         t1 = time.perf_counter()
         strategy.after_backward()
         t2 = time.perf_counter()
         ok = self.scaler.unscale_and_check(strategy.params)
         grad_norm = float("nan")
+        bad_grads = not ok and self.scaler.scale <= 1.0  # overflow at the smallest scale
         if ok:
             if cfg.clip_grad_norm > 0:
                 grad_norm = float(
                     torch.nn.utils.clip_grad_norm_(strategy.params, cfg.clip_grad_norm)
                 )
+                bad_grads = not math.isfinite(grad_norm)
             strategy.step()
         self.scaler.update(ok)
         self.scheduler.step()
@@ -194,13 +202,20 @@ class Trainer:
         comm_step = comm.snapshot() - comm_before
         net_step = self.net.snapshot() - net_before if self.net is not None else None
         stop_requested = self.preemption is not None and self.preemption.requested
+        totals[-2] = 1.0 if bad_grads else 0.0
         totals[-1] = 1.0 if stop_requested else 0.0
         with comm.traffic("statistics"):
             comm.all_reduce(totals, op="sum")
         values = totals.tolist()
+        stats = dict(zip(STAT_KEYS, values, strict=False))
+        bad = None
+        if not (math.isfinite(stats["mlm_loss_sum"]) and math.isfinite(stats["nsp_loss_sum"])):
+            bad = "non-finite loss"
+        elif values[-2] > 0:
+            bad = "non-finite gradient norm" if ok else "fp16 overflow at loss scale 1"
         return StepRecord(
-            dict(zip(STAT_KEYS, values, strict=False)),
-            values[-2],
+            stats,
+            values[-3],
             grad_norm,
             t0,
             t1,
@@ -209,6 +224,7 @@ class Trainer:
             comm_step,
             net_step,
             values[-1] > 0,
+            bad,
         )
 
     def step_metrics(self, record: StepRecord) -> dict:
@@ -228,7 +244,7 @@ class Trainer:
         max_steps, every_val = cfg.schedule.max_steps, cfg.data.validation_every
         tokens_per_step = cfg.batch.global_batch_size * self.seq_length
         self.preemption = Preemption()
-        state, step = "complete", self.start_step
+        state, step, bad_run = "complete", self.start_step, 0
         last_saved = self.start_step if self.resumed else None
         started = time.perf_counter()
         try:
@@ -243,14 +259,16 @@ class Trainer:
                             record, step, self.start_step, max_steps, started, tokens_per_step
                         )
                     )
+                bad_run = bad_run + 1 if record.bad else 0
+                if bad_run >= cfg.divergence.max_bad_steps:
+                    self._diverged(step, f"{bad_run} bad steps in a row ({record.bad})", last_saved)
                 if every_val and step % every_val == 0:
                     self.logger.log(step, self.validate())
                 stop = record.preempted or (
                     cfg.stop_after is not None and step - self.start_step >= cfg.stop_after
                 )
                 if step % cfg.checkpoint.every == 0 or stop or step == max_steps:
-                    self.save(step)
-                    last_saved = step
+                    last_saved = step if self.save(step) else last_saved
                 self.status.heartbeat(step, last_saved)
                 if stop:
                     state = "preempted" if record.preempted else "stopped"
@@ -260,11 +278,40 @@ class Trainer:
             self.preemption = None
         if state == "complete" and not (every_val and step % every_val == 0):
             self.logger.log(step, self.validate())
+        if state == "complete" and not self.model_is_finite():
+            self._diverged(step, "the final weights are not finite", last_saved)
         return self._finish(state, step, last_saved)
 
-    def save(self, step: int) -> None:
+    def model_is_finite(self) -> bool:
+        """Whether the evaluation model's weights are finite on every rank (collective)."""
+        params = list(self.strategy.eval_model().parameters())
+        finite = torch.stack([torch.isfinite(p).all() for p in params]).all()
+        flag = finite.to(torch.float32).reshape(1).to(self.ctx.device)
+        with self.ctx.comm.traffic("statistics"):
+            self.ctx.comm.all_reduce(flag, op="min")
+        return flag.item() == 1.0
+
+    def save(self, step: int) -> bool:
+        """Checkpoint ``step``, unless the weights are not finite (then warn, keep the
+        previous checkpoints, and return False)."""
         self.strategy.drain()
+        if not self.model_is_finite():
+            warnings.warn(f"weights are not finite at step {step}: not checkpointed", stacklevel=2)
+            return False
         checkpointing.save(self.checkpoints, step, self.strategy, self.scheduler, self.scaler)
+        return True
+
+    def _diverged(self, step: int, cause: str, last_saved: int | None) -> None:
+        """Stop: status ``diverged``, nothing saved or exported, :class:`TrainingDiverged`."""
+        good = f"step {last_saved}" if last_saved is not None else "none"
+        message = (
+            f"training diverged at step {step}: {cause}; last good checkpoint: {good} "
+            f"(lower optimizer.lr, raise schedule.warmup_proportion, or check the data)"
+        )
+        self.status.finish("diverged", {"step": step, "last_checkpoint": last_saved})
+        self.logger.close()
+        self.ctx.comm.barrier()
+        raise TrainingDiverged(message)
 
     def _finish(self, state: str, step: int, last_saved: int | None) -> dict:
         self.strategy.drain()
@@ -335,6 +382,8 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     trainer = Trainer(cfg, ctx)
     try:
         return trainer.run()
+    except TrainingDiverged:
+        raise
     except BaseException as err:
         trainer.status.finish("failed", {"error": f"{type(err).__name__}: {err}"[:500]})
         raise

@@ -91,15 +91,29 @@ class Strategy:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    def identity(self) -> dict:
+        """What wrote a checkpoint: this strategy's name and its optimizer's class."""
+        return {"name": self.name, "optimizer": type(self.optimizer).__name__}
+
     def state_dict(self) -> tuple[dict, dict]:
         """(state every rank holds alike, this rank's own state) for a checkpoint."""
         state = self.optimizer.state_dict()
         per_rank = state.pop("per_rank", None)
-        return {"optimizer": state}, {"optimizer": per_rank}
+        return {"optimizer": state, "strategy": self.identity()}, {"optimizer": per_rank}
 
-    def load_state_dict(self, shared: dict, per_rank: dict | None) -> None:
+    def load_state_dict(self, shared: dict, per_rank: dict | None, same_run: bool = True) -> None:
         """Restore from :meth:`state_dict`'s two parts (``per_rank`` None: another world
-        size wrote the checkpoint; per-rank state starts fresh)."""
+        size wrote the checkpoint; per-rank state starts fresh). ``same_run``: a resume,
+        which must use the strategy and optimizer that wrote the checkpoint (a new phase
+        that starts from another run's state passes False)."""
+        saved = shared.get("strategy")
+        if same_run and saved is not None and saved != self.identity():
+            raise ValueError(
+                f"the checkpoint was written by strategy {saved['name']} with optimizer "
+                f"{saved['optimizer']}, and this run uses strategy {self.name} with "
+                f"{type(self.optimizer).__name__}; resume with the same optimizer.name and "
+                f"strategy.name, or start a new phase from it with model.init_from"
+            )
         state = dict(shared["optimizer"])
         state["per_rank"] = (per_rank or {}).get("optimizer")
         self.optimizer.load_state_dict(state)
