@@ -1,4 +1,7 @@
-"""``python -m data_prep --config CONFIG [section.field=value ...]``: prepare pretraining shards."""
+"""``python -m data_prep --config CONFIG [section.field=value ...]``: prepare pretraining shards.
+
+``python -m data_prep verify PATH``: check prepared shards (see :mod:`data_prep.verify`).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +13,22 @@ import sys
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
 from onebit_bert.config import ConfigError, config_help, load_config
+from onebit_bert.io import NoSpaceError
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["verify"]:
+        from data_prep.verify import main as verify
+
+        return verify(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
-        description="Turn text corpora into sharded, tokenized BERT pretraining data.",
+        usage="%(prog)s [-h] --config CONFIG [overrides ...]\n       %(prog)s verify PATH",
+        description="Turn text corpora into sharded, tokenized BERT pretraining data.\n\n"
+        "python -m data_prep verify PATH checks prepared shards (a seq<N> directory or the "
+        "output directory):\nsizes and sha256 against the manifest, and every token id within "
+        "the vocabulary.",
         epilog=config_help(DataPrepConfig),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -29,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NoSpaceError as err:
+        print(f"error: {err.strerror}", file=sys.stderr)
+        return 1
     summary = {
         f"seq{n}": {
             "train_sequences": m["splits"]["train"]["sequences"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -27,6 +28,9 @@ class SourceConfig:
     separated by blank lines (books with hard-wrapped lines)."""
     text_column: str = "text"
     """Column holding the document text (jsonl, parquet, hub)."""
+    encoding: str = "utf-8"
+    """Character encoding of the files (text, wikiextractor, jsonl), any Python codec name,
+    e.g. ``latin-1`` or ``cp1252``; bytes it cannot decode are counted as undecodable."""
     hub_id: str | None = None
     """Hub dataset id, e.g. ``wikimedia/wikipedia``."""
     hub_config: str | None = None
@@ -48,6 +52,10 @@ class SourceConfig:
             raise ValueError(f"source {self.name!r}: kind {self.kind} needs paths")
         if self.max_documents is not None and self.max_documents < 1:
             raise ValueError(f"source {self.name!r}: max_documents must be >= 1")
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"source {self.name!r}: unknown encoding {self.encoding!r}") from None
 
 
 @dataclass
@@ -117,6 +125,10 @@ class DataPrepConfig:
     data_root: str = "."
     """Base directory for relative source and vocabulary paths."""
     instances: InstanceConfig = field(default_factory=InstanceConfig)
+    max_bad_char_fraction: float = 0.01
+    """Largest share of undecodable bytes and control characters (other than tab, newline
+    and carriage return) in a source's text; a source above it is refused, naming it and
+    its share, before any shard is written (a binary file, a wrong ``encoding``)."""
     validation_fraction: float = 0.005
     """Share of documents held out for validation (chosen by a hash of the document)."""
     sequences_per_shard: int = 65536
@@ -140,6 +152,8 @@ class DataPrepConfig:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be unique, got {names}")
+        if not 0.0 <= self.max_bad_char_fraction <= 1.0:
+            raise ValueError("max_bad_char_fraction must be in [0, 1]")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError("validation_fraction must be in [0, 1)")
         if self.sequences_per_shard < 1 or self.shuffle_buffer < 1 or self.unit_bytes < 1:

@@ -82,8 +82,10 @@ def _random_segment(docs, index, target, rng) -> list[int]:
         other = index
     document = docs[other]
     segment: list[int] = []
-    for sentence in document[rng.randrange(len(document)) :]:
-        segment.extend(sentence)
+    # Indices rather than ``document[start:]``: a slice would copy the rest of the document
+    # for every random pair (quadratic in the document's sentence count).
+    for j in range(rng.randrange(len(document)), len(document)):
+        segment.extend(document[j])
         if len(segment) >= target:
             break
     return segment
@@ -91,14 +93,29 @@ def _random_segment(docs, index, target, rng) -> list[int]:
 
 def truncate_pair(a: list[int], b: list[int], max_tokens: int, rng: random.Random) -> None:
     """Trim the longer of ``a``/``b`` until ``len(a) + len(b) <= max_tokens``, each token
-    from the front or the back at random (as Google's one-at-a-time loop, in batches)."""
-    while len(a) + len(b) > max_tokens:
-        longer, shorter = (a, b) if len(a) > len(b) else (b, a)
-        k = min(len(a) + len(b) - max_tokens, max(1, len(longer) - len(shorter)))
+    from the front or the back at random (as Google's one-at-a-time loop, in batches).
+
+    The loop only counts the tokens to drop from each end; the lists are cut once at the
+    end, so the cost is linear in the excess whatever the segment lengths."""
+    len_a, len_b = len(a), len(b)
+    cut = [0, 0, 0, 0]  # a front, a back, b front, b back
+    while len_a + len_b > max_tokens:
+        a_longer = len_a > len_b
+        longer, shorter = (len_a, len_b) if a_longer else (len_b, len_a)
+        k = min(len_a + len_b - max_tokens, max(1, longer - shorter))
         front = rng.getrandbits(k).bit_count()  # Binomial(k, 1/2) front removals
-        del longer[:front]
-        if k > front:
-            del longer[len(longer) - (k - front) :]
+        side = 0 if a_longer else 2
+        cut[side] += front
+        cut[side + 1] += k - front
+        if a_longer:
+            len_a -= k
+        else:
+            len_b -= k
+    for segment, front, back in ((a, cut[0], cut[1]), (b, cut[2], cut[3])):
+        if back:
+            del segment[len(segment) - back :]
+        if front:
+            del segment[:front]
 
 
 def full_sentence_chunks(docs: list[Document], seq_length: int, sep_id: int) -> list[list[int]]:

@@ -8,7 +8,9 @@
         work/                   work units of an unfinished run (removed when it finishes)
 
 A ``seq<N>`` directory is what pretraining reads (``data.path``); the shard format inside
-it is :mod:`onebit_bert.shards`.
+it is :mod:`onebit_bert.shards`. Files are written atomically through temporary siblings
+(:data:`onebit_bert.io.TEMP_FILE`); those a killed run leaves behind are removed when the
+next run starts (:func:`remove_stale_temp_files`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from onebit_bert.io import atomic_write_json
+from onebit_bert.io import remove_stale_temp_files as _remove_temp_files
 from onebit_bert.shards import MANIFEST
 
 TOKENIZER = "tokenizer"
@@ -76,3 +79,36 @@ def write_manifest(output: str | Path, seq_length: int, manifest: dict) -> Path:
     path = manifest_path(output, seq_length)
     atomic_write_json(path, manifest)
     return path
+
+
+def check_output_path(output: str | Path) -> None:
+    """Raise ValueError when ``output`` (or the nearest existing parent) is not a directory."""
+    output = Path(output)
+    for path in (output, *output.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(
+                    f"output {output}: {path} is a file, not a directory; set output to a "
+                    f"directory (new or from an earlier run)"
+                )
+            return
+
+
+def remove_stale_temp_files(output: str | Path, seq_lengths: Iterable[int]) -> int:
+    """Remove the temporary files a killed run left in the directories the data stage
+    writes (``output``, ``tokenizer/``, ``seq<N>/`` of ``seq_lengths``, ``work/``);
+    returns how many were removed."""
+    output = Path(output)
+    removed = _remove_temp_files(output) + _remove_temp_files(tokenizer_dir(output))
+    for n in seq_lengths:
+        removed += _remove_temp_files(seq_dir(output, n))
+    return removed + _remove_temp_files(work_dir(output), recursive=True)
+
+
+def prepared_seq_dirs(path: str | Path) -> list[Path]:
+    """The finished ``seq<N>`` directories at ``path``: ``path`` itself when it holds a
+    manifest, else those under it (an output directory)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return [path]
+    return [seq_dir(path, n) for n in seq_lengths_present(path) if manifest_path(path, n).is_file()]

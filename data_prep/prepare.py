@@ -33,8 +33,6 @@ from collections.abc import Iterator
 from multiprocessing import get_context
 from pathlib import Path
 
-import numpy as np
-
 from data_prep.config import DataPrepConfig
 from data_prep.instances import (
     full_sentence_chunks,
@@ -44,24 +42,40 @@ from data_prep.instances import (
 )
 from data_prep.outputs import (
     TOKENIZER,
+    check_output_path,
     manifest_path,
+    remove_stale_temp_files,
     seq_dir,
     seq_lengths_present,
     tokenizer_dir,
     work_dir,
     write_manifest,
 )
-from data_prep.sources import RawDocument, check_sources, input_bytes, read_source
+from data_prep.shard_writer import unit_path, write_shards
+from data_prep.sources import (
+    RawDocument,
+    TextQuality,
+    check_sources,
+    input_bytes,
+    read_source,
+)
 from data_prep.text import document_sentences
 from data_prep.tokenizer import build_tokenizer, load_backend, save_tokenizer, tokenizer_hash
 from onebit_bert.config import to_dict
 from onebit_bert.io import atomic_write_json
-from onebit_bert.shards import FORMAT_VERSION, row_dtype, shard_name, write_shard
+from onebit_bert.shards import FORMAT_VERSION, write_shard
 
 log = logging.getLogger("data_prep")
 
 # Settings that do not change the bytes written (left out of the fingerprint).
-_NOT_IN_FINGERPRINT = ("output", "data_root", "workers", "keep_work", "progress")
+_NOT_IN_FINGERPRINT = (
+    "output",
+    "data_root",
+    "workers",
+    "keep_work",
+    "progress",
+    "max_bad_char_fraction",
+)
 
 
 class OutputConflictError(ValueError):
@@ -71,10 +85,16 @@ class OutputConflictError(ValueError):
 # ----------------------------------------------------------------------------- units
 
 
-def iter_units(cfg: DataPrepConfig, counter: list[int]) -> Iterator[list[RawDocument]]:
+def iter_units(
+    cfg: DataPrepConfig, counter: list[int], quality: dict[str, TextQuality] | None = None
+) -> Iterator[list[RawDocument]]:
     """Work units of at least two documents and ``unit_bytes`` of text, taking one unit
-    from each source in turn so the sources stay mixed along the output."""
-    streams = [read_source(cfg, s, counter) for s in cfg.sources]
+    from each source in turn so the sources stay mixed along the output. ``quality``
+    (when given) collects the character counts of each source by name."""
+    quality = quality if quality is not None else {}
+    streams = [
+        read_source(cfg, s, counter, quality.setdefault(s.name, TextQuality())) for s in cfg.sources
+    ]
     while streams:
         for stream in list(streams):
             unit, size = [], 0
@@ -196,10 +216,6 @@ def process_unit(task: tuple) -> dict:
     return stats
 
 
-def unit_path(work: Path, seq_length: int, split: str, index: int) -> Path:
-    return seq_dir(work, seq_length) / split / f"{index:07d}.npy"
-
-
 def done_path(work: Path, index: int) -> Path:
     return work / "done" / f"{index:07d}.json"
 
@@ -207,114 +223,11 @@ def done_path(work: Path, index: int) -> Path:
 # ----------------------------------------------------------------------------- shards
 
 
-class ShardWriter:
-    """Cuts a stream of rows into shards of ``size`` rows, optionally through a seeded
-    shuffle buffer; an existing shard file (from an interrupted run) is not rewritten."""
-
-    def __init__(
-        self,
-        directory: Path,
-        split: str,
-        size: int,
-        dtype,
-        shuffle: int | None,
-        rng: np.random.Generator | None,
-    ):
-        self.directory, self.split, self.size, self.dtype = directory, split, size, dtype
-        self.shuffle, self.rng = shuffle, rng
-        self.pool: list[np.ndarray] = []
-        self.pool_rows = 0
-        self.pending: list[np.ndarray] = []
-        self.pending_rows = 0
-        self.shards: list[dict] = []
-
-    def add(self, rows: np.ndarray) -> None:
-        if self.shuffle is None:
-            self._emit(rows)
-            return
-        self.pool.append(rows)
-        self.pool_rows += len(rows)
-        if self.pool_rows >= 2 * self.shuffle:
-            pool = np.concatenate(self.pool)[self.rng.permutation(self.pool_rows)]
-            self._emit(pool[: -self.shuffle])
-            self.pool, self.pool_rows = [pool[-self.shuffle :]], self.shuffle
-
-    def finish(self, keep_remainder: bool) -> int:
-        """Flush everything; returns the rows dropped (train: the last partial shard)."""
-        if self.pool_rows:
-            pool = np.concatenate(self.pool)
-            if self.rng is not None:
-                pool = pool[self.rng.permutation(len(pool))]
-            self._emit(pool)
-            self.pool, self.pool_rows = [], 0
-        dropped = self.pending_rows
-        if keep_remainder and self.pending_rows:
-            self._write(np.concatenate(self.pending))
-            dropped = 0
-        self.pending, self.pending_rows = [], 0
-        return dropped
-
-    def _emit(self, rows: np.ndarray) -> None:
-        self.pending.append(rows)
-        self.pending_rows += len(rows)
-        if self.pending_rows >= self.size:
-            stream = np.concatenate(self.pending)
-            whole = len(stream) // self.size * self.size
-            for start in range(0, whole, self.size):
-                self._write(stream[start : start + self.size])
-            self.pending = [stream[whole:]]
-            self.pending_rows = len(stream) - whole
-
-    def _write(self, rows: np.ndarray) -> None:
-        name = shard_name(self.split, len(self.shards))
-        path = self.directory / name
-        if not path.exists():
-            write_shard(path, rows)
-        self.shards.append(
-            {
-                "file": name,
-                "sequences": int(len(rows)),
-                "tokens": int(rows["length"].astype(np.int64).sum()),
-            }
-        )
-
-
-def write_shards(cfg: DataPrepConfig, work: Path, seq_length: int, num_units: int) -> dict:
-    directory = seq_dir(cfg.output, seq_length)
-    directory.mkdir(parents=True, exist_ok=True)
-    dtype = row_dtype(seq_length)
-    out = {}
-    for split in ("train", "validation"):
-        is_train = split == "train"
-        writer = ShardWriter(
-            directory,
-            split,
-            cfg.sequences_per_shard,
-            dtype,
-            shuffle=cfg.shuffle_buffer if is_train else None,
-            rng=np.random.default_rng([cfg.seed, seq_length]) if is_train else None,
-        )
-        nsp = 0
-        for index in range(num_units):
-            rows = np.load(unit_path(work, seq_length, split, index), allow_pickle=False)
-            nsp += int((rows["nsp"] == 1).sum())
-            writer.add(rows)
-        dropped = writer.finish(keep_remainder=not is_train)
-        out[split] = {
-            "sequences": sum(s["sequences"] for s in writer.shards),
-            "tokens": sum(s["tokens"] for s in writer.shards),
-            "dropped_sequences": dropped,
-            "random_next_rows_before_drop": nsp,
-            "shards": writer.shards,
-        }
-    return out
-
-
-# ----------------------------------------------------------------------------- the run
-
-
 def fingerprint(cfg: DataPrepConfig, described: dict) -> str:
     settings = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_FINGERPRINT}
+    for source in settings["sources"]:  # the default leaves earlier fingerprints unchanged
+        if source.get("encoding") == "utf-8":
+            del source["encoding"]
     blob = json.dumps(
         {"format": FORMAT_VERSION, "config": settings, "sources": described}, sort_keys=True
     )
@@ -342,6 +255,7 @@ def _progress(cfg: DataPrepConfig, total: int | None):
 def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
     """Run (or resume, or confirm) the preparation; returns the manifest per length."""
     out = Path(cfg.output)
+    check_output_path(out)
     described = check_sources(cfg)  # every input opened before any expensive work
     print_ = log.info
     fp = fingerprint(cfg, described)
@@ -351,6 +265,9 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
         return manifests
     work = work_dir(out)
     _claim_work_dir(work, fp, out)
+    stale = remove_stale_temp_files(out, cfg.instances.seq_lengths)
+    if stale:
+        print_("data_prep: removed %d temporary file(s) left by an interrupted run", stale)
 
     tok_dir = tokenizer_dir(out)
     if not (tok_dir / "tokenizer.json").is_file():
@@ -399,6 +316,7 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
                 "vocab_size": len(hf_tok),
             },
             "sources": described,
+            "source_quality": totals["quality"],
             "fingerprint": fp,
             "config": to_dict(cfg),
         }
@@ -460,6 +378,7 @@ def _run_units(cfg, work: Path, tokenizer_dir: Path, settings: dict, total: int 
             totals["documents"][split] += n
 
     counter = [0]
+    quality: dict[str, TextQuality] = {}
     bar = _progress(cfg, total)
     ctx = get_context("spawn")
     started = time.perf_counter()
@@ -467,7 +386,7 @@ def _run_units(cfg, work: Path, tokenizer_dir: Path, settings: dict, total: int 
         cfg.num_workers, initializer=_init_worker, initargs=(str(tokenizer_dir), settings["sep"])
     ) as pool:
         inflight: deque = deque()
-        for index, unit in enumerate(iter_units(cfg, counter)):
+        for index, unit in enumerate(iter_units(cfg, counter, quality)):
             totals["units"] = index + 1
             done = done_path(work, index)
             if done.is_file():
@@ -485,4 +404,5 @@ def _run_units(cfg, work: Path, tokenizer_dir: Path, settings: dict, total: int 
             account(inflight.popleft().get())
     if bar is not None:
         bar.close()
+    totals["quality"] = {name: q.as_dict() for name, q in quality.items()}
     return totals

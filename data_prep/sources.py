@@ -7,16 +7,25 @@ Cleaning and sentence splitting happen later, in the workers.
 
 :func:`check_sources` opens every local file before any expensive work and fails with
 one clear error naming a file that is missing, empty or unreadable.
+
+:func:`read_source` counts, per source, the characters read, the undecodable bytes (each
+becomes one U+FFFD) and the control characters other than tab, newline and carriage
+return (:class:`TextQuality`), and refuses a source whose share of such characters is above
+``max_bad_char_fraction`` once it has been read to its end. It also cuts a document longer
+than :data:`MAX_DOCUMENT_CHARS` into several documents, so that the work on one document
+(and the memory it needs) stays bounded whatever the input.
 """
 
 from __future__ import annotations
 
 import bz2
+import codecs
 import glob
 import gzip
 import io
 import json
 import os
+import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +34,19 @@ from data_prep.config import DataPrepConfig, SourceConfig
 from onebit_bert.io import sha256_file
 
 PROBE_BYTES = 1 << 16
+
+MAX_DOCUMENT_CHARS = 4_000_000
+"""Longest document passed on whole; a longer one (a book of more than about 4 MB, a file
+that is one giant line) is cut into documents of at most this many characters, at a blank
+line, else a line break, else a space, else anywhere."""
+
+# Undecodable input bytes become one U+FFFD each (Python's "replace" handler gives one per
+# invalid sequence), so counting U+FFFD in the text counts the bytes.
+_REPLACE_BYTES = "data_prep.replace_bytes"
+codecs.register_error(_REPLACE_BYTES, lambda err: ("\ufffd" * (err.end - err.start), err.end))
+
+# C0 and C1 controls and DEL, except tab, newline and carriage return.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 class SourceError(ValueError):
@@ -39,6 +61,34 @@ class RawDocument:
 
     text: str
     layout: str  # "lines" or "blocks"
+
+
+@dataclass
+class TextQuality:
+    """What one source's documents are made of: characters read, undecodable bytes (and
+    U+FFFD already in the text) and control characters other than tab, newline and CR."""
+
+    characters: int = 0
+    undecodable: int = 0
+    control: int = 0
+
+    def add(self, text: str) -> None:
+        self.characters += len(text)
+        self.undecodable += text.count("\ufffd")
+        if _CONTROL.search(text) is not None:
+            self.control += sum(1 for _ in _CONTROL.finditer(text))
+
+    @property
+    def bad_fraction(self) -> float:
+        return (self.undecodable + self.control) / max(1, self.characters)
+
+    def as_dict(self) -> dict:
+        return {
+            "characters": self.characters,
+            "undecodable": self.undecodable,
+            "control": self.control,
+            "bad_fraction": round(self.bad_fraction, 6),
+        }
 
 
 class CountingReader(io.RawIOBase):
@@ -60,8 +110,10 @@ class CountingReader(io.RawIOBase):
         super().close()
 
 
-def open_text(path: str, counter: list[int] | None = None) -> io.TextIOBase:
-    """Open plain, .gz or .bz2 text as UTF-8 (undecodable bytes become U+FFFD)."""
+def open_text(
+    path: str, counter: list[int] | None = None, encoding: str = "utf-8"
+) -> io.TextIOBase:
+    """Open plain, .gz or .bz2 text (undecodable bytes become one U+FFFD each)."""
     raw = open(path, "rb")  # noqa: SIM115 - closed through the returned wrapper
     if counter is not None:
         raw = io.BufferedReader(CountingReader(raw, counter), 1 << 20)
@@ -69,7 +121,7 @@ def open_text(path: str, counter: list[int] | None = None) -> io.TextIOBase:
         raw = gzip.GzipFile(fileobj=raw)
     elif path.endswith(".bz2"):
         raw = bz2.BZ2File(raw)
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline=None)
+    return io.TextIOWrapper(raw, encoding=encoding, errors=_REPLACE_BYTES, newline=None)
 
 
 def expand_paths(cfg: DataPrepConfig, source: SourceConfig) -> list[str]:
@@ -102,7 +154,7 @@ def _probe(source: SourceConfig, path: str) -> None:
                     f"(columns: {schema.names}); set text_column"
                 )
             return
-        with open_text(path) as f:
+        with open_text(path, encoding=source.encoding) as f:
             head = f.read(PROBE_BYTES)
     except SourceError:
         raise
@@ -186,9 +238,9 @@ def _open_hub(source: SourceConfig):
 # ----------------------------------------------------------------------------- readers
 
 
-def _wikiextractor(path: str, counter) -> Iterator[RawDocument]:
+def _wikiextractor(path: str, source: SourceConfig, counter) -> Iterator[RawDocument]:
     lines: list[str] | None = None
-    with open_text(path, counter) as f:
+    with open_text(path, counter, source.encoding) as f:
         for line in f:
             if line.startswith("<doc "):
                 lines = []
@@ -204,7 +256,7 @@ def _wikiextractor(path: str, counter) -> Iterator[RawDocument]:
 
 
 def _text(path: str, source: SourceConfig, counter) -> Iterator[RawDocument]:
-    with open_text(path, counter) as f:
+    with open_text(path, counter, source.encoding) as f:
         if source.documents == "file":
             text = f.read()
             if text.strip():
@@ -222,7 +274,7 @@ def _text(path: str, source: SourceConfig, counter) -> Iterator[RawDocument]:
 
 
 def _jsonl(path: str, source: SourceConfig, counter) -> Iterator[RawDocument]:
-    with open_text(path, counter) as f:
+    with open_text(path, counter, source.encoding) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -258,25 +310,74 @@ def _hub(source: SourceConfig) -> Iterator[RawDocument]:
 
 
 def read_source(
-    cfg: DataPrepConfig, source: SourceConfig, counter: list[int]
+    cfg: DataPrepConfig,
+    source: SourceConfig,
+    counter: list[int],
+    quality: TextQuality | None = None,
 ) -> Iterator[RawDocument]:
-    """All documents of one source, in file order, with its weight and document cap applied.
-    ``counter[0]`` advances by the input bytes consumed (for progress)."""
+    """All documents of one source, in file order, with its weight and document cap applied
+    and documents longer than :data:`MAX_DOCUMENT_CHARS` cut up. ``counter[0]`` advances by
+    the input bytes consumed (for progress); ``quality`` (when given) counts the characters
+    read. Raises :class:`SourceError` at the end of the source when its share of bad
+    characters is above ``cfg.max_bad_char_fraction``."""
+    quality = quality if quality is not None else TextQuality()
     if source.kind == "hub":
         docs: Iterator[RawDocument] = _hub(source)
     else:
         docs = _file_documents(cfg, source, counter)
     for emitted, doc in enumerate(docs, start=1):
-        for _ in range(copies(doc.text, source.weight, source.name)):
-            yield doc
+        quality.add(doc.text)
+        for piece in bounded_documents(doc):
+            for _ in range(copies(piece.text, source.weight, source.name)):
+                yield piece
         if source.max_documents is not None and emitted >= source.max_documents:
-            return
+            break
+    check_quality(cfg, source, quality)
+
+
+def check_quality(cfg: DataPrepConfig, source: SourceConfig, quality: TextQuality) -> None:
+    """Refuse a source whose share of undecodable and control characters is too high."""
+    if quality.bad_fraction > cfg.max_bad_char_fraction:
+        hint = (
+            f"; set encoding (now {source.encoding!r}) if the files are not in it"
+            if source.kind in ("text", "wikiextractor", "jsonl")
+            else ""
+        )
+        raise SourceError(
+            f"source {source.name!r}: {quality.bad_fraction:.2%} of its {quality.characters} "
+            f"characters are bad ({quality.undecodable} undecodable, {quality.control} control "
+            f"characters), above max_bad_char_fraction={cfg.max_bad_char_fraction}{hint}"
+        )
+
+
+def bounded_documents(doc: RawDocument, limit: int | None = None) -> Iterator[RawDocument]:
+    """``doc`` itself, or, when longer than ``limit`` (default :data:`MAX_DOCUMENT_CHARS`),
+    consecutive pieces of at most ``limit`` characters cut at the last paragraph break, line
+    break or space before the limit (whitespace-only pieces are dropped)."""
+    limit = MAX_DOCUMENT_CHARS if limit is None else limit
+    text = doc.text
+    if len(text) <= limit:
+        yield doc
+        return
+    start = 0
+    while start < len(text):
+        end = start + limit
+        if end < len(text):
+            for sep in ("\n\n", "\n", " "):
+                cut = text.rfind(sep, start + 1, end)
+                if cut != -1:
+                    end = cut + len(sep)
+                    break
+        piece = text[start:end]
+        if piece.strip():
+            yield RawDocument(piece, doc.layout)
+        start = end
 
 
 def _file_documents(cfg, source, counter) -> Iterator[RawDocument]:
     for path in expand_paths(cfg, source):
         if source.kind == "wikiextractor":
-            yield from _wikiextractor(path, counter)
+            yield from _wikiextractor(path, source, counter)
         elif source.kind == "text":
             yield from _text(path, source, counter)
         elif source.kind == "jsonl":

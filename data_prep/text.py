@@ -11,7 +11,11 @@ then sentences, with rules rather than a model:
   ellipsis (`...` or `…`) ends a sentence only before an uppercase letter.
 - A lone `.` does not end a sentence after a known abbreviation (Mr, Dr, etc, Jan, No, ...), a
   single-letter initial (J. R. R. Tolkien, Roe v. Wade), or a dotted acronym (U.S., e.g., Ph.D.).
-- Nothing is lost: " ".join(split_sentences(p)) == " ".join(p.split()).
+- A "sentence" longer than `MAX_SENTENCE_CHARS` (a line without sentence punctuation, a table, a
+  dump) is cut at the last space before the limit, or at the limit when a piece has no space, so
+  that later steps handle pieces of bounded size.
+- Nothing is lost: " ".join(split_sentences(p)) == " ".join(p.split()) (except that a piece cut
+  at the limit inside a word becomes two words).
 """
 
 # Throughput of document_sentences: ~30 MB/s of UTF-8 text per core (20-35 MB/s over a dozen runs on
@@ -27,7 +31,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["document_sentences", "split_paragraphs", "split_sentences"]
+__all__ = ["MAX_SENTENCE_CHARS", "document_sentences", "split_paragraphs", "split_sentences"]
+
+MAX_SENTENCE_CHARS = 10_000
+"""Longest sentence kept whole (about 2,000 words, far beyond a 512-token sequence); longer
+ones are cut into pieces of at most this many characters."""
 
 # Controls that str.split() already treats as whitespace (\t \n \v \f \r \x1c-\x1f \x85) are
 # kept here so that they separate words instead of gluing them together.
@@ -91,14 +99,28 @@ def _split_normalised(text: str) -> list[str]:
     # exactly one space and every piece is non-empty and already stripped.
     if not text:
         return []
-    sentences = []
+    sentences: list[str] = []
     start = 0
     for m in _CANDIDATE.finditer(text):
         if _is_boundary(text, m):
-            sentences.append(text[start : m.end() - 1])
+            _append_bounded(sentences, text, start, m.end() - 1)
             start = m.end()
-    sentences.append(text[start:])
+    _append_bounded(sentences, text, start, len(text))
     return sentences
+
+
+def _append_bounded(out: list[str], text: str, start: int, end: int) -> None:
+    """Append ``text[start:end]``, cut into pieces of at most ``MAX_SENTENCE_CHARS``."""
+    while end - start > MAX_SENTENCE_CHARS:
+        limit = start + MAX_SENTENCE_CHARS
+        cut = text.rfind(" ", start + 1, limit + 1)
+        if cut == -1:
+            out.append(text[start:limit])
+            start = limit
+        else:
+            out.append(text[start:cut])
+            start = cut + 1
+    out.append(text[start:end])
 
 
 def _is_boundary(text: str, m: re.Match[str]) -> bool:

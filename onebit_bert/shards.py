@@ -2,7 +2,8 @@
 
 A prepared corpus for one sequence length is a directory::
 
-    manifest.json            counts, tokens, tokenizer hash, sources, config, version
+    manifest.json            counts, tokens, tokenizer hash, sources, config, version;
+                             per shard: file, sequences, tokens, bytes, sha256
     train-00000.npy ...      every train shard holds exactly ``sequences_per_shard`` rows
     validation-00000.npy ... held-out documents (the last shard may be shorter)
 
@@ -17,6 +18,10 @@ whose rows are :data:`row_dtype` ``(seq_length)``:
   without a next-sentence label (MLM-only packing).
 
 Masking is not stored: pretraining masks dynamically.
+
+Opening a split compares every shard's size with the manifest's ``bytes`` (manifests
+written before sizes were recorded are not checked); ``python -m data_prep verify`` also
+checks the sha256 and the token ids.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onebit_bert.io import atomic_open
+from onebit_bert.io import CheckedWriter, atomic_open
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -49,10 +54,17 @@ def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.npy"
 
 
-def write_shard(path: str | Path, rows: np.ndarray) -> None:
-    """Write one shard atomically (a crash leaves no partial file under ``path``)."""
+def write_shard(path: str | Path, rows: np.ndarray) -> dict:
+    """Write one shard atomically (a crash leaves no partial file under ``path``); returns
+    its ``bytes`` and ``sha256`` for the manifest. A full device raises
+    :class:`onebit_bert.io.NoSpaceError` naming ``path``."""
     with atomic_open(path, "wb") as f:
-        np.save(f, rows, allow_pickle=False)
+        out = CheckedWriter(f)
+        np.save(out, rows, allow_pickle=False)
+    return {"bytes": out.size, "sha256": out.digest.hexdigest()}
+
+
+_FIX = "prepare the data again or restore the file"
 
 
 class ShardFormatError(ValueError):
@@ -93,6 +105,7 @@ class PretrainingShards:
         missing = [str(f) for f in self._files if not f.is_file()]
         if missing:
             raise ShardFormatError(f"shard file(s) listed in {path} are missing: {missing[:3]}")
+        check_shard_sizes(self._files, info["shards"], path)
         self._maps: dict[int, np.ndarray] = {}
         self._dtype = row_dtype(self.seq_length)
 
@@ -109,7 +122,12 @@ class PretrainingShards:
 
     def shard(self, index: int) -> np.ndarray:
         if index not in self._maps:
-            rows = np.load(self._files[index], mmap_mode="r", allow_pickle=False)
+            try:
+                rows = np.load(self._files[index], mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError) as err:
+                raise ShardFormatError(
+                    f"{self._files[index]} cannot be read as a shard ({err}): {_FIX}"
+                ) from err
             if rows.dtype != self._dtype or len(rows) != self.shard_sizes[index]:
                 raise ShardFormatError(
                     f"{self._files[index]} holds {len(rows)} rows of {rows.dtype}; the manifest "
@@ -132,7 +150,36 @@ class PretrainingShards:
         return out
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        return rows_to_features(self.rows(indices))
+        """Model inputs for global row indices; a token id outside the manifest's
+        vocabulary raises :class:`ShardFormatError` naming the shard and row."""
+        indices = np.asarray(indices, dtype=np.int64)
+        rows = self.rows(indices)
+        vocab_size = self.manifest.get("tokenizer", {}).get("vocab_size")
+        if vocab_size is not None and len(rows):
+            bad = np.nonzero(rows["input_ids"].max(axis=1) >= int(vocab_size))[0]
+            if len(bad):
+                row = int(indices[bad[0]])
+                s = int(np.searchsorted(self._offsets, row, side="right") - 1)
+                raise ShardFormatError(
+                    f"{self._files[s]} row {row - int(self._offsets[s])} holds a token id >= "
+                    f"the vocabulary size {int(vocab_size)}: the shard is damaged; {_FIX}"
+                )
+        return rows_to_features(rows)
+
+
+def check_shard_sizes(files: Sequence[Path], entries: Sequence[dict], manifest: Path) -> None:
+    """Raise :class:`ShardFormatError` for the first shard whose size differs from the
+    manifest's ``bytes`` (entries without ``bytes``, from older manifests, are skipped)."""
+    for file, entry in zip(files, entries, strict=True):
+        expected = entry.get("bytes")
+        if expected is None:
+            continue
+        actual = file.stat().st_size
+        if actual != int(expected):
+            raise ShardFormatError(
+                f"{file} is {actual} bytes but {manifest} says {int(expected)}: the shard is "
+                f"truncated or damaged; {_FIX}"
+            )
 
 
 def rows_to_features(rows: np.ndarray) -> dict[str, np.ndarray]:

@@ -118,3 +118,62 @@ def test_full_sentence_packing():
 def test_long_sentences_are_cut_to_fit():
     chunks = full_sentence_chunks([[list(range(100, 250))]], 64, SEP)
     assert [len(c) for c in chunks] == [62, 62, 26]
+
+
+class _Recording(list):
+    """A list that records slicing and deletion (to check the work done on it)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.slices = 0
+        self.deletions = 0
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            self.slices += 1
+        return super().__getitem__(key)
+
+    def __delitem__(self, key):
+        self.deletions += 1
+        super().__delitem__(key)
+
+
+def _truncate_reference(a, b, max_tokens, rng):
+    """The former implementation: cuts the lists on every round."""
+    while len(a) + len(b) > max_tokens:
+        longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+        k = min(len(a) + len(b) - max_tokens, max(1, len(longer) - len(shorter)))
+        front = rng.getrandbits(k).bit_count()
+        del longer[:front]
+        if k > front:
+            del longer[len(longer) - (k - front) :]
+
+
+def test_truncation_cuts_each_list_at_most_twice_and_matches_the_reference():
+    rng = random.Random(3)
+    for _ in range(300):
+        la, lb, limit = rng.randint(0, 400), rng.randint(0, 400), rng.randint(1, 300)
+        a, b = list(range(la)), list(range(1000, 1000 + lb))
+        ra, rb = list(a), list(b)
+        seed = rng.random()
+        truncate_pair(a, b, limit, random.Random(seed))
+        _truncate_reference(ra, rb, limit, random.Random(seed))
+        assert (a, b) == (ra, rb)
+    # Two equally long segments are trimmed one token per round: the former implementation
+    # deleted from a list on each of the 20,000 rounds (quadratic), now each is cut once.
+    a, b = _Recording(range(10_000)), _Recording(range(10_000))
+    truncate_pair(a, b, 125, random.Random(0))
+    assert len(a) + len(b) == 125
+    assert a.deletions <= 2 and b.deletions <= 2
+
+
+def test_random_next_segments_do_not_copy_the_other_document():
+    # One long document of many sentences: drawing a random segment from it must not copy
+    # its remaining sentences (document[start:]) for every pair.
+    big = _Recording([[10_000 + 10 * s + i for i in range(10)] for s in range(5000)])
+    docs = [_docs(1)[0], big]
+    pairs = nsp_pairs(docs, 64, 0.0, 1.0, random.Random(0))
+    assert pairs
+    assert big.slices == 0
+    for a, b, _ in pairs:
+        assert len(a) + len(b) <= 61

@@ -324,3 +324,16 @@ def test_real_wikipedia_sample():
 
 def test_real_gutenberg_book():
     _check_real_text(_read_head(_shared_file("gutenberg_nltk/austen-emma.txt.gz")))
+
+
+def test_giant_sentences_are_cut_into_bounded_pieces():
+    from data_prep.text import MAX_SENTENCE_CHARS
+
+    words = " ".join(f"Word{i % 97}" for i in range(60_000))  # no sentence punctuation
+    sentences = document_sentences(f"Start here. {words}. End.")
+    assert sentences[0] == "Start here." and sentences[-1] == "End."
+    assert max(map(len, sentences)) <= MAX_SENTENCE_CHARS
+    assert len(sentences) >= 2 + len(words) // MAX_SENTENCE_CHARS
+    assert " ".join(sentences) == f"Start here. {words}. End."  # cut at spaces only
+    blob = "x" * (2 * MAX_SENTENCE_CHARS + 5)  # no space at all: cut at the limit
+    assert [len(s) for s in split_sentences(blob)] == [MAX_SENTENCE_CHARS] * 2 + [5]
