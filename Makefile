@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-netem clean
+.PHONY: setup test lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,11 @@ bench-data: setup
 # breakdown on 4 gloo ranks, on DATA_ROOT's Wikipedia sample; JSON last line.
 bench-train: setup
 	$(PY) -m bench.train --data-root $(DATA_ROOT)
+
+# data_prep on one single-line document of MB megabytes (linear time, bounded memory); JSON.
+MB ?= 50
+bench-giant-doc: setup
+	$(PY) -m bench.giant_document --mb $(MB)
 
 # LAMB vs 1-bit LAMB on an emulated cluster (network namespaces + tc; needs root):
 # 25, 40, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 30 minutes on 2 cores.

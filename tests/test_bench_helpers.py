@@ -102,3 +102,11 @@ def test_hf_mlm_baseline_counts(tmp_path):
     assert result["seconds"] > 0
     assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"], rel=0.02)
     assert result["peak_rss_mb"] > 0
+
+
+def test_giant_document_benchmark_runs_small():
+    from bench.giant_document import main
+
+    result = main(["--mb", "0.3"])
+    assert result["megabytes"] == 0.3 and result["train_rows"] > 0
+    assert result["peak_rss_main_mb"] > 0 and result["seconds"] >= 0

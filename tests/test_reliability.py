@@ -163,3 +163,19 @@ def test_fine_tuning_refuses_non_finite_weights(tmp_path):
     write_vocab(tmp_path / "model" / "vocab.txt")
     with pytest.raises(ValueError, match="non-finite weights"):
         check_checkpoint(str(tmp_path / "model"))
+
+
+def test_zeroed_shard_data_stops_the_run(tiny_corpus, tmp_path):
+    import shutil
+
+    import numpy as np
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_corpus.parent, data)
+    for shard in (data / tiny_corpus.name).glob("train-*.npy"):
+        rows = np.load(shard)
+        np.save(shard, np.zeros_like(rows))  # same size: opening cannot tell
+    cfg = tiny_config(data / tiny_corpus.name, tmp_path / "run", **{"schedule.max_steps": 10})
+    with pytest.raises(TrainingDiverged, match="non-finite loss"):
+        _run(cfg)
+    assert not (tmp_path / "run" / "final").exists()
