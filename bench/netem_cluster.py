@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO
+from pretrain.outputs import pid_alive
 
 SUBNET = "198.18.0"
 MASTER_PORT = 29500
@@ -37,16 +38,6 @@ def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_clusters(prefix: str = "obn") -> list[str]:
     """Delete namespaces and bridges left by a benchmark process that no longer exists
     (names carry the creating pid: ``obn<pid>...``)."""
@@ -58,7 +49,7 @@ def remove_stale_clusters(prefix: str = "obn") -> list[str]:
         n for n in link_names if n.startswith(prefix) and n.endswith("br")
     ]:
         digits = name[len(prefix) :].split("h")[0].split("br")[0]
-        if digits.isdigit() and not _pid_alive(int(digits)):
+        if digits.isdigit() and not pid_alive(int(digits)):
             if name.endswith("br"):
                 _ip("link", "del", name, check=False)
             else:

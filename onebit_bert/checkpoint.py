@@ -21,7 +21,6 @@ abandoned because none of them could be loaded) before keeping the newest ``keep
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import warnings
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.io import atomic_open, atomic_write_json
+from onebit_bert.io import atomic_open, atomic_write_json, sha256_file
 
 COMPLETE = "complete.json"
 SHARED = "shared.pt"
@@ -39,15 +38,6 @@ SHARED = "shared.pt"
 
 class NoUsableCheckpoint(RuntimeError):
     """Checkpoints exist, but none loads on every rank."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _step_of(path: Path) -> int:

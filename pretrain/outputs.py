@@ -51,6 +51,8 @@ RUNNING = "running"
 COMPLETE = "complete"
 PREEMPTED = "preempted"
 STOPPED = "stopped"
+DIVERGED = "diverged"
+FAILED = "failed"
 
 
 def status_path(run_dir: str | Path) -> Path:

@@ -308,7 +308,7 @@ class Trainer:
             f"training diverged at step {step}: {cause}; last good checkpoint: {good} "
             f"(lower optimizer.lr, raise schedule.warmup_proportion, or check the data)"
         )
-        self.status.finish("diverged", {"step": step, "last_checkpoint": last_saved})
+        self.status.finish(outputs.DIVERGED, {"step": step, "last_checkpoint": last_saved})
         self.logger.close()
         self.ctx.comm.barrier()
         raise TrainingDiverged(message)
@@ -385,5 +385,5 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     except TrainingDiverged:
         raise
     except BaseException as err:
-        trainer.status.finish("failed", {"error": f"{type(err).__name__}: {err}"[:500]})
+        trainer.status.finish(outputs.FAILED, {"error": f"{type(err).__name__}: {err}"[:500]})
         raise

@@ -14,13 +14,12 @@ from torch import nn
 
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.optim.build import OptimizerConfig, build_optimizer
-from onebit_bert.strategies.base import STRATEGY_NAMES, Strategy, StrategyConfig
+from onebit_bert.strategies.base import Strategy, StrategyConfig
 from onebit_bert.strategies.data_parallel import DataParallel, OneBitLambStrategy
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "STRATEGY_NAMES",
     "DataParallel",
     "OneBitLambStrategy",
     "Strategy",

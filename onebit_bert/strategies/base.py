@@ -21,12 +21,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import nn
 
 from onebit_bert.distributed.env import DistContext
-
-STRATEGY_NAMES = ("auto", "data_parallel", "onebit_lamb")
 
 
 @dataclass
@@ -63,6 +60,8 @@ class Strategy:
         self.optimizer = optimizer
         self.ctx = ctx
         self.comm = ctx.comm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        """The trained parameters, in model order."""
 
     # ------------------------------------------------------------------ one step
     def backward_context(self, last_micro_batch: bool):
@@ -86,10 +85,6 @@ class Strategy:
     def eval_model(self) -> nn.Module:
         """The model to validate and export."""
         return self.model
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
 
     def identity(self) -> dict:
         """What wrote a checkpoint: this strategy's name and its optimizer's class."""
