@@ -55,7 +55,7 @@ def save(checkpoints: CheckpointManager, step: int, strategy: Strategy, schedule
     checkpoints.save(
         step,
         {
-            "model": strategy.model.state_dict(),
+            "model": strategy.shared_model_state(),
             **shared,
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),

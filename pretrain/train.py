@@ -324,9 +324,11 @@ class Trainer:
             "accumulation": self.accumulation,
             "seq_length": self.seq_length,
         }
+        if state == "complete":
+            model = self.strategy.eval_model()  # collective for some strategies
         if self.ctx.rank == 0 and state == "complete":
             checkpointing.export_hf(
-                self.strategy.eval_model(),
+                model,
                 self.train_rows.tokenizer_dir,
                 outputs.final_dir(self.run_dir),
                 summary,

@@ -1,6 +1,6 @@
 """Distributed machinery shared by every stage: process-group setup and all collectives."""
 
-from onebit_bert.distributed.comm import TRAFFIC_KINDS, CommStats, Communicator
+from onebit_bert.distributed.comm import TRAFFIC_KINDS, AsyncAllReduce, CommStats, Communicator
 from onebit_bert.distributed.compression import ErrorFeedback
 from onebit_bert.distributed.env import (
     DistContext,
@@ -12,6 +12,7 @@ from onebit_bert.distributed.env import (
 
 __all__ = [
     "TRAFFIC_KINDS",
+    "AsyncAllReduce",
     "CommStats",
     "Communicator",
     "DistContext",

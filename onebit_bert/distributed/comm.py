@@ -67,6 +67,11 @@ class CommStats:
         entry[1] += seconds
         entry[2] += 1
 
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        """Time spent on a collective already counted (an asynchronous one, waited)."""
+        self.seconds += seconds
+        self.by_kind.setdefault(kind, [0, 0.0, 0])[1] += seconds
+
     def copy(self) -> CommStats:
         return CommStats(
             self.bytes_sent,
@@ -87,6 +92,54 @@ class CommStats:
             self.calls - other.calls,
             by_kind,
         )
+
+
+class AsyncAllReduce:
+    """An average over ranks in flight (:meth:`Communicator.all_reduce_async`).
+
+    ``wait()`` blocks until it is done, divides by the world size (once) and returns the
+    seconds this call blocked; ``in_flight_seconds`` is how long the collective took from
+    launch to completion as the backend reported it (on gloo, measured on its worker
+    thread: it progresses while the caller computes)."""
+
+    def __init__(self, comm: Communicator, tensor: torch.Tensor, kind: str, nbytes: int):
+        self.comm = comm
+        self.tensor = tensor
+        self.kind = kind
+        self.nbytes = nbytes
+        self.work = None
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None
+        self.waited = False
+
+    def _finished(self, _future) -> None:
+        self.finished_at = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (never blocks)."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> float:
+        """Block until done; returns the seconds blocked (0 on later calls)."""
+        if self.waited:
+            return 0.0
+        start = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()
+            if self.comm.synchronize_timing and self.comm.device.type == "cuda":
+                torch.cuda.synchronize(self.comm.device)
+            self.tensor.div_(self.comm.world_size)
+        blocked = time.perf_counter() - start
+        if self.finished_at is None:
+            self.finished_at = time.perf_counter()
+        self.waited = True
+        self.comm.stats.add_seconds(self.kind, blocked)
+        return blocked
+
+    @property
+    def in_flight_seconds(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.perf_counter()
+        return end - self.started_at
 
 
 class Communicator:
@@ -253,6 +306,37 @@ class Communicator:
         with self._count((self.world_size - 1) * row_bytes):
             dist.all_to_all_single(output, tensor, group=self.group)
         return output
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> AsyncAllReduce:
+        """Start averaging ``tensor`` over ranks in place and return at once; the result is
+        there after :meth:`AsyncAllReduce.wait`. The bytes (and the call) are counted now,
+        under the current kind of traffic; the seconds when waited: the time the caller
+        actually blocked, not the time the collective was in flight (reported separately).
+
+        Call it on a :meth:`side_channel`, so that the collectives the caller runs while
+        it is in flight are not queued behind it (NCCL runs one stream per group)."""
+        p = self.world_size
+        nbytes = 2 * (p - 1) * tensor.numel() * tensor.element_size() // p if p > 1 else 0
+        handle = AsyncAllReduce(self, tensor, self.kind, nbytes)
+        self.stats.add(self.kind, nbytes, 0.0)
+        if p > 1:
+            handle.work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            handle.work.get_future().add_done_callback(handle._finished)
+        else:
+            handle.finished_at = handle.started_at
+        return handle
+
+    def side_channel(self) -> Communicator:
+        """A communicator over the same ranks in a process group of its own, whose counts
+        go to this communicator's stats. Collective: every rank calls it, in the same
+        order."""
+        if self.group is None:
+            side = Communicator(None, self.device, self.synchronize_timing)
+        else:
+            ranks = dist.get_process_group_ranks(self.group)
+            side = Communicator(dist.new_group(ranks), self.device, self.synchronize_timing)
+        side.stats = self.stats
+        return side
 
     def barrier(self) -> None:
         if self.world_size > 1:

@@ -16,11 +16,18 @@ from onebit_bert.distributed.env import DistContext
 from onebit_bert.optim.build import OptimizerConfig, build_optimizer
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 from onebit_bert.strategies.data_parallel import DataParallel, OneBitLambStrategy
+from onebit_bert.strategies.local_steps import (
+    LOCAL_STEP_STRATEGIES,
+    LocalSteps,
+    check_local_step_config,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "LOCAL_STEP_STRATEGIES",
     "DataParallel",
+    "LocalSteps",
     "OneBitLambStrategy",
     "Strategy",
     "StrategyConfig",
@@ -35,6 +42,9 @@ def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> st
     name = cfg.name
     if name == "auto":
         name = "onebit_lamb" if optimizer.name == "onebit_lamb" else "data_parallel"
+    if name in LOCAL_STEP_STRATEGIES:
+        check_local_step_config(name, cfg, optimizer.name)
+        return name
     if name == "onebit_lamb" and optimizer.name != "onebit_lamb":
         raise ValueError(
             f"strategy.name onebit_lamb needs optimizer.name onebit_lamb, got "
@@ -72,5 +82,7 @@ def build_strategy(
         optimizer_cfg = replace(optimizer_cfg, name="lamb", bias_correction=False)
         name = "data_parallel"
     optimizer = build_optimizer(optimizer_cfg, model, ctx.comm, momentum_masks)
+    if name in LOCAL_STEP_STRATEGIES:
+        return LocalSteps(model, loss_module, optimizer, ctx, cfg, name)
     cls = OneBitLambStrategy if name == "onebit_lamb" else DataParallel
     return cls(model, loss_module, optimizer, ctx, use_ddp=use_ddp)

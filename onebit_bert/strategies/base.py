@@ -30,11 +30,16 @@ from onebit_bert.distributed.env import DistContext
 class StrategyConfig:
     """How data-parallel ranks synchronise; the optimizer section picks the optimizer."""
 
-    name: Literal["auto", "data_parallel", "onebit_lamb"] = "auto"
+    name: Literal["auto", "data_parallel", "onebit_lamb", "co2", "slowmo", "local_sgd"] = "auto"
     """data_parallel: average gradients every step, then step the optimizer (LAMB, AdamW);
     onebit_lamb: 1-bit LAMB (averaged gradients in its warmup, then its own compressed
     momentum all-reduce); auto: onebit_lamb for optimizer.name onebit_lamb, otherwise
-    data_parallel."""
+    data_parallel. Local steps (the optimizer, LAMB or AdamW, steps each rank alone;
+    parameters are averaged every ``outer_every`` steps): slowmo: a synchronous average
+    and a slow momentum step; local_sgd: slowmo with outer_momentum 0 and outer_lr 1 (the
+    average itself); co2: the average of round t runs in the background during round t+1
+    and enters one round late, with a staleness-gap penalty and outer-momentum
+    clipping."""
     grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
     """How gradients are averaged while they are: ``ddp`` overlaps bucketed all-reduces
     with the backward pass (DistributedDataParallel, ``no_sync`` during accumulation);
@@ -43,6 +48,46 @@ class StrategyConfig:
     force_compression: bool = False
     """1-bit LAMB on one process runs as exact LAMB (there is nothing to send, and
     compression would only add error, as in DeepSpeed); true compresses anyway (tests)."""
+    outer_every: int = 12
+    """co2, slowmo, local_sgd: local steps per round (tau); one parameter average per
+    round (SlowMo's paper: 12 for local SGD, 48 over SGP)."""
+    outer_lr: float = 1.0
+    """co2, slowmo: outer learning rate alpha (SlowMo's paper: 1, "consistently best")."""
+    outer_momentum: float | None = None
+    """co2, slowmo: outer momentum beta; null: by world size as fairseq sets it (0 up to 16
+    ranks, 0.2 up to 32, 0.5 up to 64, 0.6 beyond)."""
+    gap_penalty: float | None = None
+    """co2: staleness-gap penalty lambda; per tensor the stale update is scaled by
+    1 / (1 + lambda * gap / (|delta| + 1e-12)), gap = how far the anchor moved while the
+    average was in flight; 0 disables it; null: 1.0 for co2 (CO2's code default)."""
+    clip_threshold: float | None = None
+    """co2: clip the outer momentum to this (global L2 norm, or each element with
+    clip_mode value); null: no clipping."""
+    clip_mode: Literal["norm", "value"] = "norm"
+    inner_state: Literal["keep", "reset"] = "keep"
+    """co2, slowmo, local_sgd: the inner optimizer's state at an outer step: kept (SlowMo's
+    choice for Adam) or reset to zero (its choice for Nesterov SGD)."""
+    asynchronous: bool | None = None
+    """co2: the round's average runs in the background and enters one round late (true,
+    the default); false waits for it at once (the synchronous variant). slowmo and
+    local_sgd are synchronous."""
+
+    def __post_init__(self):
+        if self.outer_every < 1:
+            raise ValueError(f"strategy.outer_every must be >= 1, got {self.outer_every}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"strategy.outer_lr must be > 0, got {self.outer_lr}")
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            raise ValueError(
+                f"strategy.outer_momentum must be in [0, 1), got {self.outer_momentum}"
+            )
+        if self.gap_penalty is not None and self.gap_penalty < 0:
+            raise ValueError(f"strategy.gap_penalty must be >= 0, got {self.gap_penalty}")
+        if self.clip_threshold is not None and not self.clip_threshold > 0:
+            raise ValueError(
+                f"strategy.clip_threshold must be > 0 (null: no clipping), "
+                f"got {self.clip_threshold}"
+            )
 
 
 class Strategy:
@@ -85,6 +130,11 @@ class Strategy:
     def eval_model(self) -> nn.Module:
         """The model to validate and export."""
         return self.model
+
+    def shared_model_state(self) -> dict:
+        """The weights a checkpoint keeps as *the* model (what ``init_from`` and
+        fine-tuning start from): the evaluation model's."""
+        return self.model.state_dict()
 
     def identity(self) -> dict:
         """What wrote a checkpoint: this strategy's name and its optimizer's class."""

@@ -1,0 +1,387 @@
+"""Local steps with an outer step every ``outer_every`` (tau) steps: SlowMo, local SGD and CO2.
+
+Every rank steps its own copy of the model with the inner optimizer (LAMB or AdamW) on its
+own gradients; nothing is sent between outer steps. All ranks share an *anchor* x0 (the
+parameters the round started from) and an outer momentum m. Per round of tau steps, with
+x_i this rank's parameters at the round's end and x̄ their average over ranks:
+
+**SlowMo** (Wang et al., arXiv 1910.00643, Alg. 1), synchronous::
+
+    x̄ = average(x_i)                      one all-reduce of the parameters
+    m = beta m + (x0 - x̄) / gamma          gamma: the inner learning rate of the last step
+    x0 = x0 - alpha gamma m;  x_i = x0
+
+**local SGD** is SlowMo with beta 0 and alpha 1 (every round ends at x̄).
+
+**CO2** (Sun et al., arXiv 2401.16265): the average of round t is started in the
+background at the end of round t and waited for only at the end of round t+1, so it runs
+while round t+1 computes. At the end of round t (x0_t its anchor, x0_{t-1} the previous
+one, x̄_{t-1} the average that was in flight)::
+
+    wait for x̄_{t-1}
+    delta = x0_{t-1} - x̄_{t-1}                    the stale round's progress
+    m = beta m + penalty * delta                   per tensor (below)
+    m = clip(m, threshold)                         global L2 norm, or each element
+    x0_{t+1} = x0_t - alpha m
+    start averaging x_i (round t) in the background;  x_i = x0_{t+1}
+
+Round 0 has no average yet: its anchor does not move (x0_1 = x0_0), and the first outer
+update happens at the end of round 1. No division by the learning rate (unlike SlowMo).
+The project's definitions where the paper leaves them open: the staleness-gap penalty of
+tensor l is ``1 / (1 + lambda * gap_l / (|delta_l| + 1e-12))`` with ``gap_l = |x0_t,l -
+x0_{t-1},l|`` (how far the anchor moved while the average was in flight); clipping acts
+(CO2's public code discards its clamp). ``asynchronous: false`` waits for the average at
+once (delta from the round just finished, gap 0): the synchronous variant.
+
+**Evaluation and export** use the average over ranks of the models after the last inner
+step: at a round's end, the average the outer step computed (nothing more is sent);
+within a round, one all-reduce of the parameters. The outer update itself is where the
+next round starts, not a model anyone trained.
+
+Checkpoints: the anchors, the outer momentum, the round's average (drained first: waiting
+early changes no value), the round count and the last inner learning rate are shared
+state; each rank's parameters and inner optimizer state are per-rank state, so a resume
+continues the uninterrupted trajectory bit for bit. The position within the round is the
+step modulo ``outer_every``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+from onebit_bert.distributed.comm import AsyncAllReduce
+from onebit_bert.distributed.env import DistContext
+from onebit_bert.strategies.base import Strategy, StrategyConfig
+
+log = logging.getLogger(__name__)
+
+LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd")
+PENALTY_EPS = 1e-12
+CLIP_EPS = 1e-6
+CO2_GAP_PENALTY = 1.0
+"""CO2's code default for ``co2_gap_penalty``."""
+
+
+def default_outer_momentum(world_size: int) -> float:
+    """fairseq's outer momentum by number of workers (SlowMo and CO2 when unset)."""
+    if world_size <= 16:
+        return 0.0
+    if world_size <= 32:
+        return 0.2
+    if world_size <= 64:
+        return 0.5
+    return 0.6
+
+
+def check_local_step_config(name: str, cfg: StrategyConfig, optimizer_name: str) -> None:
+    """A clear error for settings the local-step strategy ``name`` cannot use."""
+    if optimizer_name not in ("lamb", "adamw"):
+        raise ValueError(
+            f"strategy.name {name} steps each rank with its own inner optimizer: set "
+            f"optimizer.name to lamb or adamw (got {optimizer_name!r})"
+        )
+    if name == "co2":
+        return
+    if cfg.asynchronous:
+        raise ValueError(
+            f"strategy.name {name} is synchronous; the asynchronous outer step is strategy.name=co2"
+        )
+    for field in ("gap_penalty", "clip_threshold"):
+        if getattr(cfg, field):
+            raise ValueError(f"strategy.{field} applies to strategy.name=co2 only, not {name}")
+    if name == "local_sgd" and (cfg.outer_momentum or cfg.outer_lr != 1.0):
+        raise ValueError(
+            "strategy.name local_sgd is slowmo with outer_momentum 0 and outer_lr 1; "
+            "use strategy.name=slowmo for other values"
+        )
+
+
+class _FlatParams:
+    """The trained parameters as one flat fp32 vector: copies in and out, and per-tensor
+    views of any vector of the same layout."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.device = params[0].device
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=torch.float32, device=self.device)
+
+    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The parameters' current values (into ``out`` if given)."""
+        out = self.empty() if out is None else out
+        torch.cat([p.detach().reshape(-1).float() for p in self.params], out=out)
+        return out
+
+    def write(self, flat: torch.Tensor, params: list[torch.Tensor] | None = None) -> None:
+        """Set ``params`` (default: the trained parameters) from ``flat``."""
+        with torch.no_grad():
+            for p, view in zip(params or self.params, self.views(flat), strict=True):
+                p.copy_(view.view_as(p))
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(flat, self.sizes))
+
+    def norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """The L2 norm of every tensor's part of ``flat``."""
+        return torch.stack(torch._foreach_norm(self.views(flat)))
+
+    def expand(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """A per-tensor value repeated over that tensor's elements."""
+        sizes = torch.tensor(self.sizes, device=per_tensor.device)
+        return per_tensor.repeat_interleave(sizes)
+
+
+class LocalSteps(Strategy):
+    """co2, slowmo and local_sgd (the module docstring has the update rules)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_module: nn.Module,
+        optimizer,
+        ctx: DistContext,
+        cfg: StrategyConfig,
+        name: str,
+    ):
+        super().__init__(model, loss_module, optimizer, ctx)
+        if name not in LOCAL_STEP_STRATEGIES:
+            raise ValueError(f"LocalSteps runs {LOCAL_STEP_STRATEGIES}, not {name!r}")
+        self.name = name
+        self.every = cfg.outer_every
+        self.alpha = cfg.outer_lr
+        self.beta = (
+            default_outer_momentum(ctx.world_size)
+            if cfg.outer_momentum is None
+            else cfg.outer_momentum
+        )
+        if name == "local_sgd":
+            self.alpha, self.beta = 1.0, 0.0
+        self.asynchronous = name == "co2" and cfg.asynchronous is not False
+        self.normalise_by_lr = name != "co2"
+        self.penalty = 0.0
+        if name == "co2":
+            self.penalty = CO2_GAP_PENALTY if cfg.gap_penalty is None else cfg.gap_penalty
+        self.clip_threshold = cfg.clip_threshold if name == "co2" else None
+        self.clip_mode = cfg.clip_mode
+        self.reset_inner = cfg.inner_state == "reset"
+        # The outer collectives run on a group of their own, so that the loop's statistics
+        # all-reduce is not queued behind a parameter average in flight.
+        self.outer_comm = self.comm.side_channel() if self.asynchronous else self.comm
+        self.flat = _FlatParams(self.params)
+        self.anchor: torch.Tensor | None = None  # x0_t; taken before the first step
+        self.previous_anchor: torch.Tensor | None = None  # x0_{t-1} (co2)
+        self.momentum = torch.zeros(self.flat.numel, device=self.flat.device)
+        self.average = self.flat.empty()  # the last round's average (in flight for co2)
+        self.has_average = False
+        self.pending: AsyncAllReduce | None = None
+        self.rounds = 0
+        self.last_lr: float | None = None
+        self.at_round_end = False  # no inner step since the last outer step
+        self.inner_steps = 0
+        self._eval: nn.Module | None = None
+        self._eval_key: int | None = None
+        # figures for the log
+        self.last_wait = 0.0
+        self.total_wait = 0.0
+        self.waits = 0
+        self.last_in_flight = 0.0
+        self.last_penalty: torch.Tensor | None = None
+        self.last_clip_scale: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> None:
+        if self.anchor is None:
+            self.anchor = self.flat.read()
+            self.previous_anchor = self.anchor.clone() if self.asynchronous else None
+        self.last_lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.step()
+        self.inner_steps += 1
+        self.at_round_end = False
+
+    def after_step(self, step: int) -> None:
+        if step % self.every or self.anchor is None:
+            return
+        if self.asynchronous:
+            self._outer_step_stale()
+        else:
+            self._outer_step_synchronous()
+        self.rounds += 1
+        self.at_round_end = True
+        if self.reset_inner:
+            self.optimizer.state.clear()
+
+    def _outer_step_synchronous(self) -> None:
+        self.flat.read(out=self.average)
+        with self.outer_comm.traffic("parameters"):
+            self.outer_comm.all_reduce(self.average, op="avg")
+        self.has_average = True
+        delta = self.anchor - self.average
+        gamma = 1.0
+        if self.normalise_by_lr:
+            gamma = self.last_lr or 0.0
+            if gamma == 0.0:  # no inner step moved anything: delta is zero
+                delta.zero_()
+            else:
+                delta.div_(gamma)
+        self._update_momentum(delta, None)
+        self.anchor.sub_(self.momentum, alpha=self.alpha * gamma)
+        self.flat.write(self.anchor)
+
+    def _outer_step_stale(self) -> None:
+        self._wait()
+        if self.has_average:
+            delta = self.previous_anchor - self.average
+            gap = self.anchor - self.previous_anchor
+            self._update_momentum(delta, gap)
+            self.previous_anchor.copy_(self.anchor)
+            self.anchor.sub_(self.momentum, alpha=self.alpha)
+        else:  # round 0: nothing in flight yet, the anchor stays
+            self.previous_anchor.copy_(self.anchor)
+        self.flat.read(out=self.average)
+        with self.outer_comm.traffic("parameters"):
+            self.pending = self.outer_comm.all_reduce_async(self.average)
+        self.has_average = True
+        self.flat.write(self.anchor)
+
+    def _update_momentum(self, delta: torch.Tensor, gap: torch.Tensor | None) -> None:
+        """m = beta m + penalty * delta, then clipped; ``delta`` may be overwritten."""
+        if self.penalty and gap is not None:
+            penalty = 1.0 / (
+                1.0 + self.penalty * self.flat.norms(gap) / (self.flat.norms(delta) + PENALTY_EPS)
+            )
+            self.last_penalty = penalty
+            delta.mul_(self.flat.expand(penalty))
+        self.momentum.mul_(self.beta).add_(delta)
+        if self.clip_threshold is None:
+            return
+        if self.clip_mode == "value":
+            before = self.momentum.norm()
+            self.momentum.clamp_(-self.clip_threshold, self.clip_threshold)
+            self.last_clip_scale = self.momentum.norm() / (before + CLIP_EPS)
+        else:
+            scale = (self.clip_threshold / (self.momentum.norm() + CLIP_EPS)).clamp(max=1.0)
+            self.momentum.mul_(scale)
+            self.last_clip_scale = scale
+
+    def _wait(self) -> None:
+        if self.pending is None:
+            return
+        self.last_wait = self.pending.wait()
+        self.last_in_flight = self.pending.in_flight_seconds
+        self.total_wait += self.last_wait
+        self.waits += 1
+        self.pending = None
+
+    def drain(self) -> None:
+        self._wait()
+
+    # ------------------------------------------------------------------ model and state
+    def eval_model(self) -> nn.Module:
+        """The average over ranks of the models after the last inner step (collective
+        within a round: every rank must call it)."""
+        if self._eval_key == self.inner_steps and self._eval is not None:
+            return self._eval
+        self.drain()
+        if self.at_round_end and self.has_average:
+            mean = self.average
+        else:
+            mean = self.flat.read()
+            with self.comm.traffic("parameters"):
+                self.comm.all_reduce(mean, op="avg")
+        if self._eval is None:
+            self._eval = copy.deepcopy(self.model)
+            self._eval.requires_grad_(False)
+        pairs = zip(self._eval.parameters(), self.model.parameters(), strict=True)
+        self.flat.write(mean, [copy_ for copy_, p in pairs if p.requires_grad])
+        self._eval_key = self.inner_steps
+        return self._eval
+
+    def shared_model_state(self) -> dict:
+        return self.eval_model().state_dict()
+
+    def identity(self) -> dict:
+        return {**super().identity(), "outer_every": self.every}
+
+    def state_dict(self) -> tuple[dict, dict]:
+        self.drain()
+        outer = {
+            "rounds": self.rounds,
+            "outer_every": self.every,
+            "anchor": self.anchor,
+            "previous_anchor": self.previous_anchor,
+            "momentum": self.momentum,
+            "average": self.average if self.has_average else None,
+            "at_round_end": self.at_round_end,
+            "last_lr": self.last_lr,
+            "inner_steps": self.inner_steps,
+        }
+        per_rank = {"optimizer": self.optimizer.state_dict(), "params": self.flat.read()}
+        return {"strategy": self.identity(), "local_steps": outer}, per_rank
+
+    def load_state_dict(self, shared: dict, per_rank: dict | None, same_run: bool = True) -> None:
+        outer = shared.get("local_steps")
+        if outer is None:
+            # Another strategy's checkpoint (a new phase): its optimizer state, if any; the
+            # anchor is taken at the first step from the loaded weights.
+            if same_run:
+                super().load_state_dict(shared, per_rank, same_run)
+            elif "optimizer" in shared:
+                state = dict(shared["optimizer"])
+                state.pop("per_rank", None)
+                self.optimizer.load_state_dict(state)
+            return
+        saved = shared.get("strategy", {})
+        if same_run and saved.get("name") != self.name:
+            super().load_state_dict(shared, per_rank, same_run)  # the identity error
+        if same_run and outer["outer_every"] != self.every:
+            raise ValueError(
+                f"the checkpoint was written with strategy.outer_every "
+                f"{outer['outer_every']} and this run sets {self.every}; resume with the "
+                f"same value (the round structure is part of the trajectory)"
+            )
+        self.drain()
+        self.rounds = outer["rounds"]
+        self.anchor = outer["anchor"]
+        self.previous_anchor = outer["previous_anchor"]
+        self.momentum.copy_(outer["momentum"])
+        self.has_average = outer["average"] is not None
+        if self.has_average:
+            self.average.copy_(outer["average"])
+        self.at_round_end = outer["at_round_end"]
+        self.last_lr = outer["last_lr"]
+        self.inner_steps = outer["inner_steps"]
+        self._eval_key = None
+        if self.asynchronous and self.anchor is not None and self.previous_anchor is None:
+            self.previous_anchor = self.anchor.clone()
+        if per_rank is not None:
+            self.optimizer.load_state_dict(per_rank["optimizer"])
+            self.flat.write(per_rank["params"])
+        else:
+            log.warning(
+                "another world size wrote this checkpoint: every rank starts from the "
+                "average model, with fresh inner optimizer state"
+            )
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self) -> dict:
+        out = super().metrics()
+        out["stage"] = "local"
+        out["outer_rounds"] = self.rounds
+        if self.waits:
+            out["outer_wait_seconds"] = self.last_wait
+            out["outer_wait_seconds_mean"] = self.total_wait / self.waits
+            out["outer_in_flight_seconds"] = self.last_in_flight
+        if self.last_penalty is not None:
+            out["gap_penalty_min"] = float(self.last_penalty.min())
+            out["gap_penalty_mean"] = float(self.last_penalty.mean())
+        if self.last_clip_scale is not None:
+            out["outer_clip_scale"] = float(self.last_clip_scale)
+        out["outer_momentum_norm"] = float(self.momentum.norm())
+        return out

@@ -1,0 +1,426 @@
+"""Local-step strategies (co2, slowmo, local_sgd): their special cases against reference
+trajectories on real gloo ranks, agreement across ranks, clipping and the gap penalty,
+the background all-reduce, configs, and exact resume of a pretraining run killed mid-round
+with an average in flight."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from onebit_bert.config import ConfigError, from_dict
+from onebit_bert.metrics_log import read_metrics
+from onebit_bert.strategies import LocalSteps, StrategyConfig
+from onebit_bert.strategies.local_steps import default_outer_momentum
+from pretrain.config import PretrainConfig
+from tests.distributed_harness import run_ranks
+from tests.test_pretrain import (
+    _context,
+    _kill_all,
+    _torchrun,
+    _write_cfg,
+    tiny_config,
+)
+from tests.toy import ToyConfig, _batch, _teacher, build_model
+
+TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
+LR = 0.05
+
+
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = _batch(TOY, _teacher(TOY), rank, step, TOY.batch_per_rank)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _local_run(comm, name: str, cfg: StrategyConfig, steps: int, inner: str = "sgd") -> dict:
+    """Train the toy model with a local-step strategy; the anchor, outer momentum and
+    parameters after every step."""
+    torch.set_num_threads(1)
+    model = build_model(TOY)
+    if inner == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    strategy = LocalSteps(model, model, opt, _context(comm), cfg, name)
+    out = {"anchor": [], "momentum": [], "params": [], "inner": [], "metrics": None}
+    for step in range(steps):
+        _loss(model, comm.rank, step).backward()
+        strategy.after_backward()
+        strategy.step()
+        opt.zero_grad(set_to_none=True)
+        out["inner"].append(strategy.flat.read())
+        strategy.after_step(step + 1)
+        out["anchor"].append(strategy.anchor.clone())
+        out["momentum"].append(strategy.momentum.clone())
+        out["params"].append(strategy.flat.read())
+    out["metrics"] = strategy.metrics()
+    strategy.drain()
+    return out
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _mean_grad(point: torch.Tensor, step: int, world: int) -> torch.Tensor:
+    """The gradient at ``point`` averaged over ``world`` ranks' batches of ``step``."""
+    model = build_model(TOY)
+    grads = []
+    for rank in range(world):
+        torch.nn.utils.vector_to_parameters(point, model.parameters())
+        model.zero_grad()
+        _loss(model, rank, step).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return torch.stack(grads).mean(0)
+
+
+def _dp_sgd(steps: int, world: int, momentum: float = 0.0) -> list[torch.Tensor]:
+    """Synchronous data-parallel (heavy-ball) SGD on the averaged gradient."""
+    x = _flat(build_model(TOY))
+    buf, out = torch.zeros_like(x), []
+    for step in range(steps):
+        buf = momentum * buf + _mean_grad(x, step, world)
+        x = x - LR * buf
+        out.append(x)
+    return out
+
+
+def _cfg(**kw) -> StrategyConfig:
+    return StrategyConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- special cases
+
+
+@pytest.mark.parametrize(
+    ("name", "cfg"),
+    [
+        ("co2", _cfg(outer_every=1, outer_momentum=0.0, gap_penalty=0.0, asynchronous=False)),
+        ("slowmo", _cfg(outer_every=1, outer_momentum=0.0)),
+        ("local_sgd", _cfg(outer_every=1)),
+    ],
+)
+def test_one_step_rounds_without_momentum_are_synchronous_sgd(name, cfg):
+    steps, world = 6, 2
+    reference = _dp_sgd(steps, world)
+    ranks = run_ranks(_local_run, world, name, cfg, steps)
+    for rank in ranks:
+        for got, want in zip(rank["params"], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_slowmo_with_one_step_rounds_is_heavy_ball_sgd():
+    steps, world, beta = 6, 2, 0.7
+    reference = _dp_sgd(steps, world, momentum=beta)
+    ranks = run_ranks(_local_run, world, "slowmo", _cfg(outer_every=1, outer_momentum=beta), steps)
+    for got, want in zip(ranks[0]["params"], reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_stale_co2_with_one_step_rounds_is_delayed_sgd():
+    """Anchors a_1 = a_0 and a_{t+1} = a_t - lr * mean gradient at a_{t-1}."""
+    steps, world = 7, 2
+    cfg = _cfg(outer_every=1, outer_momentum=0.0, gap_penalty=0.0)
+    ranks = run_ranks(_local_run, world, "co2", cfg, steps)
+    anchors = [_flat(build_model(TOY))] * 2
+    for t in range(1, steps):
+        anchors.append(anchors[t] - LR * _mean_grad(anchors[t - 1], t - 1, world))
+    for t, got in enumerate(ranks[0]["anchor"]):
+        torch.testing.assert_close(got, anchors[t + 1], rtol=0, atol=1e-6)
+    # and it is not synchronous SGD
+    assert not torch.allclose(ranks[0]["anchor"][-1], _dp_sgd(steps, world)[-2], atol=1e-4)
+
+
+def test_local_sgd_rounds_end_at_the_average_and_equal_slowmo_special_case():
+    steps, world = 8, 2
+    local = run_ranks(_local_run, world, "local_sgd", _cfg(outer_every=4), steps)
+    slowmo = run_ranks(_local_run, world, "slowmo", _cfg(outer_every=4, outer_momentum=0.0), steps)
+    for a, b in zip(local[0]["anchor"], slowmo[0]["anchor"], strict=True):
+        assert torch.equal(a, b)
+    # within a round the ranks differ; at its end every rank restarts from the average
+    assert not torch.equal(local[0]["params"][2], local[1]["params"][2])
+    for step in (3, 7):
+        mean = (local[0]["inner"][step] + local[1]["inner"][step]) / 2
+        torch.testing.assert_close(local[0]["anchor"][step], mean, rtol=0, atol=1e-6)
+        assert torch.equal(local[0]["params"][step], local[0]["anchor"][step])
+        assert torch.equal(local[0]["params"][step], local[1]["params"][step])
+
+
+def test_slowmo_on_one_rank_is_lookahead():
+    steps, every, alpha = 6, 3, 0.5
+    got = run_ranks(
+        _local_run, 1, "slowmo", _cfg(outer_every=every, outer_lr=alpha, outer_momentum=0.0),
+        steps,
+    )[0]  # fmt: skip
+    slow = fast = _flat(build_model(TOY))
+    for step in range(steps):
+        fast = fast - LR * _mean_grad(fast, step, 1)
+        if (step + 1) % every == 0:
+            slow = slow + alpha * (fast - slow)
+            fast = slow
+    torch.testing.assert_close(got["anchor"][-1], slow, rtol=0, atol=1e-6)
+
+
+def test_anchor_and_momentum_are_identical_on_every_rank():
+    cfg = _cfg(outer_every=2, outer_momentum=0.5, gap_penalty=1.0, clip_threshold=0.05)
+    ranks = run_ranks(_local_run, 3, "co2", cfg, 9, "adamw")
+    for other in ranks[1:]:
+        for a, b in zip(ranks[0]["anchor"], other["anchor"], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(ranks[0]["momentum"], other["momentum"], strict=True):
+            assert torch.equal(a, b)
+    assert ranks[0]["metrics"]["outer_rounds"] == 4
+    assert 0 < ranks[0]["metrics"]["gap_penalty_min"] < 1
+
+
+# ----------------------------------------------------------------------------- clip, penalty
+
+
+def test_clipping_infinite_threshold_changes_nothing_and_a_small_one_bounds_momentum():
+    base = {"outer_every": 2, "outer_momentum": 0.5, "gap_penalty": 0.0}
+    free = run_ranks(_local_run, 2, "co2", _cfg(**base), 8)[0]
+    infinite = run_ranks(_local_run, 2, "co2", _cfg(**base, clip_threshold=1e30), 8)[0]
+    for a, b in zip(free["anchor"], infinite["anchor"], strict=True):
+        assert torch.equal(a, b)
+    largest = max(float(m.norm()) for m in free["momentum"])
+    phi = largest / 4
+    clipped = run_ranks(_local_run, 2, "co2", _cfg(**base, clip_threshold=phi), 8)[0]
+    assert max(float(m.norm()) for m in clipped["momentum"]) <= phi * (1 + 1e-5)
+    assert not torch.equal(clipped["anchor"][-1], free["anchor"][-1])
+    value = run_ranks(
+        _local_run, 2, "co2", _cfg(**base, clip_threshold=2**-10, clip_mode="value"), 8
+    )[0]
+    assert max(float(m.abs().max()) for m in value["momentum"]) <= 2**-10
+    assert not torch.equal(value["anchor"][-1], free["anchor"][-1])
+
+
+def test_gap_penalty_zero_is_no_penalty_and_positive_shrinks_the_stale_update():
+    base = {"outer_every": 2, "outer_momentum": 0.0}
+    none = run_ranks(_local_run, 2, "co2", _cfg(**base, gap_penalty=0.0), 8)[0]
+    strong = run_ranks(_local_run, 2, "co2", _cfg(**base, gap_penalty=5.0), 8)[0]
+    # rounds 0 and 1 have no anchor movement yet (gap 0): identical up to step 4
+    for step in range(4):
+        assert torch.equal(none["anchor"][step], strong["anchor"][step])
+    assert strong["momentum"][-1].norm() < none["momentum"][-1].norm()
+    assert "gap_penalty_min" not in none["metrics"]
+    assert strong["metrics"]["gap_penalty_min"] < 1
+
+
+# ----------------------------------------------------------------------------- overlap
+
+
+def _overlap(comm) -> dict:
+    """Start a background average of a large buffer, then compute (never waiting) until
+    the collective reports done."""
+    torch.set_num_threads(1)
+    side = comm.side_channel()
+    buffer = torch.full((8_000_000,), float(comm.rank + 1))
+    with side.traffic("parameters"):
+        handle = side.all_reduce_async(buffer)
+    a = torch.randn(200, 200)
+    computed = 0
+    deadline = time.monotonic() + 60
+    while not handle.is_completed() and time.monotonic() < deadline:
+        a = torch.tanh(a @ a)  # the main thread is busy: no wait, no collective
+        computed += 1
+    completed = handle.is_completed()
+    waited = handle.wait()
+    return {
+        "completed_before_wait": completed,
+        "computed": computed,
+        "waited": waited,
+        "value": float(buffer[0]),
+        "stats": comm.stats.by_kind.get("parameters"),
+    }
+
+
+def test_background_all_reduce_progresses_while_the_main_thread_computes():
+    results = run_ranks(_overlap, 2)
+    for r in results:
+        assert r["completed_before_wait"], "the all-reduce did not progress on its own"
+        assert r["computed"] > 0
+        assert r["value"] == 1.5  # averaged, once
+        nbytes, _seconds, calls = r["stats"]
+        assert (nbytes, calls) == (8_000_000 * 4, 1)  # ring: 2 (p-1)/p of the buffer
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_outer_momentum_defaults_by_world_size():
+    assert [default_outer_momentum(n) for n in (1, 16, 17, 32, 33, 64, 65, 512)] == [
+        0.0, 0.0, 0.2, 0.2, 0.5, 0.5, 0.6, 0.6,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("strategy", "optimizer", "match"),
+    [
+        ({"name": "co2"}, "onebit_lamb", "set optimizer.name to lamb or adamw"),
+        ({"name": "local_sgd", "outer_momentum": 0.5}, "lamb", "use strategy.name=slowmo"),
+        ({"name": "slowmo", "gap_penalty": 1.0}, "lamb", "applies to strategy.name=co2 only"),
+        ({"name": "slowmo", "asynchronous": True}, "adamw", "is synchronous"),
+        ({"name": "co2", "outer_every": 0}, "lamb", "outer_every must be >= 1"),
+        ({"name": "co2", "clip_threshold": 0}, "lamb", "clip_threshold must be > 0"),
+        ({"name": "co2", "outer_momentum": 1.0}, "lamb", r"outer_momentum must be in \[0, 1\)"),
+    ],
+)
+def test_bad_local_step_configs_fail_at_load(strategy, optimizer, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(PretrainConfig, {"optimizer": {"name": optimizer}, "strategy": strategy})
+
+
+# ----------------------------------------------------------------------------- pretraining
+
+
+def _pretrain_cfg(corpus, run_dir, **extra) -> dict:
+    overrides = {
+        "optimizer.name": "lamb",
+        "strategy.name": "co2",
+        "strategy.outer_every": 3,
+        "strategy.outer_momentum": 0.3,
+        "strategy.clip_threshold": 1.0,
+        "schedule.max_steps": 12,
+        "data.validation_every": 5,  # mid-round
+        **extra,
+    }
+    cfg = tiny_config(corpus, run_dir, **{k: v for k, v in overrides.items() if "." in k})
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        cfg.setdefault(section, {})[field] = value
+    return cfg
+
+
+def _checkpoint(run_dir, step: int) -> tuple[dict, list[dict]]:
+    folder = run_dir / "checkpoints" / f"step_{step:08d}"
+    ranks = sorted(folder.glob("rank*.pt"))
+    return torch.load(folder / "shared.pt", weights_only=False), [
+        torch.load(r, weights_only=False) for r in ranks
+    ]
+
+
+def _equal(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            _equal(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _equal(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+def test_killed_co2_run_resumes_mid_round_with_an_average_in_flight(tiny_corpus, tmp_path):
+    """Rounds end at steps 3, 6, 9, 12; the checkpoint at step 8 is taken mid-round while
+    round 2's average (started at step 6) is in flight. Kill -9 after it, resume: the same
+    weights, anchors, momentum, per-rank state and losses as the uninterrupted run."""
+    cfg_a = _pretrain_cfg(tiny_corpus, tmp_path / "a")
+    proc = _torchrun(_write_cfg(cfg_a, tmp_path / "a.yaml"))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    cfg_b = _pretrain_cfg(tiny_corpus, tmp_path / "b")
+    path_b = _write_cfg(cfg_b, tmp_path / "b.yaml")
+    proc = _torchrun(path_b)
+    step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"
+    deadline = time.time() + 240
+    try:
+        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        _kill_all(proc)
+    assert step_dir.is_dir(), "the run never reached step 8"
+    assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
+    proc = _torchrun(path_b)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    for step in (8, 12):
+        (shared_a, ranks_a), (shared_b, ranks_b) = (
+            _checkpoint(tmp_path / "a", step),
+            _checkpoint(tmp_path / "b", step),
+        )
+        _equal(shared_a["model"], shared_b["model"], "model")
+        _equal(shared_a["local_steps"], shared_b["local_steps"], "local_steps")
+        for ra, rb in zip(ranks_a, ranks_b, strict=True):
+            _equal(ra["params"], rb["params"], "params")
+            _equal(ra["optimizer"], rb["optimizer"], "optimizer")
+    shared, ranks = _checkpoint(tmp_path / "a", 8)
+    assert not torch.equal(ranks[0]["params"], ranks[1]["params"])  # mid-round: local
+    assert shared["local_steps"]["rounds"] == 2
+
+    def by_step(run):
+        return {r["step"]: r for r in read_metrics(tmp_path / run / "metrics.jsonl")}
+
+    logs_a, logs_b = by_step("a"), by_step("b")
+    assert sorted(logs_a) == sorted(logs_b)
+    for step, record in logs_a.items():
+        for key in ("loss", "val_mlm_loss", "outer_rounds", "outer_momentum_norm"):
+            assert record.get(key) == logs_b[step].get(key), (step, key)
+
+
+def _train_and_average(comm, cfg: dict) -> dict:
+    from tests.test_pretrain import _train
+
+    return _train(comm, cfg)["summary"]
+
+
+def test_co2_pretraining_counts_parameter_bytes_and_exports_the_average(tiny_corpus, tmp_path):
+    cfg = _pretrain_cfg(
+        tiny_corpus,
+        tmp_path / "run",
+        **{"schedule.max_steps": 8, "strategy.outer_every": 4, "data.validation_every": 0},
+    )
+    run_ranks(_train_and_average, 2, cfg)
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    shared, _ranks = _checkpoint(tmp_path / "run", 8)
+    average = shared["local_steps"]["average"]
+    # two rounds, one average each (2 ranks: a ring sends the whole buffer once)
+    per_step = [r.get("comm_bytes_parameters", 0) for r in records]
+    assert per_step == [0, 0, 0, 4 * average.numel(), 0, 0, 0, 4 * average.numel()]
+    assert all("comm_bytes_gradients" not in r for r in records)
+    assert records[-1]["stage"] == "local" and records[-1]["outer_rounds"] == 2
+    assert records[-1]["outer_wait_seconds"] >= 0
+    # at a round's end the exported model is the average the outer step computed
+    from transformers import BertForPreTraining
+
+    exported = BertForPreTraining.from_pretrained(tmp_path / "run" / "final")
+    exported_flat = torch.cat(
+        [p.detach().reshape(-1) for p in exported.parameters() if p.requires_grad]
+    )
+    assert torch.equal(exported_flat, average)
+    assert not torch.equal(average, shared["local_steps"]["anchor"])
+
+
+def _eval_mid_round(comm) -> dict:
+    torch.set_num_threads(1)
+    model = build_model(TOY)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    strategy = LocalSteps(model, model, opt, _context(comm), _cfg(outer_every=4), "co2")
+    for step in range(6):  # a round's end at 4, then two local steps
+        _loss(model, comm.rank, step).backward()
+        strategy.step()
+        opt.zero_grad(set_to_none=True)
+        strategy.after_step(step + 1)
+    local = strategy.flat.read()
+    evaluated = _flat(strategy.eval_model())
+    return {"local": local, "eval": evaluated, "after": strategy.flat.read()}
+
+
+def test_evaluation_model_is_the_average_of_the_ranks_models():
+    ranks = run_ranks(_eval_mid_round, 2)
+    mean = (ranks[0]["local"] + ranks[1]["local"]) / 2
+    for r in ranks:
+        assert torch.equal(r["eval"], mean)
+        assert torch.equal(r["after"], r["local"])  # training state untouched
+    assert not torch.equal(ranks[0]["local"], ranks[1]["local"])
