@@ -49,8 +49,12 @@ class RunSpec:
     name: str
     phases: list[PhaseSpec]
     """Phase 2 starts from phase 1 (``model.init_from``), and so on."""
+    seeds: list[int] | None = None
+    """Pretraining seeds of this run; null: the experiment's ``seeds``."""
 
     def __post_init__(self):
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"run {self.name!r}: seeds must be distinct, got {self.seeds}")
         if not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"run name {self.name!r}: use letters, digits, '-' and '_'")
         if not self.phases:
@@ -122,9 +126,13 @@ class ExperimentConfig:
 
     def instances(self) -> list[tuple[RunSpec, str, int | None]]:
         """(run, instance name, seed) for every run × pretraining seed."""
-        if not self.seeds:
-            return [(run, run.name, None) for run in self.runs]
-        return [(run, f"{run.name}-seed{s}", s) for run in self.runs for s in self.seeds]
+        out: list[tuple[RunSpec, str, int | None]] = []
+        for run in self.runs:
+            seeds = self.seeds if run.seeds is None else run.seeds
+            if not seeds:
+                out.append((run, run.name, None))
+            out.extend((run, f"{run.name}-seed{s}", s) for s in seeds)
+        return out
 
 
 @dataclass

@@ -99,6 +99,22 @@ def test_pretraining_seeds_make_one_instance_per_run_and_seed(tmp_path):
         smoke(tmp_path, "seeds=[1, 1]")
 
 
+def test_a_run_may_have_seeds_of_its_own(tmp_path):
+    import yaml
+
+    raw = yaml.safe_load(SMOKE.read_text())
+    raw["runs"][1]["seeds"] = [5]
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    exp = load_experiment(path, [f"workdir={tmp_path / 'work'}", "seeds=[1, 2]"])
+    exp.resolve()
+    assert [s.name for s in exp.stages if s.kind == "pretrain"] == [
+        "pretrain/lamb-seed1/phase1",
+        "pretrain/lamb-seed2/phase1",
+        "pretrain/onebit-seed5/phase1",
+    ]
+
+
 def test_stage_selection(tmp_path):
     exp = smoke(tmp_path)
     assert [s.name for s in exp.select(["pretrain"])] == [

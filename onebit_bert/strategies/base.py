@@ -64,6 +64,8 @@ class StrategyConfig:
     """co2: clip the outer momentum to this (global L2 norm, or each element with
     clip_mode value); null: no clipping."""
     clip_mode: Literal["norm", "value"] = "norm"
+    """co2: norm scales the whole outer momentum down to clip_threshold; value clamps each
+    element to [-clip_threshold, clip_threshold]."""
     inner_state: Literal["keep", "reset"] = "keep"
     """co2, slowmo, local_sgd: the inner optimizer's state at an outer step: kept (SlowMo's
     choice for Adam) or reset to zero (its choice for Nesterov SGD)."""
