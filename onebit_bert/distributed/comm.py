@@ -11,6 +11,7 @@ all_reduce          ring: 2·(p-1)/p · tensor bytes
 all_gather          ring: (p-1) · bytes of this rank's input
 all_to_all          every row of the input except the one addressed to itself
 broadcast           tensor bytes on every rank except the last of the chain
+neighbour_exchange  tensor bytes × number of destinations (point-to-point)
 ==================  ===============================================================
 
 The benchmark ``bench/comm.py`` checks these counts against the kernel's interface
@@ -25,6 +26,7 @@ compression policy can choose a codec per kind.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -306,6 +308,50 @@ class Communicator:
         with self._count((self.world_size - 1) * row_bytes):
             dist.all_to_all_single(output, tensor, group=self.group)
         return output
+
+    def neighbour_exchange(
+        self,
+        tensor: torch.Tensor,
+        send_to: Sequence[int],
+        recv_from: Sequence[int],
+        out: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """Send ``tensor`` to every rank in ``send_to`` and receive a tensor of its shape
+        and dtype from every rank in ``recv_from`` (ranks of this group, none of them this
+        rank), point to point, all posted at once (``batch_isend_irecv``, on NCCL and
+        gloo); every peer must post the matching receives and sends. Returns the received
+        tensors in ``recv_from`` order (written into ``out`` if given). Counts tensor bytes
+        × ``len(send_to)`` under the current kind of traffic."""
+        send_to, recv_from = list(send_to), list(recv_from)
+        for label, peers in (("send_to", send_to), ("recv_from", recv_from)):
+            bad = [r for r in peers if not 0 <= r < self.world_size or r == self.rank]
+            if bad or len(set(peers)) != len(peers):
+                raise ValueError(
+                    f"neighbour_exchange {label} must name distinct ranks other than this "
+                    f"rank ({self.rank}) in [0, {self.world_size}), got {peers}"
+                )
+        received = out if out is not None else [torch.empty_like(tensor) for _ in recv_from]
+        if len(received) != len(recv_from) or any(
+            r.shape != tensor.shape or r.dtype != tensor.dtype for r in received
+        ):
+            raise ValueError(
+                f"neighbour_exchange needs one output of shape {tuple(tensor.shape)} and "
+                f"dtype {tensor.dtype} per rank in recv_from ({len(recv_from)})"
+            )
+        if not send_to and not recv_from:
+            return received
+        tensor = tensor.contiguous()
+        ops = [
+            dist.P2POp(dist.isend, tensor, dist.get_global_rank(self.group, r), self.group)
+            for r in send_to
+        ] + [
+            dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, r), self.group)
+            for r, buf in zip(recv_from, received, strict=True)
+        ]
+        with self._count(len(send_to) * tensor.numel() * tensor.element_size()):
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        return received
 
     def all_reduce_async(self, tensor: torch.Tensor) -> AsyncAllReduce:
         """Start averaging ``tensor`` over ranks in place and return at once; the result is

@@ -3,5 +3,6 @@ optimizer averages across ranks itself and the caller must not all-reduce gradie
 
 from onebit_bert.optim.lamb import Lamb
 from onebit_bert.optim.onebit_lamb import OneBitLamb
+from onebit_bert.optim.sgd import MomentumSGD
 
-__all__ = ["Lamb", "OneBitLamb"]
+__all__ = ["Lamb", "MomentumSGD", "OneBitLamb"]

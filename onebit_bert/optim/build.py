@@ -17,6 +17,7 @@ from onebit_bert.distributed.comm import Communicator
 from onebit_bert.optim import defaults
 from onebit_bert.optim.lamb import Lamb
 from onebit_bert.optim.onebit_lamb import OneBitLamb
+from onebit_bert.optim.sgd import MomentumSGD
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm.weight")
 
@@ -26,10 +27,15 @@ class OptimizerConfig:
     """Which optimizer, and its hyperparameters (DeepSpeed's names and defaults for 1-bit
     LAMB, from :mod:`onebit_bert.optim.defaults`)."""
 
-    name: Literal["lamb", "onebit_lamb", "adamw"] = "lamb"
+    name: Literal["lamb", "onebit_lamb", "adamw", "sgd"] = "lamb"
+    """lamb, onebit_lamb (1-bit LAMB), adamw, or sgd: momentum SGD with decoupled weight
+    decay (m = betas[0] m + g; w = w - lr (m + weight_decay w)), the base update that
+    strategy.name decentlam and dmsgd require."""
     lr: float = defaults.LR
     """Peak learning rate (the schedule scales it)."""
     betas: tuple[float, float] = defaults.BETAS
+    """Adam-type moment rates (beta1, beta2); sgd takes its momentum from beta1 and ignores
+    beta2."""
     eps: float = defaults.EPS
     """Added outside the square root (BERT recipes: 1e-6)."""
     weight_decay: float = defaults.WEIGHT_DECAY
@@ -102,6 +108,8 @@ def build_optimizer(
         )
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, **common)
+    if cfg.name == "sgd":
+        return MomentumSGD(groups, lr=cfg.lr, momentum=cfg.betas[0])
     opt = OneBitLamb(
         groups,
         **common,

@@ -16,6 +16,12 @@ from onebit_bert.distributed.env import DistContext
 from onebit_bert.optim.build import OptimizerConfig, build_optimizer
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 from onebit_bert.strategies.data_parallel import DataParallel, OneBitLambStrategy
+from onebit_bert.strategies.decentralized import (
+    DECENTRALIZED_STRATEGIES,
+    Decentralized,
+    check_decentralized_config,
+    check_not_decentralized,
+)
 from onebit_bert.strategies.local_steps import (
     LOCAL_STEP_STRATEGIES,
     LocalSteps,
@@ -25,8 +31,10 @@ from onebit_bert.strategies.local_steps import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DECENTRALIZED_STRATEGIES",
     "LOCAL_STEP_STRATEGIES",
     "DataParallel",
+    "Decentralized",
     "LocalSteps",
     "OneBitLambStrategy",
     "Strategy",
@@ -42,6 +50,10 @@ def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> st
     name = cfg.name
     if name == "auto":
         name = "onebit_lamb" if optimizer.name == "onebit_lamb" else "data_parallel"
+    if name in DECENTRALIZED_STRATEGIES:
+        check_decentralized_config(name, cfg, optimizer.name)
+        return name
+    check_not_decentralized(name, cfg)
     if name in LOCAL_STEP_STRATEGIES:
         check_local_step_config(name, cfg, optimizer.name)
         return name
@@ -84,5 +96,8 @@ def build_strategy(
     optimizer = build_optimizer(optimizer_cfg, model, ctx.comm, momentum_masks)
     if name in LOCAL_STEP_STRATEGIES:
         return LocalSteps(model, loss_module, optimizer, ctx, cfg, name)
+    if name in DECENTRALIZED_STRATEGIES:
+        bounds = (optimizer_cfg.min_coeff, optimizer_cfg.max_coeff)
+        return Decentralized(model, loss_module, optimizer, ctx, cfg, name, bounds)
     cls = OneBitLambStrategy if name == "onebit_lamb" else DataParallel
     return cls(model, loss_module, optimizer, ctx, use_ddp=use_ddp)

@@ -30,7 +30,9 @@ from onebit_bert.distributed.env import DistContext
 class StrategyConfig:
     """How data-parallel ranks synchronise; the optimizer section picks the optimizer."""
 
-    name: Literal["auto", "data_parallel", "onebit_lamb", "co2", "slowmo", "local_sgd"] = "auto"
+    name: Literal[
+        "auto", "data_parallel", "onebit_lamb", "co2", "slowmo", "local_sgd", "decentlam", "dmsgd"
+    ] = "auto"
     """data_parallel: average gradients every step, then step the optimizer (LAMB, AdamW);
     onebit_lamb: 1-bit LAMB (averaged gradients in its warmup, then its own compressed
     momentum all-reduce); auto: onebit_lamb for optimizer.name onebit_lamb, otherwise
@@ -39,7 +41,10 @@ class StrategyConfig:
     and a slow momentum step; local_sgd: slowmo with outer_momentum 0 and outer_lr 1 (the
     average itself); co2: the average of round t runs in the background during round t+1
     and enters one round late, with a staleness-gap penalty and outer-momentum
-    clipping."""
+    clipping. Decentralised (optimizer.name sgd; no global average, each rank exchanges
+    its parameters with its neighbours in ``topology`` every step): decentlam: momentum
+    on the gossip-induced gradient (DecentLaM); dmsgd: each rank's own momentum step,
+    then the neighbour average (DmSGD, adapt-then-combine)."""
     grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
     """How gradients are averaged while they are: ``ddp`` overlaps bucketed all-reduces
     with the backward pass (DistributedDataParallel, ``no_sync`` during accumulation);
@@ -73,8 +78,26 @@ class StrategyConfig:
     """co2: the round's average runs in the background and enters one round late (true,
     the default); false waits for it at once (the synchronous variant). slowmo and
     local_sgd are synchronous."""
+    topology: Literal["ring", "exponential", "one_peer_exponential", "full"] | None = None
+    """decentlam, dmsgd: the communication graph (weights as BlueFog's): ring (left and
+    right neighbour, 1/3 each); exponential (static: neighbours i - 2^j, j < ceil(log2 n),
+    uniform weights); one_peer_exponential (one peer per step, i - 2^(k mod log2 n), 1/2
+    each; a power-of-2 number of ranks); full (the exact average, for tests). null:
+    exponential."""
+    layerwise: Literal["none", "lamb"] = "none"
+    """decentlam, dmsgd: lamb scales each tensor's update by a LAMB trust ratio
+    |x| / |update| clipped to [optimizer.min_coeff, optimizer.max_coeff] (the project's
+    extension for large batches, not part of either paper); none: plain momentum SGD."""
+    consensus_every: int = 100
+    """decentlam, dmsgd: measure the consensus distance (mean over ranks of
+    |x_i - mean x| / |mean x|) every this many steps, with one all-reduce of the
+    parameters; the log carries the last value; 0: never."""
 
     def __post_init__(self):
+        if self.consensus_every < 0:
+            raise ValueError(
+                f"strategy.consensus_every must be >= 0 (0: never), got {self.consensus_every}"
+            )
         if self.outer_every < 1:
             raise ValueError(f"strategy.outer_every must be >= 1, got {self.outer_every}")
         if not self.outer_lr > 0:
