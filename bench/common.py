@@ -25,10 +25,13 @@ def pretrain_config(
     model: str = "bert-mini",
     stop_after: int | None = None,
     net_interface: str | None = None,
+    strategy: dict | None = None,
 ) -> dict:
     """The pretraining config every benchmark trains with: fp32, a constant learning rate
     (1e-4 for AdamW, 5e-3 for LAMB and 1-bit LAMB), no checkpoints, no wandb.
-    ``stop_after`` stops there without the final validation and export."""
+    ``stop_after`` stops there without the final validation and export; ``strategy`` is the
+    config's ``strategy`` section (e.g. ``{"name": "co2", "outer_every": 8}``; default: the
+    optimizer's own)."""
     cfg = {
         "run_dir": str(run_dir),
         "model": {"preset": model},
@@ -49,6 +52,8 @@ def pretrain_config(
     }
     if stop_after is not None:
         cfg["stop_after"] = stop_after
+    if strategy is not None:
+        cfg["strategy"] = dict(strategy)
     return cfg
 
 

@@ -1,20 +1,32 @@
-"""LAMB vs 1-bit LAMB pretraining on an emulated low-bandwidth cluster (namespaces + tc).
+"""Pretraining strategies on an emulated low-bandwidth cluster (namespaces + tc).
 
 Builds an N-host cluster on this machine: one network namespace per host, each joined to a
 bridge by a veth pair (host side ``<tag>h<i>``, namespace side ``eth0``, addresses
 198.18.0.0/24), with an htb rate limit on BOTH directions of every link (see
 :mod:`bench.netem_cluster`). Then runs the real pretraining stage (``python -m pretrain``),
-one gloo process per host, three ways:
+one gloo process per host, once per strategy of ``--strategies`` (default
+``lamb,onebit_lamb``):
 
-* LAMB (the gradient all-reduce every step);
-* 1-bit LAMB: ``freeze_step`` full-precision warmup steps, then the compression stage;
-* compute-only: the same per-rank work (model, micro-batch, a LAMB update) in N independent
-  single-process runs started together, so they share the CPU exactly as the N ranks do but
-  never communicate: the upper limit of samples/s.
+* lamb, adamw: the gradient all-reduce every step (medians after ``--warmup-steps``);
+* onebit_lamb: ``freeze_step`` full-precision warmup steps, then the compression stage
+  (medians of each stage, its first step skipped);
+* co2, slowmo, local_sgd: LAMB steps on each rank (LAMB's learning rate) and one parameter
+  all-reduce every ``--outer-every`` (tau) steps; CO2's runs in the background during the
+  next round. Means over whole rounds, the first two skipped (round 0 has nothing in
+  flight, round 1's end is the first wait): a median would hide the one step per round
+  that sends (:func:`round_summary`);
+
+and a compute-only run: the same per-rank work (model, micro-batch, a LAMB update) in N
+independent single-process runs started together, so they share the CPU exactly as the N
+ranks do but never communicate: the upper limit of samples/s.
 
 Step times and bytes come from the stage's own metrics (rank 0): ``comm_bytes`` is what the
-communicator handed to gloo, ``net_tx_bytes`` what rank 0's eth0 sent in the same step window
-(``logging.net_interface``). Links are reshaped between bandwidths; the namespaces are
+communicator handed to gloo (a background all-reduce counted in the step that launches it),
+``net_tx_bytes`` what rank 0's eth0 sent in the same step window (``logging.net_interface``;
+bytes a background all-reduce sends between two step windows are in neither). The step
+timer (``samples_per_s``) ends before the loop's per-step statistics all-reduce; every
+summary also has ``wall_samples_per_s`` from the records' log times, which include it (and
+the wait for the slowest rank it implies). Links are reshaped between bandwidths; the namespaces are
 rebuilt per world size and removed on success, failure, Ctrl-C or SIGTERM.
 
 Prints one JSON object as its last line and writes it, with a PNG plot, to ``--out``.
@@ -45,6 +57,7 @@ from bench.netem_cluster import (
 from pretrain.outputs import metrics_path
 
 BERT_LARGE_PARAMS = 335_000_000  # BERT-Large with its MLM/NSP heads, about
+DEFAULT_OUTER_EVERY = 8
 WHY_COMM_BOUND = (
     "A LAMB step all-reduces every fp32 gradient: a ring moves 2(p-1)/p of the gradient "
     "through each rank's link per step. BERT-Large's ~1.34 GB gradient needs ~{large:.1f} s "
@@ -67,6 +80,12 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(metrics_path(run_dir)) if "step_seconds" in r]
 
 
+def _wall_step_seconds(records: list[dict]) -> list[float]:
+    """Seconds between consecutive records' log times: the whole loop per step, including
+    what ``step_seconds`` leaves out (the per-step statistics all-reduce, logging)."""
+    return [b["time"] - a["time"] for a, b in zip(records, records[1:], strict=False)]
+
+
 def summarize(records: list[dict], batch: int) -> dict:
     """Medians over the given step records (robust to a slow first step or a hiccup)."""
     if not records:
@@ -77,15 +96,77 @@ def summarize(records: list[dict], batch: int) -> dict:
         return statistics.median(values) if values else None
 
     step = med("step_seconds")
+    wall = _wall_step_seconds(records)
     return {
         "steps": len(records),
         "step_seconds": step,
         "samples_per_s": batch / step,
+        "wall_samples_per_s": batch / statistics.median(wall) if wall else None,
         "forward_backward_seconds": med("forward_backward_seconds"),
         "comm_seconds": med("comm_seconds"),
         "comm_fraction": statistics.median(r["comm_seconds"] / r["step_seconds"] for r in records),
         "counted_bytes_per_step": med("comm_bytes"),
         "wire_bytes_per_step": med("net_tx_bytes"),
+    }
+
+
+def round_window(records: list[dict], every: int) -> list[dict]:
+    """The records of the whole rounds after the first two (``every`` steps per round):
+    round 0 has nothing in flight and round 1's end is the first wait. Raises when a step
+    of the window has no record or no whole round is left."""
+    by_step = {r["step"]: r for r in records}
+    last = max(by_step, default=0) // every * every
+    steps = range(2 * every + 1, last + 1)
+    if not steps:
+        raise RuntimeError(
+            f"no whole round of {every} steps after the first two (run has {len(records)} steps)"
+        )
+    missing = [s for s in steps if s not in by_step]
+    if missing:
+        raise RuntimeError(f"steps {missing[:5]} of the measured rounds have no record")
+    return [by_step[s] for s in steps]
+
+
+def round_summary(records: list[dict], batch: int, every: int) -> dict:
+    """Means over whole rounds of a local-step run (see :func:`round_window`), not medians:
+    a median would hide the one step per round that sends. Samples/s is batch x steps over
+    the summed step seconds, bytes are per step over the window, comm_fraction is summed
+    comm seconds over summed step seconds; the outer steps' blocked wait and in-flight
+    time are averaged over the window's outer steps (None where the strategy never waits
+    in the background)."""
+    window = round_window(records, every)
+    n = len(window)
+    seconds = sum(r["step_seconds"] for r in window)
+    outer = [r for r in window if r["step"] % every == 0]
+    inner = [r for r in window if r["step"] % every]
+
+    def total(key):
+        values = [r[key] for r in window if key in r]
+        return sum(values) if len(values) == n else None
+
+    def mean(key, rows):
+        values = [r[key] for r in rows if key in r]
+        return statistics.fmean(values) if values else None
+
+    before = next((r for r in records if r["step"] == window[0]["step"] - 1), None)
+    wall = window[-1]["time"] - before["time"] if before and "time" in before else None
+    wire = total("net_tx_bytes")
+    return {
+        "steps": n,
+        "rounds": n // every,
+        "outer_every": every,
+        "step_seconds": seconds / n,
+        "samples_per_s": batch * n / seconds,
+        "wall_samples_per_s": batch * n / wall if wall else None,
+        "forward_backward_seconds": mean("forward_backward_seconds", window),
+        "comm_seconds": total("comm_seconds") / n,
+        "comm_fraction": total("comm_seconds") / seconds,
+        "counted_bytes_per_step": total("comm_bytes") / n,
+        "wire_bytes_per_step": None if wire is None else wire / n,
+        "inner_step_seconds": mean("step_seconds", inner),
+        "outer_step_seconds": mean("step_seconds", outer),
+        "outer_wait_seconds_mean": mean("outer_wait_seconds", outer),
+        "outer_in_flight_seconds": mean("outer_in_flight_seconds", outer),
     }
 
 
@@ -104,10 +185,18 @@ class SweepPoint:
     threads: int
     batch: int
 
-    def config(self, name: str, optimizer: str, steps: int, rank: int | None = None) -> Path:
+    def config(
+        self,
+        name: str,
+        optimizer: str,
+        steps: int,
+        rank: int | None = None,
+        strategy: dict | None = None,
+    ) -> Path:
         """Write the pretraining config ``<name>[rank].yaml`` and return its run folder. With
         ``rank``: a single-process run of one rank's batch; without: the distributed run of
-        the global batch, with ``eth0``'s sent bytes logged."""
+        the global batch, with ``eth0``'s sent bytes logged. ``strategy``: the config's
+        strategy section (default: the optimizer's own)."""
         from onebit_bert.config import from_dict, save_config
         from pretrain.config import PretrainConfig
 
@@ -128,6 +217,7 @@ class SweepPoint:
                 freeze_step=args.freeze_step,
                 stop_after=steps,
                 net_interface=None if per_rank else "eth0",
+                strategy=strategy,
             ),
         )
         path = self.folder / f"{name}{suffix}.yaml"
@@ -146,28 +236,66 @@ class SweepPoint:
         )
 
 
-def _measure_lamb(point: SweepPoint) -> dict:
+def _measure_data_parallel(point: SweepPoint, name: str) -> dict:
+    """LAMB or AdamW with the gradient all-reduce every step: medians after the warmup
+    steps."""
     args = point.args
     warm = args.warmup_steps
-    lamb_dir = point.config("lamb", "lamb", warm + args.steps)
-    point.run_distributed("lamb")
-    return summarize(step_records(lamb_dir)[warm:], point.batch)
+    run_dir = point.config(name, name, warm + args.steps)
+    point.run_distributed(name)
+    return summarize(step_records(run_dir)[warm:], point.batch)
 
 
-def _measure_onebit(point: SweepPoint) -> tuple[dict, dict]:
-    """The warmup stage's and the compression stage's summaries (first step of each
-    skipped)."""
+def _measure_onebit(point: SweepPoint, name: str = "onebit_lamb") -> dict:
+    """The compression stage's summary, with the warmup stage's under ``warmup`` (first
+    step of each skipped)."""
     args = point.args
     onebit_dir = point.config("onebit", "onebit_lamb", args.freeze_step + 1 + args.steps)
     point.run_distributed("onebit")
     records = step_records(onebit_dir)
     warmup_records = [r for r in records if r["stage"] == "warmup"][1:]
     compression_records = [r for r in records if r["stage"] == "compression"][1:]
-    return summarize(warmup_records, point.batch), summarize(compression_records, point.batch)
+    return {
+        **summarize(compression_records, point.batch),
+        "warmup": summarize(warmup_records, point.batch),
+    }
 
 
-def _measure_compute_only(point: SweepPoint) -> float:
-    """Samples/s of the compute-only runs, summed over the hosts."""
+def local_steps_total(steps: int, every: int) -> int:
+    """Steps a local-step run takes: two unmeasured rounds, then ``steps`` rounded up to
+    whole rounds of ``every``."""
+    return 2 * every + -(-steps // every) * every
+
+
+def _measure_local_steps(point: SweepPoint, name: str) -> dict:
+    """co2, slowmo or local_sgd with inner LAMB, an outer step every ``--outer-every``
+    steps: means over whole rounds (:func:`round_summary`)."""
+    every = point.args.outer_every
+    run_dir = point.config(
+        name,
+        "lamb",
+        local_steps_total(point.args.steps, every),
+        strategy={"name": name, "outer_every": every},
+    )
+    point.run_distributed(name)
+    return round_summary(step_records(run_dir), point.batch, every)
+
+
+MEASURE = {
+    "lamb": _measure_data_parallel,
+    "onebit_lamb": _measure_onebit,
+    "adamw": _measure_data_parallel,
+    "co2": _measure_local_steps,
+    "slowmo": _measure_local_steps,
+    "local_sgd": _measure_local_steps,
+}
+STRATEGIES = tuple(MEASURE)
+LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd")
+
+
+def _measure_compute_only(point: SweepPoint) -> dict:
+    """Samples/s of the compute-only runs, summed over the hosts: from the step timer
+    (``samples_per_s``) and from the log times (``wall_samples_per_s``)."""
     args = point.args
     world = point.cluster.hosts
     warm = args.warmup_steps
@@ -180,16 +308,73 @@ def _measure_compute_only(point: SweepPoint) -> float:
         args.run_timeout,
     )
     per_process = [summarize(step_records(d)[warm:], args.batch) for d in dirs]
-    return sum(p["samples_per_s"] for p in per_process)
+    walls = [p["wall_samples_per_s"] for p in per_process]
+    return {
+        "samples_per_s": sum(p["samples_per_s"] for p in per_process),
+        "wall_samples_per_s": sum(walls) if all(walls) else None,
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def _bytes_per_step(run: dict) -> dict:
     """Wire and counted bytes per step, and their ratio (None when either is missing)."""
     wire, counted = run["wire_bytes_per_step"], run["counted_bytes_per_step"]
+    return {"wire": wire, "counted": counted, "wire_over_counted": _ratio(wire, counted)}
+
+
+def _lamb_onebit_keys(runs: dict[str, dict], compute_only: float) -> dict:
+    """The row's LAMB and 1-bit LAMB keys, for the strategies that were measured."""
+    keys = {}
+    lamb, onebit = runs.get("lamb"), runs.get("onebit_lamb")
+    if lamb:
+        keys.update(
+            lamb_samples_per_s=lamb["samples_per_s"],
+            lamb_comm_fraction=lamb["comm_fraction"],
+            lamb_bytes_per_step=_bytes_per_step(lamb),
+        )
+    if onebit:
+        keys.update(
+            onebit_warmup_samples_per_s=onebit["warmup"]["samples_per_s"],
+            onebit_samples_per_s=onebit["samples_per_s"],
+            onebit_comm_fraction=onebit["comm_fraction"],
+            onebit_vs_compute_only=onebit["samples_per_s"] / compute_only,
+            onebit_warmup_bytes_per_step=_bytes_per_step(onebit["warmup"]),
+            onebit_bytes_per_step=_bytes_per_step(onebit),
+        )
+    if lamb and onebit:
+        keys.update(
+            speedup=onebit["samples_per_s"] / lamb["samples_per_s"],
+            bytes_ratio=_ratio(lamb["wire_bytes_per_step"], onebit["wire_bytes_per_step"]),
+            counted_bytes_ratio=_ratio(
+                lamb["counted_bytes_per_step"], onebit["counted_bytes_per_step"]
+            ),
+        )
+    return keys
+
+
+def result_row(point: dict, runs: dict[str, dict], compute_only: dict) -> dict:
+    """One sweep point's row: ``point`` (bandwidth, world size, ...), the compute-only
+    samples/s, the LAMB/1-bit LAMB keys, and ``runs`` (one summary per strategy) with each
+    strategy's samples/s over compute-only (``vs_compute_only``; ``wall_vs_compute_only``
+    from the log times) and, where LAMB was measured, LAMB's counted bytes per step over the
+    strategy's (``counted_bytes_vs_lamb``)."""
+    lamb_bytes = runs["lamb"]["counted_bytes_per_step"] if "lamb" in runs else None
+    for run in runs.values():
+        run["vs_compute_only"] = run["samples_per_s"] / compute_only["samples_per_s"]
+        run["wall_vs_compute_only"] = _ratio(
+            run.get("wall_samples_per_s"), compute_only["wall_samples_per_s"]
+        )
+        if lamb_bytes is not None:
+            run["counted_bytes_vs_lamb"] = _ratio(lamb_bytes, run["counted_bytes_per_step"])
     return {
-        "wire": wire,
-        "counted": counted,
-        "wire_over_counted": wire / counted if wire and counted else None,
+        **point,
+        "compute_only_samples_per_s": compute_only["samples_per_s"],
+        "compute_only_wall_samples_per_s": compute_only["wall_samples_per_s"],
+        **_lamb_onebit_keys(runs, compute_only["samples_per_s"]),
+        "runs": runs,
     }
 
 
@@ -199,9 +384,10 @@ def measure(
     work: Path,
     args: argparse.Namespace,
     bandwidth: float,
+    strategies: list[str],
 ) -> dict:
-    """Shape ``cluster`` to ``bandwidth`` Mbit/s and measure LAMB, 1-bit LAMB and the
-    compute-only runs there: one result row."""
+    """Shape ``cluster`` to ``bandwidth`` Mbit/s and measure each of ``strategies``, then
+    the compute-only runs there: one result row."""
     world = cluster.hosts
     point = SweepPoint(
         cluster,
@@ -212,29 +398,15 @@ def measure(
         batch=args.batch * world,
     )
     cluster.shape(bandwidth)
-    lamb = _measure_lamb(point)
-    onebit_warmup, onebit = _measure_onebit(point)
+    runs = {name: MEASURE[name](point, name) for name in strategies}
     compute_only = _measure_compute_only(point)
-    return {
+    info = {
         "bandwidth_mbit": bandwidth,
         "world_size": world,
         "threads_per_rank": point.threads,
         "global_batch": point.batch,
-        "lamb_samples_per_s": lamb["samples_per_s"],
-        "onebit_warmup_samples_per_s": onebit_warmup["samples_per_s"],
-        "onebit_samples_per_s": onebit["samples_per_s"],
-        "compute_only_samples_per_s": compute_only,
-        "lamb_comm_fraction": lamb["comm_fraction"],
-        "onebit_comm_fraction": onebit["comm_fraction"],
-        "speedup": onebit["samples_per_s"] / lamb["samples_per_s"],
-        "onebit_vs_compute_only": onebit["samples_per_s"] / compute_only,
-        "lamb_bytes_per_step": _bytes_per_step(lamb),
-        "onebit_warmup_bytes_per_step": _bytes_per_step(onebit_warmup),
-        "onebit_bytes_per_step": _bytes_per_step(onebit),
-        "bytes_ratio": lamb["wire_bytes_per_step"] / onebit["wire_bytes_per_step"],
-        "counted_bytes_ratio": lamb["counted_bytes_per_step"] / onebit["counted_bytes_per_step"],
-        "runs": {"lamb": lamb, "onebit_warmup": onebit_warmup, "onebit": onebit},
     }
+    return result_row(info, runs, compute_only)
 
 
 def whole_run_steps(config: Path) -> tuple[int, int]:
@@ -261,11 +433,50 @@ def whole_run_reduction(result: dict, config: Path, steps: int, freeze: int) -> 
 
 
 def _bandwidth_label(row: dict) -> str:
+    """The bandwidth, LAMB's share of the step spent communicating and 1-bit LAMB's speedup
+    (where measured): one x tick label."""
     mbit = row["bandwidth_mbit"]
-    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+    label = f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+    if "lamb_comm_fraction" in row:
+        label += f"\nLAMB comm {row['lamb_comm_fraction']:.0%}"
+    if "speedup" in row:
+        label += f"\n1-bit {row['speedup']:.1f}x"
+    return label
+
+
+STRATEGY_LABELS = {
+    "lamb": "LAMB",
+    "onebit_lamb": "1-bit LAMB compression",
+    "adamw": "AdamW",
+    "co2": "CO2",
+    "slowmo": "SlowMo",
+    "local_sgd": "local SGD",
+}
+
+
+def plot_series(row: dict) -> list[tuple[str, tuple[str, ...]]]:
+    """The bars of one row, in the order measured: (label, key path into the row); 1-bit
+    LAMB as its warmup and its compression stage, compute-only last."""
+    series = []
+    for name, run in row["runs"].items():
+        if name == "onebit_lamb":
+            series.append(("1-bit LAMB warmup", ("runs", name, "warmup", "samples_per_s")))
+        label = STRATEGY_LABELS[name]
+        if "outer_every" in run:
+            label += f" (tau {run['outer_every']})"
+        series.append((label, ("runs", name, "samples_per_s")))
+    series.append(("compute only", ("compute_only_samples_per_s",)))
+    return series
+
+
+def _lookup(row: dict, keys: tuple[str, ...]) -> float:
+    for key in keys:
+        row = row[key]
+    return row
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Bars of samples/s per strategy per bandwidth, one panel per world size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,28 +484,16 @@ def plot(results: list[dict], path: Path) -> None:
 
     worlds = sorted({r["world_size"] for r in results})
     fig, axes = plt.subplots(1, len(worlds), figsize=(7 * len(worlds), 4.8), squeeze=False)
-    series = [
-        ("lamb_samples_per_s", "LAMB"),
-        ("onebit_warmup_samples_per_s", "1-bit LAMB warmup"),
-        ("onebit_samples_per_s", "1-bit LAMB compression"),
-        ("compute_only_samples_per_s", "compute only"),
-    ]
     for ax, world in zip(axes[0], worlds, strict=True):
         rows = sorted((r for r in results if r["world_size"] == world),
                       key=lambda r: r["bandwidth_mbit"])  # fmt: skip
+        series = plot_series(rows[0])
         width = 0.8 / len(series)
-        for k, (key, label) in enumerate(series):
-            xs = [i + (k - 1.5) * width for i in range(len(rows))]
-            ax.bar(xs, [r[key] for r in rows], width, label=label)
+        for k, (label, keys) in enumerate(series):
+            xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))]
+            ax.bar(xs, [_lookup(r, keys) for r in rows], width, label=label)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(
-            [
-                _bandwidth_label(r) + f"\nLAMB comm {r['lamb_comm_fraction']:.0%}"
-                f"\n1-bit {r['speedup']:.1f}x"
-                for r in rows
-            ],  # fmt: skip
-            fontsize=8,
-        )
+        ax.set_xticklabels([_bandwidth_label(r) for r in rows], fontsize=8)
         ax.set_ylabel("samples/s")
         ax.set_title(f"{world} hosts: samples/s by link bandwidth")
         ax.legend(fontsize=8)
@@ -320,6 +519,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", type=Path, help="prepared shard folder (skips preparation)")
     parser.add_argument("--bandwidths", default="25,40,100,1000,10000", help="Mbit/s, comma list")
     parser.add_argument("--world-sizes", default="2,4", help="hosts, comma list")
+    parser.add_argument(
+        "--strategies",
+        default="lamb,onebit_lamb",
+        help=f"comma list of {', '.join(STRATEGIES)} (co2, slowmo and local_sgd step LAMB "
+        "locally with LAMB's learning rate)",
+    )
+    parser.add_argument(
+        "--outer-every",
+        type=int,
+        default=DEFAULT_OUTER_EVERY,
+        help="tau of co2, slowmo and local_sgd: local steps per round, one parameter "
+        "all-reduce per round",
+    )
     parser.add_argument("--model", default="bert-mini")
     parser.add_argument("--batch", type=int, default=64, help="sequences per rank per step")
     parser.add_argument(
@@ -348,14 +560,32 @@ class SweepPlan:
 
     bandwidths: list[float]
     worlds: list[int]
+    strategies: list[str]
     data_root: Path | None  # None when --data names prepared shards
     run_steps: tuple[int, int]
+
+
+def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The checked ``--strategies`` (and ``--outer-every``); exits through ``parser``."""
+    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or not names:
+        parser.error(
+            f"--strategies: unknown {', '.join(map(repr, unknown)) or '(empty list)'}; "
+            f"choose from {', '.join(STRATEGIES)}"
+        )
+    if len(set(names)) < len(names):
+        parser.error(f"--strategies: each name once (got {args.strategies})")
+    if args.outer_every < 1:
+        parser.error("--outer-every must be >= 1")
+    return names
 
 
 def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPlan:
     """Check the arguments, root and the data; exits through ``parser`` on a problem."""
     bandwidths = [float(b) for b in args.bandwidths.split(",")]
     worlds = [int(w) for w in args.world_sizes.split(",")]
+    strategies = _strategies(parser, args)
     if min(worlds) < 2 or max(worlds) > 250:
         parser.error("--world-sizes: each between 2 and 250")
     if min(bandwidths) <= 0:
@@ -382,7 +612,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPla
         run_steps = whole_run_steps(args.whole_run_config)
     except (OSError, ValueError) as exc:
         parser.error(f"--whole-run-config {args.whole_run_config}: {exc}")
-    return SweepPlan(bandwidths, worlds, data_root, run_steps)
+    return SweepPlan(bandwidths, worlds, strategies, data_root, run_steps)
 
 
 def _sweep(args: argparse.Namespace, plan: SweepPlan) -> tuple[list[dict], int, int]:
@@ -395,7 +625,7 @@ def _sweep(args: argparse.Namespace, plan: SweepPlan) -> tuple[list[dict], int, 
         for world in plan.worlds:
             with Cluster(world, mtu=args.mtu) as cluster:
                 for bandwidth in plan.bandwidths:
-                    results.append(measure(cluster, data, work, args, bandwidth))
+                    results.append(measure(cluster, data, work, args, bandwidth, plan.strategies))
                     print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}),
                           file=sys.stderr, flush=True)  # fmt: skip
         if args.keep:
@@ -408,15 +638,19 @@ def _sweep(args: argparse.Namespace, plan: SweepPlan) -> tuple[list[dict], int, 
 def _summary(
     args: argparse.Namespace, plan: SweepPlan, results: list[dict], params: int, seq_length: int
 ) -> dict:
+    """The benchmark's JSON: settings, the why-communication-bound note, the whole-run
+    reduction (when LAMB and 1-bit LAMB were both measured) and the result rows."""
     threads = results[0]["threads_per_rank"]
     large = 2 * BERT_LARGE_PARAMS * 4 * 8 / 10e9  # seconds of ring all-reduce at 10 Gbit/s
-    return {
+    summary = {
         "model": args.model,
         "parameters": params,
         "seq_length": seq_length,
         "batch_per_rank": args.batch,
         "micro_batch": min(args.micro_batch, args.batch),
         "freeze_step": args.freeze_step,
+        "strategies": plan.strategies,
+        "outer_every": args.outer_every,
         "mtu": args.mtu,
         "why_communication_bound": WHY_COMM_BOUND.format(
             large=large,
@@ -428,13 +662,15 @@ def _summary(
             seq_length=seq_length,
             threads=threads,
         ),
-        "whole_run": {
+    }
+    if {"lamb", "onebit_lamb"} <= set(plan.strategies):
+        summary["whole_run"] = {
             str(r["world_size"]): whole_run_reduction(r, args.whole_run_config, *plan.run_steps)
             for r in results
             if r["bandwidth_mbit"] == plan.bandwidths[0]
-        },
-        "results": results,
-    }
+        }
+    summary["results"] = results
+    return summary
 
 
 def main(argv=None) -> dict:

@@ -1,6 +1,7 @@
-"""The emulated-cluster benchmark, as a 2-host, 2-step smoke (root only): it builds the
-namespaces, runs LAMB, 1-bit LAMB and the compute-only runs through the real pretraining
-stage, reports consistent numbers, and leaves no namespace or bridge behind."""
+"""The emulated-cluster benchmark: the whole-round averaging of local-step runs and the
+argument checks, and a 2-host, 2-step smoke (root only): it builds the namespaces, runs
+LAMB, 1-bit LAMB, CO2 and the compute-only runs through the real pretraining stage, reports
+consistent numbers, and leaves no namespace or bridge behind."""
 
 from __future__ import annotations
 
@@ -28,6 +29,98 @@ def _netns_names() -> set[str]:
 def _links() -> set[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line}
+
+
+def _local_step_records(rounds: int, every: int) -> list[dict]:
+    """A co2-like log: inner steps of 1 s; each outer step (every ``every``-th) takes 4 s,
+    of which 3 s of blocked wait from the second round on, and launches 300 bytes; the
+    statistics all-reduce and logging add 0.5 s per step outside ``step_seconds``."""
+    records, now = [], 100.0
+    for step in range(1, rounds * every + 1):
+        outer = step % every == 0
+        waits = outer and step > every
+        record = {
+            "step": step,
+            "step_seconds": 4.0 if outer else 1.0,
+            "forward_backward_seconds": 0.9,
+            "comm_seconds": 3.0 if waits else 0.0,
+            "comm_bytes": 300 if outer else 0,
+            "net_tx_bytes": 330 if outer else 10,
+            "stage": "local",
+        }
+        if step > every:  # the trainer logs the last wait from the first one on
+            record["outer_wait_seconds"] = 3.0 if waits else 0.0
+            record["outer_in_flight_seconds"] = 7.0
+        now += record["step_seconds"] + 0.5
+        records.append({**record, "time": now})
+    return records
+
+
+def test_round_summary_means_over_whole_rounds_after_the_first_two():
+    records = _local_step_records(rounds=4, every=3)
+    summary = netem.round_summary(records, batch=8, every=3)
+    # steps 7..12: two rounds of 1 + 1 + 4 seconds (a median would say 1 s)
+    assert (summary["steps"], summary["rounds"], summary["outer_every"]) == (6, 2, 3)
+    assert summary["samples_per_s"] == pytest.approx(8 * 6 / 12)
+    assert summary["wall_samples_per_s"] == pytest.approx(8 * 6 / 15)
+    assert summary["comm_fraction"] == pytest.approx(6 / 12)
+    assert summary["counted_bytes_per_step"] == pytest.approx(600 / 6)
+    assert summary["wire_bytes_per_step"] == pytest.approx((2 * 330 + 4 * 10) / 6)
+    assert summary["outer_wait_seconds_mean"] == pytest.approx(3.0)
+    assert summary["outer_in_flight_seconds"] == pytest.approx(7.0)
+    assert (summary["inner_step_seconds"], summary["outer_step_seconds"]) == (1.0, 4.0)
+
+
+def test_round_summary_drops_a_partial_last_round_and_needs_a_whole_one():
+    records = _local_step_records(rounds=4, every=3)
+    partial = netem.round_summary(records[:-1], batch=8, every=3)
+    assert (partial["steps"], partial["rounds"]) == (3, 1)
+    with pytest.raises(RuntimeError, match="no whole round"):
+        netem.round_summary(records[:8], batch=8, every=3)
+    with pytest.raises(RuntimeError, match=r"steps \[8\]"):
+        netem.round_summary(records[:7] + records[8:], batch=8, every=3)
+    # a synchronous strategy never waits in the background
+    sync = [{k: v for k, v in r.items() if not k.startswith("outer_")} for r in records]
+    assert netem.round_summary(sync, batch=8, every=3)["outer_wait_seconds_mean"] is None
+
+
+def test_local_step_runs_take_two_rounds_plus_whole_measured_rounds():
+    assert netem.local_steps_total(4, 8) == 24
+    assert netem.local_steps_total(4, 2) == 8
+    assert netem.local_steps_total(5, 2) == 10
+
+
+def test_result_row_relates_every_strategy_to_compute_only_and_lamb():
+    lamb = {"samples_per_s": 10.0, "wall_samples_per_s": 9.0, "comm_fraction": 0.8,
+            "counted_bytes_per_step": 800.0, "wire_bytes_per_step": 850.0}  # fmt: skip
+    co2 = {**lamb, "samples_per_s": 38.0, "counted_bytes_per_step": 100.0, "outer_every": 8}
+    compute = {"samples_per_s": 40.0, "wall_samples_per_s": 36.0}
+    row = netem.result_row({"bandwidth_mbit": 25, "world_size": 4}, {"lamb": lamb, "co2": co2},
+                           compute)  # fmt: skip
+    assert row["compute_only_samples_per_s"] == 40.0 and row["lamb_samples_per_s"] == 10.0
+    assert "onebit_samples_per_s" not in row and "speedup" not in row
+    assert row["runs"]["co2"]["vs_compute_only"] == pytest.approx(0.95)
+    assert row["runs"]["co2"]["wall_vs_compute_only"] == pytest.approx(0.25)
+    assert row["runs"]["co2"]["counted_bytes_vs_lamb"] == pytest.approx(8.0)
+    assert row["runs"]["lamb"]["counted_bytes_vs_lamb"] == pytest.approx(1.0)
+    labels = [label for label, _ in netem.plot_series(row)]
+    assert labels == ["LAMB", "CO2 (tau 8)", "compute only"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategies", "lamb,co3"], "--strategies: unknown 'co3'; choose from lamb, "),
+        (["--strategies", ","], "--strategies: unknown (empty list)"),
+        (["--strategies", "co2,co2"], "--strategies: each name once"),
+        (["--strategies", "co2", "--outer-every", "0"], "--outer-every must be >= 1"),
+    ],
+)
+def test_strategy_arguments_are_checked_first(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        netem.main([*argv, "--data", "/nonexistent"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_without_root_it_says_so_and_exits(monkeypatch, capsys):
@@ -63,6 +156,10 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
             "1",
             "--freeze-step",
             "2",
+            "--strategies",
+            "lamb,onebit_lamb,co2",
+            "--outer-every",
+            "2",
             "--out",
             str(out),
         ],
@@ -86,6 +183,13 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     assert row["bytes_ratio"] > 5 and row["counted_bytes_ratio"] > 5
     for run in ("lamb_bytes_per_step", "onebit_bytes_per_step"):
         assert 0.95 < row[run]["wire_over_counted"] < 1.25, row[run]
+    # CO2: one parameter all-reduce per round of 2 steps, so half LAMB's counted bytes
+    assert set(row["runs"]) == {"lamb", "onebit_lamb", "co2"}
+    co2 = row["runs"]["co2"]
+    assert (co2["steps"], co2["rounds"], co2["outer_every"]) == (2, 1, 2)
+    assert co2["counted_bytes_vs_lamb"] == pytest.approx(2.0, rel=0.01)
+    assert co2["samples_per_s"] > 0 and co2["vs_compute_only"] > 0
+    assert co2["outer_wait_seconds_mean"] >= 0 and co2["outer_in_flight_seconds"] > 0
     whole = summary["whole_run"]["2"]
     assert whole["max_steps"] > whole["freeze_step"] > 0 and whole["reduction"] > 1
     assert _netns_names() == before_ns and _links() == before_links
