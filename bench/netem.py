@@ -58,6 +58,10 @@ from pretrain.outputs import metrics_path
 
 BERT_LARGE_PARAMS = 335_000_000  # BERT-Large with its MLM/NSP heads, about
 DEFAULT_OUTER_EVERY = 8
+"""tau of the local-step strategies. At 25 Mbit/s on 4 hosts bert-mini's parameter average
+(a ring all-reduce of 45 MB) is in flight about 22 s, two compute steps of about 10 s on 2
+cores: a round of 8 steps leaves CO2 nothing to wait for, with room for slower steps, and
+sends LAMB's bytes per step / 8."""
 WHY_COMM_BOUND = (
     "A LAMB step all-reduces every fp32 gradient: a ring moves 2(p-1)/p of the gradient "
     "through each rank's link per step. BERT-Large's ~1.34 GB gradient needs ~{large:.1f} s "
