@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import netem
+from bench import netem, netem_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,6 +105,13 @@ def test_result_row_relates_every_strategy_to_compute_only_and_lamb():
     assert row["runs"]["lamb"]["counted_bytes_vs_lamb"] == pytest.approx(1.0)
     labels = [label for label, _ in netem.plot_series(row)]
     assert labels == ["LAMB", "CO2 (tau 8)", "compute only"]
+
+
+def test_slow_links_send_single_frames_and_fast_ones_whole_gso_packets():
+    assert netem_cluster.gso_segments(25, 9000) == 1
+    assert netem_cluster.gso_segments(100, 9000) == 1
+    assert netem_cluster.gso_segments(1000, 9000) >= 7  # 64 KB: no cap
+    assert netem_cluster.gso_segments(1000, 1500) == 83
 
 
 @pytest.mark.parametrize(
