@@ -158,8 +158,8 @@ class Strategy:
 
     def shared_model_state(self) -> dict:
         """The weights a checkpoint keeps as *the* model (what ``init_from`` and
-        fine-tuning start from): the evaluation model's."""
-        return self.model.state_dict()
+        fine-tuning start from): the evaluation model's (collective where that is)."""
+        return self.eval_model().state_dict()
 
     def identity(self) -> dict:
         """What wrote a checkpoint: this strategy's name and its optimizer's class."""

@@ -52,7 +52,6 @@ parameters and momentum per rank; a resume on another number of ranks is refused
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -63,7 +62,7 @@ from onebit_bert.distributed.topology import Mixing, check_topology, mixing_at
 from onebit_bert.optim import defaults
 from onebit_bert.optim.lamb import trust_ratios
 from onebit_bert.strategies.base import Strategy, StrategyConfig
-from onebit_bert.strategies.flat import FlatParams
+from onebit_bert.strategies.flat import AverageModel, FlatParams
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +129,7 @@ class Decentralized(Strategy):
         """Steps taken: the time index k of a time-varying graph."""
         self._x, self._y, self._mixed, self._recv = (self.flat.empty() for _ in range(4))
         self._mean_key: int | None = None  # self._recv holds the average of this step
-        self._eval: nn.Module | None = None
-        self._eval_key: int | None = None
+        self._eval = AverageModel(model, self.flat)
         self.last_trust_ratios: torch.Tensor | None = None
         self.consensus_distance: float | None = None
         self.consensus_step: int | None = None
@@ -285,19 +283,10 @@ class Decentralized(Strategy):
         """The average of the ranks' models (collective: every rank must call it)."""
         if self.ctx.world_size == 1:
             return self.model
-        if self._eval_key == self.steps and self._eval is not None:
-            return self._eval
-        mean = self._average()
-        if self._eval is None:
-            self._eval = copy.deepcopy(self.model)
-            self._eval.requires_grad_(False)
-        pairs = zip(self._eval.parameters(), self.model.parameters(), strict=True)
-        self.flat.write(mean, [copy_ for copy_, p in pairs if p.requires_grad])
-        self._eval_key = self.steps
-        return self._eval
-
-    def shared_model_state(self) -> dict:
-        return self.eval_model().state_dict()
+        cached = self._eval.current(self.steps)
+        if cached is not None:
+            return cached
+        return self._eval.set(self._average(), self.steps)
 
     def state_dict(self) -> tuple[dict, dict]:
         state = {
@@ -339,7 +328,8 @@ class Decentralized(Strategy):
             self.flat.write(per_rank["params"])
         self.optimizer.load_state_dict(shared["optimizer"])
         self.steps = state["steps"]
-        self._mean_key = self._eval_key = None
+        self._mean_key = None
+        self._eval.forget()
         if per_rank is not None:
             self.momentum.copy_(per_rank["momentum"])
         else:

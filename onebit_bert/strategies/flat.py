@@ -3,6 +3,8 @@ update the whole model at once (local steps, decentralised training)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -56,3 +58,32 @@ class FlatParams:
         """A per-tensor value repeated over that tensor's elements."""
         sizes = torch.tensor(self.sizes, device=per_tensor.device)
         return per_tensor.repeat_interleave(sizes)
+
+
+class AverageModel:
+    """A frozen copy of a model whose trained parameters are set from a flat vector (the
+    ranks' average), kept until the key it was made for changes."""
+
+    def __init__(self, model: nn.Module, flat: FlatParams):
+        self.model = model
+        self.flat = flat
+        self.copy: nn.Module | None = None
+        self.key: int | None = None
+
+    def current(self, key: int) -> nn.Module | None:
+        """The copy made for ``key``, or None."""
+        return self.copy if self.copy is not None and self.key == key else None
+
+    def set(self, mean: torch.Tensor, key: int) -> nn.Module:
+        """The copy with its trained parameters set from ``mean``, made for ``key``."""
+        if self.copy is None:
+            self.copy = copy.deepcopy(self.model)
+            self.copy.requires_grad_(False)
+        pairs = zip(self.copy.parameters(), self.model.parameters(), strict=True)
+        self.flat.write(mean, [c for c, p in pairs if p.requires_grad])
+        self.key = key
+        return self.copy
+
+    def forget(self) -> None:
+        """Make the next :meth:`current` miss (after a state change)."""
+        self.key = None

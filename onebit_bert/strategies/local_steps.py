@@ -47,7 +47,6 @@ step modulo ``outer_every``.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -56,6 +55,7 @@ from torch import nn
 from onebit_bert.distributed.comm import AsyncAllReduce
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import Strategy, StrategyConfig
+from onebit_bert.strategies.flat import AverageModel
 from onebit_bert.strategies.flat import FlatParams as _FlatParams
 
 log = logging.getLogger(__name__)
@@ -148,8 +148,7 @@ class LocalSteps(Strategy):
         self.last_lr: float | None = None
         self.at_round_end = False  # no inner step since the last outer step
         self.inner_steps = 0
-        self._eval: nn.Module | None = None
-        self._eval_key: int | None = None
+        self._eval = AverageModel(model, self.flat)
         # figures for the log
         self.last_wait = 0.0
         self.total_wait = 0.0
@@ -249,8 +248,9 @@ class LocalSteps(Strategy):
     def eval_model(self) -> nn.Module:
         """The average over ranks of the models after the last inner step (collective
         within a round: every rank must call it)."""
-        if self._eval_key == self.inner_steps and self._eval is not None:
-            return self._eval
+        cached = self._eval.current(self.inner_steps)
+        if cached is not None:
+            return cached
         self.drain()
         if self.at_round_end and self.has_average:
             mean = self.average
@@ -258,16 +258,7 @@ class LocalSteps(Strategy):
             mean = self.flat.read()
             with self.comm.traffic("parameters"):
                 self.comm.all_reduce(mean, op="avg")
-        if self._eval is None:
-            self._eval = copy.deepcopy(self.model)
-            self._eval.requires_grad_(False)
-        pairs = zip(self._eval.parameters(), self.model.parameters(), strict=True)
-        self.flat.write(mean, [copy_ for copy_, p in pairs if p.requires_grad])
-        self._eval_key = self.inner_steps
-        return self._eval
-
-    def shared_model_state(self) -> dict:
-        return self.eval_model().state_dict()
+        return self._eval.set(mean, self.inner_steps)
 
     def identity(self) -> dict:
         return {**super().identity(), "outer_every": self.every}
@@ -320,7 +311,7 @@ class LocalSteps(Strategy):
         self.at_round_end = outer["at_round_end"]
         self.last_lr = outer["last_lr"]
         self.inner_steps = outer["inner_steps"]
-        self._eval_key = None
+        self._eval.forget()
         if self.asynchronous and self.anchor is not None and self.previous_anchor is None:
             self.previous_anchor = self.anchor.clone()
         if per_rank is not None:
