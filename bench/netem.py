@@ -15,6 +15,9 @@ one gloo process per host, once per strategy of ``--strategies`` (default
   next round. Means over whole rounds, the first two skipped (round 0 has nothing in
   flight, round 1's end is the first wait): a median would hide the one step per round
   that sends (:func:`round_summary`);
+* decentlam, dmsgd: momentum SGD on each rank and every step one parameter vector sent to
+  each neighbour of each graph of ``--topologies`` (default one-peer exponential and ring),
+  point to point; a runs entry ``<strategy>/<topology>`` per graph (medians, as LAMB's);
 
 and a compute-only run: the same per-rank work (model, micro-batch, a LAMB update) in N
 independent single-process runs started together, so they share the CPU exactly as the N
@@ -285,16 +288,50 @@ def _measure_local_steps(point: SweepPoint, name: str) -> dict:
     return round_summary(step_records(run_dir), point.batch, every)
 
 
+def _measure_decentralized(point: SweepPoint, name: str) -> dict[str, dict]:
+    """decentlam or dmsgd (momentum SGD, no layerwise scaling) on each graph of
+    ``--topologies``: one entry ``<name>/<topology>`` each, medians after the warmup steps
+    (every step sends the same). The consensus distance is not measured (it costs one
+    parameter all-reduce per ``consensus_every`` steps, a diagnostic, not the method)."""
+    args = point.args
+    warm = args.warmup_steps
+    entries = {}
+    for topology in args.topologies.split(","):
+        run = f"{name}_{topology}"
+        run_dir = point.config(
+            run,
+            "sgd",
+            warm + args.steps,
+            strategy={"name": name, "topology": topology, "consensus_every": 0},
+        )
+        point.run_distributed(run)
+        entries[f"{name}/{topology}"] = {
+            **summarize(step_records(run_dir)[warm:], point.batch),
+            "topology": topology,
+        }
+    return entries
+
+
+def _single(measure):
+    """A measure of one runs entry, named as its strategy."""
+    return lambda point, name: {name: measure(point, name)}
+
+
 MEASURE = {
-    "lamb": _measure_data_parallel,
-    "onebit_lamb": _measure_onebit,
-    "adamw": _measure_data_parallel,
-    "co2": _measure_local_steps,
-    "slowmo": _measure_local_steps,
-    "local_sgd": _measure_local_steps,
+    "lamb": _single(_measure_data_parallel),
+    "onebit_lamb": _single(_measure_onebit),
+    "adamw": _single(_measure_data_parallel),
+    "co2": _single(_measure_local_steps),
+    "slowmo": _single(_measure_local_steps),
+    "local_sgd": _single(_measure_local_steps),
+    "decentlam": _measure_decentralized,
+    "dmsgd": _measure_decentralized,
 }
+"""Strategy name -> measure(point, name) -> {runs entry name: summary}."""
 STRATEGIES = tuple(MEASURE)
 LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd")
+DECENTRALIZED_STRATEGIES = ("decentlam", "dmsgd")
+DEFAULT_TOPOLOGIES = "one_peer_exponential,ring"
 
 
 def _measure_compute_only(point: SweepPoint) -> dict:
@@ -402,7 +439,9 @@ def measure(
         batch=args.batch * world,
     )
     cluster.shape(bandwidth)
-    runs = {name: MEASURE[name](point, name) for name in strategies}
+    runs = {}
+    for name in strategies:
+        runs.update(MEASURE[name](point, name))
     compute_only = _measure_compute_only(point)
     info = {
         "bandwidth_mbit": bandwidth,
@@ -455,7 +494,10 @@ STRATEGY_LABELS = {
     "co2": "CO2",
     "slowmo": "SlowMo",
     "local_sgd": "local SGD",
+    "decentlam": "DecentLaM",
+    "dmsgd": "DmSGD",
 }
+TOPOLOGY_LABELS = {"one_peer_exponential": "one-peer exp.", "ring": "ring", "exponential": "exp."}
 
 
 def plot_series(row: dict) -> list[tuple[str, tuple[str, ...]]]:
@@ -465,7 +507,10 @@ def plot_series(row: dict) -> list[tuple[str, tuple[str, ...]]]:
     for name, run in row["runs"].items():
         if name == "onebit_lamb":
             series.append(("1-bit LAMB warmup", ("runs", name, "warmup", "samples_per_s")))
-        label = STRATEGY_LABELS[name]
+        strategy, _, topology = name.partition("/")
+        label = STRATEGY_LABELS[strategy]
+        if topology:
+            label += f" ({TOPOLOGY_LABELS.get(topology, topology)})"
         if "outer_every" in run:
             label += f" (tau {run['outer_every']})"
         series.append((label, ("runs", name, "samples_per_s")))
@@ -527,7 +572,8 @@ def _parser() -> argparse.ArgumentParser:
         "--strategies",
         default="lamb,onebit_lamb",
         help=f"comma list of {', '.join(STRATEGIES)} (co2, slowmo and local_sgd step LAMB "
-        "locally with LAMB's learning rate)",
+        "locally with LAMB's learning rate; decentlam and dmsgd step momentum SGD, once per "
+        "graph of --topologies)",
     )
     parser.add_argument(
         "--outer-every",
@@ -535,6 +581,12 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_OUTER_EVERY,
         help="tau of co2, slowmo and local_sgd: local steps per round, one parameter "
         "all-reduce per round",
+    )
+    parser.add_argument(
+        "--topologies",
+        default=DEFAULT_TOPOLOGIES,
+        help="graphs of decentlam and dmsgd, comma list of one_peer_exponential, ring, "
+        "exponential, full (one run of each strategy per graph)",
     )
     parser.add_argument("--model", default="bert-mini")
     parser.add_argument("--batch", type=int, default=64, help="sequences per rank per step")
@@ -582,6 +634,17 @@ def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error(f"--strategies: each name once (got {args.strategies})")
     if args.outer_every < 1:
         parser.error("--outer-every must be >= 1")
+    if set(names) & set(DECENTRALIZED_STRATEGIES):
+        from onebit_bert.distributed.topology import TOPOLOGIES
+
+        graphs = [t.strip() for t in args.topologies.split(",") if t.strip()]
+        bad = [t for t in graphs if t not in TOPOLOGIES]
+        if bad or not graphs or len(set(graphs)) < len(graphs):
+            parser.error(
+                f"--topologies: {args.topologies!r}; a comma list of distinct names from "
+                f"{', '.join(TOPOLOGIES)}"
+            )
+        args.topologies = ",".join(graphs)
     return names
 
 
@@ -592,6 +655,15 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPla
     strategies = _strategies(parser, args)
     if min(worlds) < 2 or max(worlds) > 250:
         parser.error("--world-sizes: each between 2 and 250")
+    if set(strategies) & set(DECENTRALIZED_STRATEGIES):
+        from onebit_bert.distributed.topology import check_topology
+
+        for topology in args.topologies.split(","):
+            for world in worlds:
+                try:
+                    check_topology(topology, world)
+                except ValueError as exc:
+                    parser.error(f"--topologies {topology} on {world} hosts: {exc}")
     if min(bandwidths) <= 0:
         parser.error("--bandwidths must be positive")
     if args.batch % min(args.micro_batch, args.batch):
@@ -655,6 +727,7 @@ def _summary(
         "freeze_step": args.freeze_step,
         "strategies": plan.strategies,
         "outer_every": args.outer_every,
+        "topologies": args.topologies.split(","),
         "mtu": args.mtu,
         "why_communication_bound": WHY_COMM_BOUND.format(
             large=large,

@@ -121,6 +121,13 @@ def test_slow_links_send_single_frames_and_fast_ones_whole_gso_packets():
         (["--strategies", ","], "--strategies: unknown (empty list)"),
         (["--strategies", "co2,co2"], "--strategies: each name once"),
         (["--strategies", "co2", "--outer-every", "0"], "--outer-every must be >= 1"),
+        (["--strategies", "decentlam", "--topologies", "ring,star"], "--topologies: 'ring,star'"),
+        (["--strategies", "dmsgd", "--topologies", "ring,ring"], "a comma list of distinct"),
+        (
+            ["--strategies", "decentlam", "--world-sizes", "3"],
+            "--topologies one_peer_exponential on 3 hosts: strategy.topology "
+            "one_peer_exponential needs a power-of-2 number of ranks",
+        ),
     ],
 )
 def test_strategy_arguments_are_checked_first(argv, message, capsys):
@@ -164,9 +171,11 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
             "--freeze-step",
             "2",
             "--strategies",
-            "lamb,onebit_lamb,co2",
+            "lamb,onebit_lamb,co2,decentlam",
             "--outer-every",
             "2",
+            "--topologies",
+            "ring",
             "--out",
             str(out),
         ],
@@ -191,12 +200,19 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     for run in ("lamb_bytes_per_step", "onebit_bytes_per_step"):
         assert 0.95 < row[run]["wire_over_counted"] < 1.25, row[run]
     # CO2: one parameter all-reduce per round of 2 steps, so half LAMB's counted bytes
-    assert set(row["runs"]) == {"lamb", "onebit_lamb", "co2"}
+    assert set(row["runs"]) == {"lamb", "onebit_lamb", "co2", "decentlam/ring"}
     co2 = row["runs"]["co2"]
     assert (co2["steps"], co2["rounds"], co2["outer_every"]) == (2, 1, 2)
     assert co2["counted_bytes_vs_lamb"] == pytest.approx(2.0, rel=0.01)
     assert co2["samples_per_s"] > 0 and co2["vs_compute_only"] > 0
     assert co2["outer_wait_seconds_mean"] >= 0 and co2["outer_in_flight_seconds"] > 0
+    # DecentLaM on a ring of two: one parameter vector to the one neighbour per step, what
+    # LAMB's counted gradient all-reduce is, and it crosses eth0
+    decentlam = row["runs"]["decentlam/ring"]
+    assert decentlam["topology"] == "ring" and decentlam["samples_per_s"] > 0
+    assert decentlam["counted_bytes_vs_lamb"] == pytest.approx(1.0, rel=0.02)
+    assert 0.95 < netem._bytes_per_step(decentlam)["wire_over_counted"] < 1.25, decentlam
+    assert summary["topologies"] == ["ring"]
     whole = summary["whole_run"]["2"]
     assert whole["max_steps"] > whole["freeze_step"] > 0 and whole["reduction"] > 1
     assert _netns_names() == before_ns and _links() == before_links
