@@ -26,12 +26,13 @@ def pretrain_config(
     stop_after: int | None = None,
     net_interface: str | None = None,
     strategy: dict | None = None,
+    momentum: float | None = None,
 ) -> dict:
     """The pretraining config every benchmark trains with: fp32, a constant learning rate
     (1e-4 for AdamW, 5e-3 for LAMB and 1-bit LAMB), no checkpoints, no wandb.
     ``stop_after`` stops there without the final validation and export; ``strategy`` is the
     config's ``strategy`` section (e.g. ``{"name": "co2", "outer_every": 8}``; default: the
-    optimizer's own)."""
+    optimizer's own); ``momentum``: ``optimizer.betas[0]`` (default: the optimizer's)."""
     cfg = {
         "run_dir": str(run_dir),
         "model": {"preset": model},
@@ -54,6 +55,8 @@ def pretrain_config(
         cfg["stop_after"] = stop_after
     if strategy is not None:
         cfg["strategy"] = dict(strategy)
+    if momentum is not None:
+        cfg["optimizer"]["betas"] = [momentum, 0.999]
     return cfg
 
 

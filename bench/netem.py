@@ -199,11 +199,12 @@ class SweepPoint:
         steps: int,
         rank: int | None = None,
         strategy: dict | None = None,
+        momentum: float | None = None,
     ) -> Path:
         """Write the pretraining config ``<name>[rank].yaml`` and return its run folder. With
         ``rank``: a single-process run of one rank's batch; without: the distributed run of
         the global batch, with ``eth0``'s sent bytes logged. ``strategy``: the config's
-        strategy section (default: the optimizer's own)."""
+        strategy section (default: the optimizer's own); ``momentum``: optimizer.betas[0]."""
         from onebit_bert.config import from_dict, save_config
         from pretrain.config import PretrainConfig
 
@@ -225,6 +226,7 @@ class SweepPoint:
                 stop_after=steps,
                 net_interface=None if per_rank else "eth0",
                 strategy=strategy,
+                momentum=momentum,
             ),
         )
         path = self.folder / f"{name}{suffix}.yaml"
@@ -293,21 +295,28 @@ def _measure_decentralized(point: SweepPoint, name: str) -> dict[str, dict]:
     ``--topologies``: one entry ``<name>/<topology>`` each, medians after the warmup steps
     (every step sends the same). The consensus distance is not measured (it costs one
     parameter all-reduce per ``consensus_every`` steps, a diagnostic, not the method)."""
+    from onebit_bert.distributed.topology import largest_stable_momentum
+
     args = point.args
     warm = args.warmup_steps
     entries = {}
     for topology in args.topologies.split(","):
         run = f"{name}_{topology}"
+        momentum = DECENTRALIZED_MOMENTUM
+        if name == "decentlam":  # the graph may not take 0.9 (strategy build refuses it)
+            momentum = min(momentum, largest_stable_momentum(topology, point.cluster.hosts))
         run_dir = point.config(
             run,
             "sgd",
             warm + args.steps,
             strategy={"name": name, "topology": topology, "consensus_every": 0},
+            momentum=momentum,
         )
         point.run_distributed(run)
         entries[f"{name}/{topology}"] = {
             **summarize(step_records(run_dir)[warm:], point.batch),
             "topology": topology,
+            "momentum": momentum,
         }
     return entries
 
@@ -332,6 +341,9 @@ STRATEGIES = tuple(MEASURE)
 LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd")
 DECENTRALIZED_STRATEGIES = ("decentlam", "dmsgd")
 DEFAULT_TOPOLOGIES = "one_peer_exponential,ring"
+DECENTRALIZED_MOMENTUM = 0.9
+"""decentlam's and dmsgd's momentum; lower for DecentLaM where a graph cannot take it. It
+changes no step's work or traffic, only whether the run diverges."""
 
 
 def _measure_compute_only(point: SweepPoint) -> dict:

@@ -209,7 +209,8 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     # DecentLaM on a ring of two: one parameter vector to the one neighbour per step, what
     # LAMB's counted gradient all-reduce is, and it crosses eth0
     decentlam = row["runs"]["decentlam/ring"]
-    assert decentlam["topology"] == "ring" and decentlam["samples_per_s"] > 0
+    assert decentlam["topology"] == "ring" and decentlam["momentum"] == 0.9
+    assert decentlam["samples_per_s"] > 0
     assert decentlam["counted_bytes_vs_lamb"] == pytest.approx(1.0, rel=0.02)
     assert 0.95 < netem._bytes_per_step(decentlam)["wire_over_counted"] < 1.25, decentlam
     assert summary["topologies"] == ["ring"]

@@ -16,8 +16,11 @@ from torch import nn
 from onebit_bert.config import ConfigError, from_dict
 from onebit_bert.distributed import Communicator, DistContext, LaunchEnv
 from onebit_bert.distributed.topology import (
+    check_decentlam,
     check_doubly_stochastic,
     check_topology,
+    decentlam_growth,
+    largest_stable_momentum,
     mixing_at,
     mixing_matrix,
     period,
@@ -96,6 +99,70 @@ def test_topologies_that_cannot_run_are_refused():
         Decentralized(model, model, _sgd(model, 0.9, 0.0), ctx, cfg, "decentlam")
 
 
+def _disagreement_growth(topology: str, n: int, beta: float, steps: int = 400) -> float:
+    """DecentLaM's textbook update without gradients (x = W x - lr beta m, m = beta m +
+    (x - W x) / lr) from a random disagreement: the per-step growth of its norm over the
+    second half of ``steps``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, generator=gen, dtype=torch.float64)
+    x -= x.mean(0)  # the average stays 0: no rounding floor under the disagreement
+    m, lr, norms = torch.zeros_like(x), 0.1, []
+    for step in range(steps):
+        w = mixing_matrix(mixing_at(topology, n, step))
+        mixed = w @ x
+        x, m = mixed - lr * beta * m, beta * m + (x - mixed) / lr
+        norms.append(torch.linalg.norm(x - x.mean(0)).item())
+    half = steps // 2
+    return (norms[-1] / norms[half - 1]) ** (1 / (steps - half))
+
+
+@pytest.mark.parametrize(
+    ("topology", "n", "beta", "stable"),
+    [
+        ("ring", 4, 0.9, True),
+        ("ring", 8, 0.99, True),
+        ("exponential", 4, 0.9, False),
+        ("exponential", 4, 0.5, True),
+        ("one_peer_exponential", 4, 0.9, False),
+        ("one_peer_exponential", 8, 0.5, True),
+        ("one_peer_exponential", 8, 0.9, False),
+    ],
+)
+def test_decentlam_growth_predicts_the_simulated_disagreement(topology, n, beta, stable):
+    """The per-mode analysis equals what the update does, and tells the directed graphs at
+    large momentum (growing) from the ring (shrinking at sqrt(beta) per step)."""
+    predicted = decentlam_growth(topology, n, beta)
+    assert (predicted < 1) == stable
+    assert _disagreement_growth(topology, n, beta) == pytest.approx(predicted, rel=0.01)
+    if topology == "ring":
+        assert predicted == pytest.approx(beta**0.5, rel=1e-6)
+
+
+def test_unstable_decentlam_graphs_are_refused_with_the_fix():
+    check_decentlam("ring", 64, 0.99)
+    check_decentlam("one_peer_exponential", 4, 0.5)
+    assert largest_stable_momentum("one_peer_exponential", 4) == 0.76
+    with pytest.raises(ValueError) as info:
+        check_decentlam("one_peer_exponential", 4, 0.9)
+    message = str(info.value)
+    assert "grows 1.080x per step" in message and "optimizer.betas[0] <= 0.76" in message
+    assert "strategy.topology ring" in message and "strategy.name dmsgd" in message
+    # at strategy build, with the optimizer's momentum; DmSGD takes the same graph
+    launch = LaunchEnv(0, 4, 0, "127.0.0.1", 0, "test")
+    ctx = DistContext(launch, None, torch.device("cpu"), Communicator(None))
+    model = build_model(TOY)
+    cfg = StrategyConfig(name="decentlam", topology="exponential")
+    with pytest.raises(ValueError, match="strategy decentlam on strategy.topology exponential"):
+        Decentralized(model, model, _sgd(model, 0.9, 0.0), ctx, cfg, "decentlam")
+    dmsgd = Decentralized(model, model, _sgd(model, 0.9, 0.0), ctx, cfg, "dmsgd")
+    assert dmsgd.topology == "exponential"
+    default = StrategyConfig(name="decentlam")
+    assert (
+        Decentralized(model, model, _sgd(model, 0.9, 0.0), ctx, default, "decentlam").topology
+        == "ring"
+    )
+
+
 # ----------------------------------------------------------------------------- toy runs
 
 
@@ -147,7 +214,8 @@ RUNS = {
     "dmsgd_ring_b0": ("dmsgd", "ring", 0.0),
     "decentlam_ring": ("decentlam", "ring", 0.9, 0.1),
     "dmsgd_ring": ("dmsgd", "ring", 0.9, 0.1),
-    "decentlam_one_peer": ("decentlam", "one_peer_exponential", 0.9, 0.1),
+    # beta 0.5: at 0.9 DecentLaM diverges on the directed one-peer graph (refused)
+    "decentlam_one_peer": ("decentlam", "one_peer_exponential", 0.5, 0.1),
     "dmsgd_exponential": ("dmsgd", "exponential", 0.5),
     "decentlam_ring_lamb": ("decentlam", "ring", 0.9, 0.1, "lamb"),
     "decentlam_ring_warmup": ("decentlam", "ring", 0.9, 0.0, "none", [0.0] + [LR] * 5),
@@ -264,7 +332,7 @@ def test_without_momentum_both_methods_are_decentralised_sgd(runs):
     [
         ("decentlam_ring", "decentlam", "ring", 0.9, 0.1),
         ("dmsgd_ring", "dmsgd", "ring", 0.9, 0.1),
-        ("decentlam_one_peer", "decentlam", "one_peer_exponential", 0.9, 0.1),
+        ("decentlam_one_peer", "decentlam", "one_peer_exponential", 0.5, 0.1),
         ("dmsgd_exponential", "dmsgd", "exponential", 0.5, 0.0),
     ],
 )
@@ -282,7 +350,7 @@ def test_ranks_follow_the_single_process_reference(runs, key, method, topology, 
 @pytest.mark.parametrize("key", ["decentlam_ring", "dmsgd_ring", "decentlam_one_peer"])
 def test_average_of_the_ranks_follows_momentum_sgd_step_by_step(runs, key):
     """m̄ ← β m̄ + ḡ and x̄ ← x̄ − γ (m̄ + wd x̄), with ḡ the mean of the ranks' gradients."""
-    ranks, beta, decay = runs[key], 0.9, _decay_mask(0.1)
+    ranks, beta, decay = runs[key], RUNS[key][2], _decay_mask(0.1)
     momentum = torch.zeros_like(ranks[0]["before"][0])
     for step in range(STEPS):
         mean_x = torch.stack([r["before"][step] for r in ranks]).mean(0)

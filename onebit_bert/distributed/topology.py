@@ -22,6 +22,14 @@ its own vector to ``(i + shift) mod n``. Row i of W is node i's receive weights:
 A circulant matrix with non-negative weights summing to one is doubly stochastic, so the
 average over nodes is preserved by every round; :func:`check_topology` still builds the
 matrices and checks it, so that a graph added later cannot skip the check.
+
+Doubly stochastic is not enough for DecentLaM: its momentum carries the consensus residual
+(x_i - sum_j w_ij x_j) / lr, and with momentum beta that feedback loop makes the ranks'
+disagreement grow on graphs whose matrices have complex eigenvalues, the directed ones
+(``exponential`` beyond two nodes, ``one_peer_exponential`` beyond two), whatever the
+gradients: :func:`decentlam_growth` computes the factor and :func:`check_decentlam`
+refuses a graph where it exceeds 1. The symmetric ``ring`` (real eigenvalues) is stable
+for every beta < 1. DmSGD mixes its whole iterate and has no such loop.
 """
 
 from __future__ import annotations
@@ -137,3 +145,70 @@ def check_topology(topology: str, world_size: int) -> None:
     for step in range(period(topology, world_size)):
         what = f"strategy.topology {topology} on {world_size} ranks (step {step})"
         check_doubly_stochastic(mixing_matrix(mixing_at(topology, world_size, step)), what)
+
+
+def _eigenvalues(mixing: Mixing) -> torch.Tensor:
+    """W's eigenvalues (complex128), one per Fourier mode k = 0 .. n-1: for a circulant W,
+    lambda_k = self_weight + sum over shifts of w exp(-2 pi i k shift / n)."""
+    n = mixing.world_size
+    k = torch.arange(n, dtype=torch.float64)
+    lam = torch.full((n,), mixing.self_weight, dtype=torch.complex128)
+    for shift, w in mixing.shifts:
+        lam = lam + w * torch.exp(torch.complex(torch.zeros(n, dtype=torch.float64),
+                                                -2 * torch.pi * k * shift / n))  # fmt: skip
+    return lam
+
+
+def decentlam_growth(topology: str, world_size: int, beta: float) -> float:
+    """Factor per step by which DecentLaM's disagreement between ranks (x_i minus the
+    average, with lr x the momentum) grows or shrinks without gradients, at its worst
+    mode: below 1 it dies out, above 1 it grows geometrically.
+
+    Per Fourier mode of a circulant W with eigenvalue lambda, DecentLaM's update without
+    gradients (x' = W x - lr beta m, m' = beta m + (x - W x) / lr) is, with u = lr m::
+
+        [x', u'] = [[lambda, -beta], [1 - lambda, beta]] [x, u]
+
+    (the learning rate cancels while it is constant). Over the graph's period the mode's
+    matrices multiply; the growth is the largest spectral radius of those products over the
+    modes other than the average's (k = 0), to the power 1 / period."""
+    if world_size < 2:
+        return 0.0
+    steps = period(topology, world_size)
+    product = torch.eye(2, dtype=torch.complex128).repeat(world_size - 1, 1, 1)
+    for step in range(steps):
+        lam = _eigenvalues(mixing_at(topology, world_size, step))[1:]
+        a = torch.empty(world_size - 1, 2, 2, dtype=torch.complex128)
+        a[:, 0, 0], a[:, 0, 1], a[:, 1, 0], a[:, 1, 1] = lam, -beta, 1 - lam, beta
+        product = a @ product
+    radius = torch.linalg.eigvals(product).abs().amax().item()
+    return radius ** (1.0 / steps)
+
+
+def largest_stable_momentum(topology: str, world_size: int) -> float:
+    """The largest beta on a 0.01 grid up to 0.99 such that DecentLaM's growth is below 1
+    for it and every grid value below it (0.0 when none)."""
+    best = 0.0
+    for i in range(100):
+        beta = i / 100
+        if decentlam_growth(topology, world_size, beta) > 1.0 + 1e-9:
+            break
+        best = beta
+    return best
+
+
+def check_decentlam(topology: str, world_size: int, beta: float) -> None:
+    """A clear error when DecentLaM's disagreement would grow on this graph (see
+    :func:`decentlam_growth`)."""
+    growth = decentlam_growth(topology, world_size, beta)
+    if growth <= 1.0 + 1e-9:  # not growing (slow mixing on a long ring is just below 1)
+        return
+    safe = largest_stable_momentum(topology, world_size)
+    raise ValueError(
+        f"strategy decentlam on strategy.topology {topology} with {world_size} ranks and "
+        f"momentum {beta:g} (optimizer.betas[0]) is unstable: the ranks' disagreement grows "
+        f"{growth:.3f}x per step whatever the gradients (DecentLaM's momentum carries the "
+        f"consensus residual (x_i - sum_j w_ij x_j) / lr, and this directed graph's complex "
+        f"eigenvalues make that loop grow); use strategy.topology ring (symmetric, stable "
+        f"for any momentum < 1), strategy.name dmsgd, or optimizer.betas[0] <= {safe:g}"
+    )

@@ -58,7 +58,12 @@ import torch
 from torch import nn
 
 from onebit_bert.distributed.env import DistContext
-from onebit_bert.distributed.topology import Mixing, check_topology, mixing_at
+from onebit_bert.distributed.topology import (
+    Mixing,
+    check_decentlam,
+    check_topology,
+    mixing_at,
+)
 from onebit_bert.optim import defaults
 from onebit_bert.optim.lamb import trust_ratios
 from onebit_bert.strategies.base import Strategy, StrategyConfig
@@ -67,8 +72,11 @@ from onebit_bert.strategies.flat import AverageModel, FlatParams
 log = logging.getLogger(__name__)
 
 DECENTRALIZED_STRATEGIES = ("decentlam", "dmsgd")
-DEFAULT_TOPOLOGY = "exponential"
-"""Valid on any number of ranks; one_peer_exponential sends less but needs 2^p ranks."""
+DEFAULT_TOPOLOGY = {"decentlam": "ring", "dmsgd": "exponential"}
+"""Per strategy, valid on any number of ranks: DecentLaM's momentum makes the ranks drift
+apart on the directed exponential graphs (:func:`~onebit_bert.distributed.topology.
+decentlam_growth`), so it defaults to the symmetric ring; DmSGD takes the exponential graph,
+which mixes in fewer steps (one_peer_exponential sends less but needs 2^p ranks)."""
 LOCAL_STEP_ONLY = ("outer_momentum", "gap_penalty", "clip_threshold", "asynchronous")
 
 
@@ -117,8 +125,11 @@ class Decentralized(Strategy):
         if name not in DECENTRALIZED_STRATEGIES:
             raise ValueError(f"Decentralized runs {DECENTRALIZED_STRATEGIES}, not {name!r}")
         self.name = name
-        self.topology = cfg.topology or DEFAULT_TOPOLOGY
+        self.topology = cfg.topology or DEFAULT_TOPOLOGY[name]
         check_topology(self.topology, ctx.world_size)
+        if name == "decentlam":
+            for beta in sorted({float(g.get("momentum", 0.0)) for g in optimizer.param_groups}):
+                check_decentlam(self.topology, ctx.world_size, beta)
         self.layerwise = cfg.layerwise == "lamb"
         self.min_coeff, self.max_coeff = trust_bounds
         self.consensus_every = cfg.consensus_every
