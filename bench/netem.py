@@ -93,27 +93,29 @@ def _wall_step_seconds(records: list[dict]) -> list[float]:
     return [b["time"] - a["time"] for a, b in zip(records, records[1:], strict=False)]
 
 
-def summarize(records: list[dict], batch: int) -> dict:
-    """Medians over the given step records (robust to a slow first step or a hiccup)."""
+def summarize(records: list[dict], batch: int, average=statistics.median) -> dict:
+    """Medians over the given step records (robust to a slow first step or a hiccup); with
+    ``average=statistics.fmean``, means (for steps that differ by design, as the rounds of a
+    time-varying graph)."""
     if not records:
         raise RuntimeError("no step records to summarize (increase --steps)")
 
-    def med(key):
+    def avg(key):
         values = [r[key] for r in records if key in r]
-        return statistics.median(values) if values else None
+        return average(values) if values else None
 
-    step = med("step_seconds")
+    step = avg("step_seconds")
     wall = _wall_step_seconds(records)
     return {
         "steps": len(records),
         "step_seconds": step,
         "samples_per_s": batch / step,
-        "wall_samples_per_s": batch / statistics.median(wall) if wall else None,
-        "forward_backward_seconds": med("forward_backward_seconds"),
-        "comm_seconds": med("comm_seconds"),
-        "comm_fraction": statistics.median(r["comm_seconds"] / r["step_seconds"] for r in records),
-        "counted_bytes_per_step": med("comm_bytes"),
-        "wire_bytes_per_step": med("net_tx_bytes"),
+        "wall_samples_per_s": batch / average(wall) if wall else None,
+        "forward_backward_seconds": avg("forward_backward_seconds"),
+        "comm_seconds": avg("comm_seconds"),
+        "comm_fraction": average([r["comm_seconds"] / r["step_seconds"] for r in records]),
+        "counted_bytes_per_step": avg("comm_bytes"),
+        "wire_bytes_per_step": avg("net_tx_bytes"),
     }
 
 
@@ -292,10 +294,13 @@ def _measure_local_steps(point: SweepPoint, name: str) -> dict:
 
 def _measure_decentralized(point: SweepPoint, name: str) -> dict[str, dict]:
     """decentlam or dmsgd (momentum SGD, no layerwise scaling) on each graph of
-    ``--topologies``: one entry ``<name>/<topology>`` each, medians after the warmup steps
-    (every step sends the same). The consensus distance is not measured (it costs one
-    parameter all-reduce per ``consensus_every`` steps, a diagnostic, not the method)."""
-    from onebit_bert.distributed.topology import largest_stable_momentum
+    ``--topologies``: one entry ``<name>/<topology>`` each, after the warmup steps: medians
+    on a static graph (every step sends the same), means over whole periods on a
+    time-varying one (the one-peer graph's rounds talk to different peers, and a pair that
+    swaps vectors both ways is slower than a chain of one-way sends). The consensus
+    distance is not measured (it costs one parameter all-reduce per ``consensus_every``
+    steps, a diagnostic, not the method)."""
+    from onebit_bert.distributed.topology import largest_stable_momentum, period
 
     args = point.args
     warm = args.warmup_steps
@@ -313,9 +318,18 @@ def _measure_decentralized(point: SweepPoint, name: str) -> dict[str, dict]:
             momentum=momentum,
         )
         point.run_distributed(run)
+        records = step_records(run_dir)[warm:]
+        rounds = period(topology, point.cluster.hosts)
+        if rounds > 1:
+            if len(records) < rounds:
+                raise RuntimeError(f"{run}: --steps must cover one period ({rounds} steps)")
+            records = records[: len(records) // rounds * rounds]
         entries[f"{name}/{topology}"] = {
-            **summarize(step_records(run_dir)[warm:], point.batch),
+            **summarize(
+                records, point.batch, statistics.median if rounds == 1 else statistics.fmean
+            ),
             "topology": topology,
+            "period": rounds,
             "momentum": momentum,
         }
     return entries

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,15 @@ def test_result_row_relates_every_strategy_to_compute_only_and_lamb():
     assert row["runs"]["lamb"]["counted_bytes_vs_lamb"] == pytest.approx(1.0)
     labels = [label for label, _ in netem.plot_series(row)]
     assert labels == ["LAMB", "CO2 (tau 8)", "compute only"]
+
+
+def test_time_varying_graphs_are_averaged_not_medianed():
+    # one-peer rounds alternate a one-way send (short) and a pairwise swap (long)
+    records = [{"step": s, "time": 10.0 * s, "step_seconds": t, "comm_seconds": t - 1,
+                "comm_bytes": 100} for s, t in enumerate([2.0, 4.0, 2.0, 8.0], 1)]  # fmt: skip
+    median, mean = netem.summarize(records, 8), netem.summarize(records, 8, statistics.fmean)
+    assert median["step_seconds"] == 3.0 and mean["step_seconds"] == 4.0
+    assert mean["samples_per_s"] == 2.0 and mean["comm_seconds"] == 3.0
 
 
 def test_slow_links_send_single_frames_and_fast_ones_whole_gso_packets():
