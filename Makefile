@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-netem bench-giant-doc clean
+.PHONY: setup test test-gpu lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: setup
 	$(PY) -m pytest -v $(ARGS)
+
+# Only the CUDA tests (marker cuda: GPU results against the CPU's); without a GPU this fails
+# at once instead of passing with every test skipped (make test skips them there).
+NO_CUDA_TESTS := test-gpu needs a CUDA GPU; none found (torch.cuda.is_available() is False)
+test-gpu: setup
+	@$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('$(NO_CUDA_TESTS)')"
+	$(PY) -m pytest -v -m cuda $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -77,6 +84,12 @@ bench-data: setup
 bench-train: setup
 	$(PY) -m bench.train --data-root $(DATA_ROOT)
 
+# BERT-Large, seq 128, one GPU: our loop (LAMB, 1-bit LAMB, AdamW) vs HF Trainer, bf16 and
+# fp16, eager and torch.compile: samples/s, peak memory, ratios; JSON last line. Needs CUDA.
+# ARGS: e.g. --precisions bf16 --compile off --batch-size 32
+bench-gpu: setup
+	$(PY) -m bench.gpu --data-root $(DATA_ROOT) $(ARGS)
+
 # data_prep on one single-line document of MB megabytes (linear time, bounded memory); JSON.
 MB ?= 50
 bench-giant-doc: setup
@@ -85,8 +98,9 @@ bench-giant-doc: setup
 # LAMB vs 1-bit LAMB on an emulated cluster (network namespaces + tc; needs root):
 # 25, 40, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 30 minutes on 2 cores.
 # JSON and a plot in runs/bench_netem/. ARGS: e.g. --bandwidths 100 --world-sizes 2;
-# --strategies lamb,co2 (any of lamb, onebit_lamb, adamw, co2, slowmo, local_sgd) and
-# --outer-every N (local steps per round of co2, slowmo, local_sgd) for other strategies
+# --strategies lamb,co2 (any of lamb, onebit_lamb, adamw, co2, slowmo, local_sgd, decentlam,
+# dmsgd), --outer-every N (local steps per round of co2, slowmo, local_sgd) and
+# --topologies ring,one_peer_exponential (graphs of decentlam and dmsgd)
 bench-netem: setup
 	$(PY) -m bench.netem --data-root $(DATA_ROOT) $(ARGS)
 

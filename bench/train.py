@@ -23,10 +23,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from bench.common import prepare_wikipedia_seq128, pretrain_config, shared_data_error
+from bench.hf_trainer import hf_trainer_step_seconds
 from pretrain.outputs import metrics_path
 
 HERE = Path(__file__).resolve().parent
@@ -62,65 +62,15 @@ def our_loop(data: Path, tmp: Path, optimizer: str, steps: int, batch: int, warm
 
 def hf_trainer(data: Path, tmp: Path, steps: int, batch: int, warmup: int) -> float:
     """Median samples/s of HF Trainer on the same model, data and batch."""
-    import torch
-    from transformers import (
-        AutoTokenizer,
-        DataCollatorForLanguageModeling,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
-
-    from onebit_bert.shards import PretrainingShards
-    from pretrain.config import ModelConfig
-    from pretrain.model import build_model
-
-    rows = PretrainingShards(data, "train")
-    tokenizer = AutoTokenizer.from_pretrained(rows.tokenizer_dir)
-
-    class Rows(torch.utils.data.Dataset):
-        """The pretraining shard rows as a map-style dataset of tensors."""
-
-        def __len__(self):
-            return len(rows)
-
-        def __getitem__(self, i):
-            features = rows.batch([i])
-            return {k: torch.as_tensor(v[0]) for k, v in features.items()}
-
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(preset="bert-mini"), len(tokenizer), tokenizer.pad_token_id)
-    times: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        """Records the time at the end of every optimizer step."""
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter())
-
-    args = TrainingArguments(
-        output_dir=str(tmp / "hf"),
-        per_device_train_batch_size=batch,
-        max_steps=steps,
+    step_seconds = hf_trainer_step_seconds(
+        data,
+        tmp / "hf",
+        preset="bert-mini",
+        steps=steps,
+        batch=batch,
         learning_rate=1e-4,
-        logging_strategy="no",
-        save_strategy="no",
-        report_to=[],
-        dataloader_num_workers=0,
         use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=Rows(),
-        data_collator=collator,
-        callbacks=[StepTimes()],
-    )
-    trainer.train()
-    step_seconds = [b - a for a, b in zip(times, times[1:], strict=False)][warmup:]
+    )[warmup:]
     return batch / statistics.median(step_seconds)
 
 

@@ -51,6 +51,8 @@ class LossScaler:
         growth_interval: int = 2000,
     ):
         self.enabled = precision == "fp16"
+        if self.enabled and not init_scale >= 1.0:
+            raise ValueError(f"the initial loss scale must be >= 1, got {init_scale}")
         self.comm = comm
         self.scale = init_scale if self.enabled else 1.0
         self.growth_interval = growth_interval
@@ -65,8 +67,15 @@ class LossScaler:
         if not self.enabled:
             return True
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / self.scale)
-        bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any().float().reshape(1)
+        bad = torch.zeros(1, device=grads[0].device if grads else self.comm.device)
+        if grads:
+            # One fused pass (torch.amp's own kernel) multiplies by 1/scale and flags any
+            # inf/NaN: a few kernels for all gradients instead of three per tensor. The
+            # product is the one torch._foreach_mul_ gives (both round x * float32(1/scale)
+            # once); the flag looks at the gradients before the multiply, the same verdict
+            # because the scale stays >= 1 (so a finite gradient stays finite).
+            inv_scale = torch.full((1,), 1.0 / self.scale, device=bad.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, bad, inv_scale)
         bad = bad.to(self.comm.device)
         self.comm.all_reduce(bad, op="max")
         return bad.item() == 0.0

@@ -1,4 +1,5 @@
-"""The stage CLIs' ``--help`` lists every config field, generated from the dataclasses."""
+"""The stage CLIs' ``--help`` lists every config field, generated from the dataclasses; the
+GPU benchmark's ``--help`` works on a machine without a GPU, where a run says why it cannot."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import torch
 
 from data_prep.config import DataPrepConfig
 from finetune.config import FinetuneConfig
@@ -115,6 +117,33 @@ def test_finetune_run_help_lists_every_field(capsys):
     assert "  tasks: list[str] = [sst2, mrpc]\n" in text
     assert "  max_train_samples_per_task: dict[str, int] = {}\n" in text
     assert "  precision: {auto, fp32, bf16, fp16} = auto\n" in text
+
+
+# ---------------------------------------------------------------------- the GPU benchmark
+
+
+def test_bench_gpu_help_works_without_a_gpu():
+    text = help_subprocess("bench.gpu")
+    for option in ("--steps", "--warmup-steps", "--batch-size", "--precisions", "--optimizers"):
+        assert option in text
+    assert "--compile {off,on,both}" in text and "Needs a CUDA GPU" in flat(text)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA gets the message")
+def test_bench_gpu_without_a_gpu_says_so_before_any_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--data-root", str(tmp_path / "missing")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    # the CUDA check comes first: the missing data folder is not even looked at
+    assert proc.stderr.strip() == (
+        "bench-gpu needs a CUDA GPU; none found (torch.cuda.is_available() is False)"
+    )
 
 
 # ---------------------------------------------------------------------- the generator itself

@@ -95,16 +95,19 @@ def _rank_inputs(rank, call, numel, padded):
 
 
 def _compressed_calls(comm, numel, calls, bucket):
-    feedback = ErrorFeedback(numel, comm.world_size, rank=comm.rank, bucket_numel=bucket)
+    """``calls`` compressed all-reduces on ``comm.device``; results on the CPU."""
+    feedback = ErrorFeedback(
+        numel, comm.world_size, rank=comm.rank, device=comm.device, bucket_numel=bucket
+    )
     outs = []
     for call in range(calls):
-        x = _rank_inputs(comm.rank, call, numel, feedback.padded_numel)
+        x = _rank_inputs(comm.rank, call, numel, feedback.padded_numel).to(comm.device)
         comm.compressed_all_reduce(x, feedback)
-        outs.append(x.clone())
+        outs.append(x.cpu().clone())
     return {
         "outs": outs,
-        "worker_error": feedback.worker_error.clone(),
-        "server_error": feedback.server_error.clone(),
+        "worker_error": feedback.worker_error.cpu().clone(),
+        "server_error": feedback.server_error.cpu().clone(),
         "bytes": comm.stats.bytes_sent,
     }
 

@@ -155,7 +155,8 @@ class Simulation:
 
 
 def _run_real(comm, steps, mask_index, bucket):
-    params = [torch.nn.Parameter(t) for t in _init_params()]
+    """1-bit LAMB on ``comm.device`` (the same inputs on every device); results on the CPU."""
+    params = [torch.nn.Parameter(t.to(comm.device)) for t in _init_params()]
     opt = OneBitLamb(_groups(params), comm=comm, bucket_numel=bucket, **HP)
     if mask_index is not None:
         opt.set_momentum_mask(params[mask_index], _mask())
@@ -167,16 +168,16 @@ def _run_real(comm, steps, mask_index, bucket):
             else _mean_grads(comm.world_size, step)
         )
         for p, g in zip(params, grads, strict=True):
-            p.grad = g
+            p.grad = g.to(comm.device)
         opt.step()
         stages.append(opt.stage)
         byte_counts.append(opt.last_step_bytes)
     return {
-        "params": [p.detach() for p in params],
+        "params": [p.detach().cpu() for p in params],
         "stages": stages,
         "bytes": byte_counts,
-        "factors": opt.last_factors,
-        "masked_momentum": opt.state[params[2]]["exp_avg"][1],
+        "factors": opt.last_factors.cpu(),
+        "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
     }
 
 

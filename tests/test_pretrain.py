@@ -58,7 +58,7 @@ def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
 
 def _context(comm) -> DistContext:
     launch = LaunchEnv(comm.rank, comm.world_size, comm.rank, "127.0.0.1", 0, "test")
-    return DistContext(launch, "gloo" if comm.world_size > 1 else None, torch.device("cpu"), comm)
+    return DistContext(launch, "gloo" if comm.world_size > 1 else None, comm.device, comm)
 
 
 def _train(comm, cfg: dict) -> dict:
@@ -69,6 +69,7 @@ def _train(comm, cfg: dict) -> dict:
         / "checkpoints"
         / sorted(os.listdir(Path(cfg["run_dir"]) / "checkpoints"))[-1]
         / "shared.pt",
+        map_location="cpu",
         weights_only=False,
     )["model"]
     return {"summary": summary, "model": model}

@@ -74,8 +74,8 @@ def test_another_world_size_gets_no_per_rank_state(tmp_path):
 
 def _overflow_on_rank_one(comm):
     scaler = LossScaler("fp16", comm, init_scale=1024.0)
-    p = torch.nn.Parameter(torch.ones(4))
-    p.grad = torch.full((4,), 2048.0)
+    p = torch.nn.Parameter(torch.ones(4, device=comm.device))
+    p.grad = torch.full((4,), 2048.0, device=comm.device)
     if comm.rank == 1:
         p.grad[2] = float("inf")
     ok = scaler.unscale_and_check([p])

@@ -215,18 +215,27 @@ class Lamb(Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
+            subsets = group_by_device_and_dtype(params)
+            if len(subsets) == 1:
+                # The usual case, without the scatter below: its Python-list index reaches
+                # the GPU through a blocking host-to-device copy, a sync on every step.
+                all_ratios.append(self._update(group, params))
+                continue
             group_ratios = torch.empty(len(params), device=params[0].device)
-            for idx in group_by_device_and_dtype(params):
-                sub = [params[i] for i in idx]
-                ratios = lamb_group_update(
-                    group,
-                    sub,
-                    [self.state[p] for p in sub],
-                    step=self.state[sub[0]]["step"],
-                    bias_correction=group["bias_correction"],
-                )
+            for idx in subsets:
+                ratios = self._update(group, [params[i] for i in idx])
                 group_ratios[idx] = ratios.to(group_ratios.device)
             all_ratios.append(group_ratios)
         if all_ratios:
             self.last_trust_ratios = torch.cat(all_ratios)
         return loss
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
+        """:func:`lamb_group_update` on same-device, same-dtype ``params`` of ``group``."""
+        return lamb_group_update(
+            group,
+            params,
+            [self.state[p] for p in params],
+            step=self.state[params[0]]["step"],
+            bias_correction=group["bias_correction"],
+        )

@@ -1,0 +1,358 @@
+"""BERT-Large (seq 128) training throughput and peak memory on one GPU, ours vs HF Trainer.
+
+For every precision (bf16, fp16) and compile setting (eager, ``torch.compile``), in this
+one run on the same GPU, model, micro-batch and precision:
+
+- the project's training loop with LAMB, 1-bit LAMB and AdamW. The loop is
+  ``pretrain.train.Trainer.train_step``, the step its ``run()`` repeats (batch assembly and
+  masking, forward/backward under autocast, loss-scale check, clipping, optimizer,
+  schedule) without the per-step log line, validation and checkpoints. 1-bit LAMB is
+  measured in its compression stage: ``freeze_step=1`` and compression forced at world
+  size 1 (``strategy.force_compression``), so every timed step packs, "exchanges" and
+  unpacks the momentum — the compressor's cost on one GPU, with no network in it;
+- HF ``Trainer`` (``bench/hf_trainer.py``) with ``torch.optim.AdamW`` (``adamw_torch``,
+  the optimizer our AdamW row uses), so ``ratio_vs_hf_trainer`` compares the loops; its
+  MLM head runs on every position, ours on the masked ones only.
+
+Each configuration runs ``--warmup-steps`` untimed steps (compilation, the 1-bit switch,
+the fp16 loss scale settling), then ``--steps`` timed ones, the GPU synchronised after
+each; ``samples_per_s`` is the micro-batch over the median step, ``peak_memory_gib``
+``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). A
+configuration that fails (out of memory, a compile error) is recorded with its error and
+the others go on; the exit status is 1 when an eager configuration failed.
+
+The data: the Wikipedia sample of ``--data-root`` prepared at sequence length 128 with
+BERT's uncased vocabulary, as bench/train.py uses it. One JSON object is the last line of
+stdout; ``reference`` carries NVIDIA's published single-GPU figure for scale (another GPU,
+batch and software stack: not a like-for-like comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a file (python bench/gpu.py): make bench importable
+    sys.path.insert(0, str(REPO))
+
+NO_CUDA = "bench-gpu needs a CUDA GPU; none found (torch.cuda.is_available() is False)"
+OPTIMIZERS = ("lamb", "onebit_lamb", "adamw")
+PRECISIONS = ("bf16", "fp16", "fp32")
+MODEL = "bert-large"
+SEQ_LENGTH = 128
+HF_OPTIMIZER = "adamw_torch"
+ADAMW_LR = 1e-4  # what bench.common.pretrain_config gives our AdamW
+
+NVIDIA_REFERENCE = {
+    "sequences_per_s_per_gpu": 574,
+    "gpu": "A100 80GB",
+    "phase": 1,
+    "seq_length": SEQ_LENGTH,
+    "precision": "mixed precision (fp16)",
+    "derivation": "4591 sequences/s on 8 GPUs / 8 (580 on 1 GPU)",
+    "setup": (
+        "NVIDIA's BERT-Large pretraining (LAMB, fused kernels), pytorch:21.11-py3 NGC "
+        "container, DGX A100; 256 sequences per GPU micro-batch, 32 accumulation steps"
+    ),
+    "source": (
+        "NVIDIA DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "
+        "'Pre-training NVIDIA DGX A100 (8x A100 80GB)'"
+    ),
+    "measured_here": False,
+}
+
+
+def comma_list(choices: tuple[str, ...]):
+    """An argparse type: a comma-separated list whose items are all in ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(choices)}; got {text!r}"
+            )
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu",
+        description=__doc__.splitlines()[0],
+        epilog="Needs a CUDA GPU (without one it says so and exits with status 1). The first "
+        "visible GPU is used; choose it with CUDA_VISIBLE_DEVICES.",
+    )
+    parser.add_argument(
+        "--data-root",
+        default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data"),
+        help="folder holding the Wikipedia sample and the BERT vocabulary (default: "
+        "$DATA_ROOT or ../shared/data)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps per configuration (default: 20)"
+    )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=10,
+        help="untimed steps before them (default: 10; >= 2: compilation, the 1-bit LAMB "
+        "switch and the fp16 loss scale settle here)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="sequences per step, one micro-batch (default: 64)",
+    )
+    parser.add_argument(
+        "--precisions",
+        type=comma_list(PRECISIONS),
+        default=["bf16", "fp16"],
+        help="comma list of bf16, fp16, fp32 (default: bf16,fp16)",
+    )
+    parser.add_argument(
+        "--optimizers",
+        type=comma_list(OPTIMIZERS),
+        default=list(OPTIMIZERS),
+        help="our loop's optimizers, comma list of lamb, onebit_lamb, adamw (default: all)",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default="both",
+        help="eager, torch.compile, or both (default: both)",
+    )
+    parser.add_argument(
+        "--hf-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train with HF Trainer for the ratios (default: on)",
+    )
+    parser.add_argument(
+        "--max-documents",
+        type=int,
+        default=3000,
+        help="Wikipedia articles to prepare (default: 3000, as bench-train)",
+    )
+    return parser
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.steps < 1 or args.batch_size < 1 or args.max_documents < 1:
+        parser.error("--steps, --batch-size and --max-documents must be >= 1")
+    if args.warmup_steps < 2:
+        parser.error(
+            "--warmup-steps must be >= 2: the first steps compile, switch 1-bit LAMB to its "
+            "compression stage and settle the fp16 loss scale"
+        )
+
+
+def pin_one_gpu() -> None:
+    """Keep only the first visible GPU, before CUDA starts: HF Trainer wraps the model in
+    ``nn.DataParallel`` when it sees several, and this benchmark is about one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
+
+
+def release_gpu_memory() -> None:
+    """Free what the previous configuration left, so each one's peak is its own."""
+    import torch
+
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
+def measure(name: str, run) -> dict:
+    """``run()`` (a dict of results) with the peak-memory counter reset before it; a
+    failure is recorded under ``error`` (its traceback on stderr) instead of raised."""
+    import torch
+
+    release_gpu_memory()
+    torch.cuda.reset_peak_memory_stats()
+    print(f"bench-gpu: {name}", file=sys.stderr, flush=True)
+    try:
+        result = run()
+        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    except Exception as err:  # a configuration's failure is a result, not the end
+        traceback.print_exc()
+        result = {"error": f"{type(err).__name__}: {err}"[:500]}
+    release_gpu_memory()
+    return result
+
+
+def rate(step_seconds: list[float], batch: int) -> dict:
+    median = statistics.median(step_seconds)
+    return {
+        "samples_per_s": round(batch / median, 2),
+        "step_seconds_median": round(median, 5),
+        "steps_timed": len(step_seconds),
+    }
+
+
+def our_loop(data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, args):
+    """Samples/s of the project's loop on this GPU (see the module docstring)."""
+    import torch
+
+    from bench.common import pretrain_config
+    from onebit_bert.config import from_dict
+    from onebit_bert.distributed import init_distributed
+    from pretrain.config import PretrainConfig
+    from pretrain.train import Trainer
+
+    total = args.warmup_steps + args.steps
+    settings = pretrain_config(
+        data,
+        run_dir,
+        optimizer,
+        steps=total,
+        batch=args.batch_size,
+        micro=args.batch_size,
+        freeze_step=1,
+        model=MODEL,
+        strategy={"force_compression": True} if optimizer == "onebit_lamb" else None,
+    )
+    settings["precision"] = precision
+    trainer = Trainer(from_dict(PretrainConfig, settings), init_distributed(env={}))
+    try:
+        if compiled:
+            # The encoder, where the time goes; the MLM head on masked positions has a
+            # shape that changes with every batch and stays eager.
+            trainer.model.bert.compile()
+        seconds = []
+        torch.cuda.synchronize()
+        for step in range(total):
+            start = time.perf_counter()
+            trainer.train_step(step)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+        return {
+            **rate(seconds[args.warmup_steps :], args.batch_size),
+            "stage": getattr(trainer.strategy.optimizer, "stage", None),
+            "skipped_steps": trainer.scaler.skipped_steps,
+        }
+    finally:
+        trainer.logger.close()
+
+
+def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args) -> dict:
+    """Samples/s of HF Trainer with AdamW on this GPU."""
+    from bench.hf_trainer import hf_trainer_step_seconds
+
+    seconds = hf_trainer_step_seconds(
+        data,
+        out_dir,
+        preset=MODEL,
+        steps=args.warmup_steps + args.steps,
+        batch=args.batch_size,
+        learning_rate=ADAMW_LR,
+        weight_decay=0.01,
+        adam_epsilon=1e-6,
+        optim=HF_OPTIMIZER,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        torch_compile=compiled,
+    )
+    # seconds[i] is step i + 2's: the first timed step is warmup_steps + 1
+    return rate(seconds[args.warmup_steps - 1 :], args.batch_size)
+
+
+def run_all(data: Path, tmp: Path, args) -> list[dict]:
+    compile_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    runs = []
+    for compiled in compile_settings:
+        for precision in args.precisions:
+            mode = "compiled" if compiled else "eager"
+            hf = None
+            if args.hf_baseline:
+                name = f"hf_trainer_{precision}_{mode}"
+                hf = measure(name, partial(hf_loop, data, tmp / name, precision, compiled, args))
+                runs.append(
+                    {
+                        "loop": "hf_trainer",
+                        "optimizer": "adamw",
+                        "precision": precision,
+                        "compile": compiled,
+                        **hf,
+                    }
+                )
+            for optimizer in args.optimizers:
+                name = f"ours_{optimizer}_{precision}_{mode}"
+                result = measure(
+                    name, partial(our_loop, data, tmp / name, optimizer, precision, compiled, args)
+                )
+                if hf and "samples_per_s" in hf and "samples_per_s" in result:
+                    result["ratio_vs_hf_trainer"] = round(
+                        result["samples_per_s"] / hf["samples_per_s"], 3
+                    )
+                runs.append(
+                    {
+                        "loop": "ours",
+                        "optimizer": optimizer,
+                        "precision": precision,
+                        "compile": compiled,
+                        **result,
+                    }
+                )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    pin_one_gpu()
+    import torch  # the one import needed to know whether there is anything to measure
+
+    if not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 1
+    from bench.common import prepare_wikipedia_seq128, shared_data_error
+
+    data_root = Path(args.data_root).resolve()
+    error = shared_data_error(data_root)
+    if error:
+        parser.error(error)
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = prepare_wikipedia_seq128(data_root, tmp / "data", args.max_documents)
+        runs = run_all(data, tmp, args)
+    eager_failures = [r for r in runs if "error" in r and not r["compile"]]
+    properties = torch.cuda.get_device_properties(0)
+    summary = {
+        "benchmark": "gpu",
+        "gpu": properties.name,
+        "gpu_memory_gib": round(properties.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "model": MODEL,
+        "seq_length": SEQ_LENGTH,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "hf_trainer_optimizer": HF_OPTIMIZER,
+        "runs": runs,
+        "failures": sum("error" in r for r in runs),
+        "reference": NVIDIA_REFERENCE,
+    }
+    print(json.dumps(summary))
+    return 1 if eager_failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The CUDA path against the CPU one: each test runs the same computation on both devices.
+
+``make test-gpu`` runs these (and fails at once on a machine without CUDA); ``make test``
+skips the module there. Sign packing must match bit for bit. Whatever has a
+floating-point reduction in it (norms, matrix products, sums over ranks) is compared
+with tolerances: CUDA kernels sum in other orders than the CPU ones, and fuse multiplies
+with adds. Two ranks share the one GPU over gloo, which carries CUDA tensors for the
+collectives used here (all-reduce, all-to-all, all-gather, broadcast); NCCL refuses two
+ranks on one device. Every run is fp32 unless it is about bf16 or fp16, so that CPU and
+GPU results can be compared at all.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from onebit_bert.distributed import packing
+from onebit_bert.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.metrics_log import read_metrics
+from tests.distributed_harness import run_ranks
+from tests.test_compressed_allreduce import _compressed_calls
+from tests.test_onebit_lamb import _run_real
+from tests.test_pretrain import _losses, _train, tiny_config
+from tests.test_training_support import _overflow_on_rank_one
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (run with make test-gpu)"
+    ),
+]
+
+GPU = "cuda:0"
+
+
+def assert_states_close(got: dict, want: dict, **tolerance) -> None:
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, msg=name, **tolerance)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("numel", [8, 104, 8 * 4097, 8 * 250_001])
+def test_sign_packing_is_bit_identical_to_the_cpu(numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[::7] = 0.0  # sign(0) = +1
+    x[1::11] = -0.0
+    x[2::13] = float("nan")  # not >= 0: packed as negative on both devices
+    x[3::17] = float("inf")
+    x[4::19] = float("-inf")
+    on_cpu = pack_signs(x)
+    on_gpu = pack_signs(x.to(GPU))
+    assert on_gpu.device.type == "cuda"
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+    # Both packers, whichever of them pack_signs picked on this GPU.
+    nonneg = (x.to(GPU) >= 0).contiguous()
+    for packer in (packing._pack_by_multiply, packing._pack_by_shifts):
+        assert torch.equal(packer(nonneg).cpu(), on_cpu), packer.__name__
+    scale = torch.tensor(0.37)
+    assert torch.equal(unpack_signs(on_gpu, scale.to(GPU)).cpu(), unpack_signs(on_cpu, scale))
+    out = torch.empty(numel, device=GPU)
+    unpack_signs(on_gpu, scale.to(GPU), out=out)
+    assert torch.equal(out.cpu(), unpack_signs(on_cpu, scale))
+
+
+# ----------------------------------------------------------------------------- 1-bit
+
+
+@pytest.mark.parametrize(
+    "world_size,numel,bucket", [(1, 1001, None), (2, 1001, 64), (2, 5000, None)]
+)
+def test_compressed_allreduce_on_cuda_matches_the_cpu(world_size, numel, bucket):
+    # At world size 1 the communicator still compresses (the path forced compression takes).
+    calls = 5
+    on_cpu = run_ranks(_compressed_calls, world_size, numel, calls, bucket)
+    on_gpu = run_ranks(_compressed_calls, world_size, numel, calls, bucket, device=GPU)
+    for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
+        assert gpu["bytes"] == cpu["bytes"]
+        for got, want in zip(gpu["outs"], cpu["outs"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert torch.all(got[numel:] == 0), "padding picked up a value"
+        for key in ("worker_error", "server_error"):
+            torch.testing.assert_close(gpu[key], cpu[key], rtol=1e-5, atol=1e-6, msg=key)
+    for gpu in on_gpu[1:]:
+        for a, b in zip(gpu["outs"], on_gpu[0]["outs"], strict=True):
+            assert torch.equal(a, b), "ranks disagree"
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_onebit_lamb_steps_on_cuda_match_the_cpu(world_size):
+    # 3 warmup steps, then 5 compressed ones (compressing at world size 1 too), with a
+    # momentum mask on one layer.
+    steps, mask = 8, 2
+    on_cpu = run_ranks(_run_real, world_size, steps, mask, None)
+    on_gpu = run_ranks(_run_real, world_size, steps, mask, None, device=GPU)
+    for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
+        assert gpu["stages"] == cpu["stages"] == ["warmup"] * 3 + ["compression"] * 5
+        assert gpu["bytes"] == cpu["bytes"]
+        for got, want in zip(gpu["params"], cpu["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gpu["factors"], cpu["factors"], rtol=1e-5, atol=1e-6)
+        assert torch.all(gpu["masked_momentum"] == 0)
+    for gpu in on_gpu[1:]:
+        for a, b in zip(gpu["params"], on_gpu[0]["params"], strict=True):
+            assert torch.equal(a, b), "replicas diverged"
+
+
+# ----------------------------------------------------------------------------- precision
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
+    on_cpu = run_ranks(_overflow_on_rank_one, 2)
+    on_gpu = run_ranks(_overflow_on_rank_one, 2, device=GPU)
+    assert on_gpu == on_cpu == [(False, 512.0, 1), (False, 512.0, 1)]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_training_steps_track_fp32_on_the_cpu(tiny_corpus, tmp_path, precision):
+    common = {"model.dropout": 0.0, "schedule.max_steps": 6}
+    run_ranks(_train, 1, tiny_config(tiny_corpus, tmp_path / "cpu", **common))
+    half = tiny_config(tiny_corpus, tmp_path / precision, precision=precision, **common)
+    summary = run_ranks(_train, 1, half, device=GPU)[0]["summary"]
+    assert summary["state"] == "complete" and summary["precision"] == precision
+    fp32, low = _losses(tmp_path / "cpu"), _losses(tmp_path / precision)
+    assert len(low) == 6 and np.all(np.isfinite(low))
+    # The first step sees the same weights and batch: only the arithmetic differs.
+    assert abs(low[0] - fp32[0]) < 0.05 * fp32[0], (low[0], fp32[0])
+    records = [r for r in read_metrics(tmp_path / precision / "metrics.jsonl") if "loss" in r]
+    if precision == "bf16":  # no loss scaling: every step updates, as on the CPU
+        np.testing.assert_allclose(low, fp32, rtol=0.05)
+        assert all(r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 for r in records)
+    else:  # every skipped (overflowed) step halved the scale from 2**16
+        for r in records:
+            assert r["loss_scale"] == 2.0**16 / 2 ** r["skipped_steps"]
+        assert records[-1]["skipped_steps"] < len(records), "no step was ever applied"
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
+def test_short_pretraining_with_ddp_and_accumulation_matches_the_cpu(
+    tiny_corpus, tmp_path, optimizer
+):
+    # 2 ranks x 8 sequences x 2 accumulation steps = the global batch of 32.
+    common = {
+        "model.dropout": 0.0,
+        "schedule.max_steps": 8,
+        "optimizer.name": optimizer,
+        "strategy.grad_sync": "ddp",
+        "precision": "fp32",
+    }
+    on_cpu = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "cpu", **common))
+    on_gpu = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "gpu", **common), device=GPU)
+    summary = on_gpu[0]["summary"]
+    assert summary["state"] == "complete" and summary["accumulation"] == 2
+    np.testing.assert_allclose(_losses(tmp_path / "gpu"), _losses(tmp_path / "cpu"), rtol=1e-4)
+    for name, tensor in on_gpu[0]["model"].items():
+        assert torch.equal(tensor, on_gpu[1]["model"][name]), f"replicas diverged: {name}"
+    if optimizer == "lamb":
+        # 1-bit LAMB is left at the losses: a momentum element within rounding of zero may
+        # take the other sign on the other device, moving that one weight by a whole step.
+        assert_states_close(on_gpu[0]["model"], on_cpu[0]["model"], rtol=1e-4, atol=1e-5)
+    stages = [r["stage"] for r in read_metrics(tmp_path / "gpu" / "metrics.jsonl") if "stage" in r]
+    if optimizer == "onebit_lamb":
+        assert stages == ["warmup"] * 4 + ["compression"] * 4
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
+def test_checkpoint_saved_on_cuda_resumes_on_cuda_and_on_the_cpu(tiny_corpus, tmp_path, optimizer):
+    common = {
+        "model.dropout": 0.0,
+        "schedule.max_steps": 8,
+        "optimizer.name": optimizer,
+        "optimizer.freeze_step": 2,
+        "strategy.force_compression": True,  # 1-bit LAMB compresses at world size 1
+        "precision": "fp32",
+    }
+    straight = run_ranks(_train, 1, tiny_config(tiny_corpus, tmp_path / "cpu", **common))[0]
+    # Steps 1-4 on the GPU, a checkpoint at step 4 (in 1-bit LAMB's compression stage).
+    first = tiny_config(tiny_corpus, tmp_path / "gpu", stop_after=4, **common)
+    assert run_ranks(_train, 1, first, device=GPU)[0]["summary"]["state"] == "stopped"
+    shutil.copytree(tmp_path / "gpu", tmp_path / "gpu_then_cpu")
+    rest = {
+        "gpu": run_ranks(
+            _train, 1, tiny_config(tiny_corpus, tmp_path / "gpu", **common), device=GPU
+        ),
+        "gpu_then_cpu": run_ranks(
+            _train, 1, tiny_config(tiny_corpus, tmp_path / "gpu_then_cpu", **common)
+        ),
+    }
+    want_losses = _losses(tmp_path / "cpu")
+    for name, (result,) in rest.items():
+        assert result["summary"]["state"] == "complete" and result["summary"]["step"] == 8
+        records = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [r["step"] for r in records if "loss" in r] == list(range(1, 9)), name
+        np.testing.assert_allclose(_losses(tmp_path / name), want_losses, rtol=1e-4, err_msg=name)
+        if optimizer == "lamb":  # see the DDP test for why 1-bit LAMB stops at the losses
+            assert_states_close(result["model"], straight["model"], rtol=1e-4, atol=1e-5)
+        else:
+            stages = [r["stage"] for r in records if "stage" in r]
+            assert stages == ["warmup"] * 2 + ["compression"] * 6, name
