@@ -139,9 +139,7 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(
-            errors[0]
-            if len(errors) == 1
-            else f"{name}: {value!r} fits none of {[getattr(a, '__name__', str(a)) for a in args]}"
+            errors[0] if len(errors) == 1 else f"{name} must be {_type_text(hint)}, got {value!r}"
         )
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, prefix=name + ".")

@@ -86,10 +86,12 @@ class BatchConfig:
 class ScheduleConfig:
     """Learning rate over steps (a pure function of the step)."""
 
-    name: Literal["poly", "ee", "constant"] = "poly"
+    name: Literal["poly", "ee", "le", "constant"] = "poly"
     """poly: linear warmup then (1 - progress)^power decay (NVIDIA's BERT recipe);
     ee: warmup with (step/warmup)^2 then exponential decay decay_rate^(steps/decay_step)
-    (DeepSpeed bing_bert's warmup_exp_decay_exp); constant: warmup then flat."""
+    (DeepSpeed bing_bert's warmup_exp_decay_exp); le: linear warmup then the same
+    exponential decay (bing_bert's warmup_linear_decay_exp, its 1-bit Adam and 0/1 Adam
+    recipes); constant: warmup then flat."""
     max_steps: int = 7038
     """Optimizer steps in this phase."""
     warmup_proportion: float = 0.2843

@@ -40,6 +40,8 @@ class StepRecord:
     preempted: bool
     bad: str | None = None
     """Why the step is bad (non-finite loss or gradient norm, fp16 overflow at scale 1)."""
+    grad_sync: str | None = None
+    """What happened to the step's gradients (the strategy's ``gradient_sync()``)."""
 
     @property
     def mlm_loss(self) -> float:
@@ -65,6 +67,8 @@ class StepRecord:
             "comm_bytes": self.comm.bytes_sent,
             "comm_seconds": self.comm.seconds,
         }
+        if self.grad_sync is not None:
+            metrics["grad_sync"] = self.grad_sync
         for kind, (nbytes, seconds, _calls) in sorted(self.comm.by_kind.items()):
             metrics[f"comm_bytes_{kind}"] = nbytes
             metrics[f"comm_seconds_{kind}"] = seconds

@@ -3,9 +3,11 @@ sets up data, model, strategy, checkpoints and resume; :meth:`Trainer.train_step
 optimizer step and returns a :class:`~pretrain.records.StepRecord`; :meth:`Trainer.run`
 logs, validates, checkpoints and stops.
 
-One step: forward/backward over this rank's micro-batches → the strategy's gradient sync
-→ loss-scale check → clipping → the strategy's optimizer step → schedule → the strategy's
-after-step hook. The loop never asks which optimizer or strategy it runs.
+One step: the strategy says what happens to its gradients (a full-precision average, the
+optimizer's own communication, or none; logged as ``grad_sync``) → forward/backward over
+this rank's micro-batches → the strategy's gradient sync → loss-scale check → clipping →
+the strategy's optimizer step → schedule → the strategy's after-step hook. The loop never
+asks which optimizer or strategy it runs.
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ class Trainer:
             self.loss_module,
             ctx,
             untrained_position_rows(self.model, self.seq_length),
+            total_steps=cfg.schedule.max_steps,
         )
 
     # ------------------------------------------------------------------ one step
@@ -163,6 +166,7 @@ class Trainer:
         with the stop requests (SIGUSR1/SIGTERM seen by any rank) in the same all-reduce."""
         cfg, ctx, comm, strategy = self.cfg, self.ctx, self.ctx.comm, self.strategy
         t0 = time.perf_counter()
+        grad_sync = strategy.gradient_sync()  # the strategy's hooks act on the same answer
         comm_before = comm.snapshot()
         net_before = self.net.snapshot() if self.net is not None else None
         # statistics, then tokens, bad-step flag and stop flag, summed in one all-reduce
@@ -180,7 +184,7 @@ class Trainer:
             for i, key in enumerate(STAT_KEYS):
                 if key in stats:
                     totals[i] += stats[key].double()
-            totals[-3] += float(batch["attention_mask"].sum())
+            totals[-3] += float(raw["attention_mask"].sum())  # host copy: no GPU sync
         t1 = time.perf_counter()
         strategy.after_backward()
         t2 = time.perf_counter()
@@ -195,7 +199,12 @@ class Trainer:
                 bad_grads = not math.isfinite(grad_norm)
             strategy.step()
         self.scaler.update(ok)
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # The lr is a function of the loop's step, advanced on every step: also on a
+            # skipped (overflowed) step and under strategies whose update does not go
+            # through optimizer.step() (decentlam, dmsgd), where torch would warn.
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            self.scheduler.step()
         strategy.optimizer.zero_grad(set_to_none=True)
         strategy.after_step(step + 1)
         t3 = time.perf_counter()
@@ -225,6 +234,7 @@ class Trainer:
             net_step,
             values[-1] > 0,
             bad,
+            grad_sync,
         )
 
     def step_metrics(self, record: StepRecord) -> dict:

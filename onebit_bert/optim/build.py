@@ -7,7 +7,7 @@ loop only talks to the strategy, never to the optimizer's type.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -15,22 +15,32 @@ from torch import nn
 
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.optim import defaults
+from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig
 from onebit_bert.optim.lamb import Lamb
+from onebit_bert.optim.onebit_adam import OneBitAdam
 from onebit_bert.optim.onebit_lamb import OneBitLamb
 from onebit_bert.optim.sgd import MomentumSGD
+from onebit_bert.optim.zero_one_adam import ZeroOneAdam
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm.weight")
+
+COMPRESSED_OPTIMIZERS = ("onebit_lamb", "onebit_adam", "zero_one_adam")
+"""Optimizers that average across ranks by themselves (with 1-bit compression) on some
+steps; each has a strategy of the same name."""
+FREEZING_OPTIMIZERS = ("onebit_lamb", "onebit_adam")
+"""Optimizers with a full-precision warmup that ends at ``freeze_step``."""
 
 
 @dataclass
 class OptimizerConfig:
     """Which optimizer, and its hyperparameters (DeepSpeed's names and defaults for 1-bit
-    LAMB, from :mod:`onebit_bert.optim.defaults`)."""
+    LAMB, 1-bit Adam and 0/1 Adam, from :mod:`onebit_bert.optim.defaults`)."""
 
-    name: Literal["lamb", "onebit_lamb", "adamw", "sgd"] = "lamb"
-    """lamb, onebit_lamb (1-bit LAMB), adamw, or sgd: momentum SGD with decoupled weight
-    decay (m = betas[0] m + g; w = w - lr (m + weight_decay w)), the base update that
-    strategy.name decentlam and dmsgd require."""
+    name: Literal["lamb", "onebit_lamb", "onebit_adam", "zero_one_adam", "adamw", "sgd"] = "lamb"
+    """lamb, onebit_lamb (1-bit LAMB), onebit_adam (1-bit Adam), zero_one_adam (0/1 Adam),
+    adamw, or sgd: momentum SGD with decoupled weight decay (m = betas[0] m + g; w = w - lr
+    (m + weight_decay w)), the base update that strategy.name decentlam and dmsgd
+    require."""
     lr: float = defaults.LR
     """Peak learning rate (the schedule scales it)."""
     betas: tuple[float, float] = defaults.BETAS
@@ -45,10 +55,13 @@ class OptimizerConfig:
     min_coeff: float = defaults.MIN_COEFF
     """LAMB trust-ratio lower bound."""
     bias_correction: bool = defaults.BIAS_CORRECTION
-    """LAMB and AdamW only; 1-bit LAMB has none."""
-    freeze_step: int = defaults.FREEZE_STEP
-    """1-bit LAMB: last step of the full-precision warmup stage (recipes: 15-25 % of the
-    steps)."""
+    """LAMB and AdamW only; 1-bit LAMB, 1-bit Adam and 0/1 Adam have none."""
+    freeze_step: int | Literal["auto"] = defaults.FREEZE_STEP
+    """1-bit LAMB and 1-bit Adam: last step of the full-precision warmup stage (recipes:
+    15-25 % of the steps), or auto: end it once every layer's second moment has settled
+    (optimizer.auto_freeze)."""
+    auto_freeze: AutoFreezeConfig = field(default_factory=AutoFreezeConfig)
+    """freeze_step auto: how the end of the warmup is detected."""
     coeff_beta: float = defaults.COEFF_BETA
     """1-bit LAMB: EMA rate of the recorded trust ratio."""
     factor_max: float = defaults.FACTOR_MAX
@@ -57,14 +70,44 @@ class OptimizerConfig:
     """1-bit LAMB: lower bound of the compression-stage factor."""
     factor_threshold: float = defaults.FACTOR_THRESHOLD
     """1-bit LAMB: largest relative change of the factor between steps."""
+    var_freeze_step: int = defaults.VAR_FREEZE_STEP
+    """0/1 Adam: last step that may update the variance; local steps follow (DeepSpeed:
+    usually the end of the learning-rate warm-up)."""
+    var_update_scaler: int = defaults.VAR_UPDATE_SCALER
+    """0/1 Adam: variance updates per interval before the interval doubles (kappa)."""
+    local_step_scaler: int = defaults.LOCAL_STEP_SCALER
+    """0/1 Adam: local steps between two doublings of the local-step interval."""
+    local_step_clipper: int = defaults.LOCAL_STEP_CLIPPER
+    """0/1 Adam: largest local-step interval (H)."""
     bucket_numel: int | None = None
-    """1-bit LAMB: compress momentum in buckets of at most this many elements."""
+    """1-bit LAMB, 1-bit Adam, 0/1 Adam: compress in buckets of at most this many
+    elements."""
 
     def __post_init__(self):
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.freeze_step < 1:
-            raise ValueError(f"freeze_step must be >= 1, got {self.freeze_step}")
+        if self.freeze_step != AUTO and self.freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be >= 1 (the last warmup step) or auto, got {self.freeze_step}"
+            )
+        if self.freeze_step == AUTO and self.name == "zero_one_adam":
+            raise ValueError(
+                f"freeze_step auto applies to {' and '.join(FREEZING_OPTIMIZERS)}; 0/1 Adam "
+                f"ends its variance updates at var_freeze_step: set optimizer.var_freeze_step "
+                f"instead"
+            )
+        for name, what in (
+            ("var_freeze_step", "the last step that updates the variance"),
+            ("var_update_scaler", "variance updates per interval"),
+            ("local_step_scaler", "local steps per doubling of the interval"),
+            ("local_step_clipper", "the largest local-step interval"),
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(
+                    f"{name} must be an integer >= 1 ({what}), got {value}; "
+                    f"DeepSpeed's default is {getattr(defaults, name.upper())}"
+                )
 
 
 def weight_decay_groups(
@@ -88,13 +131,17 @@ def build_optimizer(
     model: nn.Module,
     comm: Communicator,
     momentum_masks: dict[str, torch.Tensor] | None = None,
+    total_steps: int | None = None,
+    force_compression: bool = False,
 ) -> torch.optim.Optimizer:
     """The configured optimizer over ``model``'s parameters.
 
     ``momentum_masks`` (parameter name → 0/1 mask) marks rows that cannot train (for
-    example position embeddings beyond the sequence length); 1-bit LAMB keeps their
-    compressed momentum at zero, the other optimizers need nothing (their gradient there
-    is exactly zero).
+    example position embeddings beyond the sequence length); the compressed optimizers
+    keep what their 1-bit all-reduce returns there at zero, the others need nothing (their
+    gradient there is exactly zero). ``total_steps`` (the run's length) bounds
+    ``freeze_step: auto``. ``force_compression``: 1-bit Adam and 0/1 Adam compress even on
+    a world of one.
     """
     groups = weight_decay_groups(model.named_parameters(), cfg.weight_decay)
     common = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
@@ -110,19 +157,36 @@ def build_optimizer(
         return torch.optim.AdamW(groups, **common)
     if cfg.name == "sgd":
         return MomentumSGD(groups, lr=cfg.lr, momentum=cfg.betas[0])
-    opt = OneBitLamb(
-        groups,
-        **common,
-        freeze_step=cfg.freeze_step,
-        max_coeff=cfg.max_coeff,
-        min_coeff=cfg.min_coeff,
-        coeff_beta=cfg.coeff_beta,
-        factor_max=cfg.factor_max,
-        factor_min=cfg.factor_min,
-        factor_threshold=cfg.factor_threshold,
-        comm=comm,
-        bucket_numel=cfg.bucket_numel,
-    )
+    compressed = dict(comm=comm, bucket_numel=cfg.bucket_numel)
+    freeze = dict(freeze_step=cfg.freeze_step, auto_freeze=cfg.auto_freeze, total_steps=total_steps)
+    if cfg.name == "onebit_lamb":
+        opt = OneBitLamb(
+            groups,
+            **common,
+            **compressed,
+            **freeze,
+            max_coeff=cfg.max_coeff,
+            min_coeff=cfg.min_coeff,
+            coeff_beta=cfg.coeff_beta,
+            factor_max=cfg.factor_max,
+            factor_min=cfg.factor_min,
+            factor_threshold=cfg.factor_threshold,
+        )
+    elif cfg.name == "onebit_adam":
+        opt = OneBitAdam(
+            groups, **common, **compressed, **freeze, force_compression=force_compression
+        )
+    else:
+        opt = ZeroOneAdam(
+            groups,
+            **common,
+            **compressed,
+            var_freeze_step=cfg.var_freeze_step,
+            var_update_scaler=cfg.var_update_scaler,
+            local_step_scaler=cfg.local_step_scaler,
+            local_step_clipper=cfg.local_step_clipper,
+            force_compression=force_compression,
+        )
     params = dict(model.named_parameters())
     for name, mask in (momentum_masks or {}).items():
         opt.set_momentum_mask(params[name], mask)

@@ -7,6 +7,8 @@ does NOT all-reduce gradients (``syncs_internally`` is True): each rank folds it
 gradient into its momentum, and the momenta of all layers are averaged with one
 error-compensated 1-bit all-reduce. Each layer's step is ``lr · c · f · u`` where the
 factor ``f`` tracks how far the fresh second moment has drifted from the frozen one.
+``freeze_step="auto"`` ends the warmup when ``v`` has settled
+(:mod:`onebit_bert.optim.auto_freeze`).
 
 Hyperparameter names match DeepSpeed's ``OneBitLamb`` so its JSON config maps one to one
 (:meth:`OneBitLamb.from_deepspeed_config`).
@@ -14,18 +16,15 @@ Hyperparameter names match DeepSpeed's ``OneBitLamb`` so its JSON config maps on
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.optim import Optimizer
 
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.distributed.compression import ErrorFeedback, padded_size
 from onebit_bert.optim import defaults
+from onebit_bert.optim.auto_freeze import AutoFreezeConfig
+from onebit_bert.optim.compressed import WarmupThenCompress
 from onebit_bert.optim.deepspeed import onebit_lamb_kwargs
 from onebit_bert.optim.lamb import (
     check_lamb_hyperparameters,
@@ -37,13 +36,15 @@ from onebit_bert.optim.lamb import (
 NAME = "1-bit LAMB"
 
 
-class OneBitLamb(Optimizer):
+class OneBitLamb(WarmupThenCompress):
     """1-bit LAMB over the ranks of ``comm`` (default: the default process group, or a
     world of one when none exists).
 
     Args:
         lr, betas, eps, weight_decay: as in LAMB (decoupled weight decay).
-        freeze_step: last step of the warmup stage (>= 1).
+        freeze_step: last step of the warmup stage (>= 1), or ``"auto"``: chosen when the
+            second moment has settled (:mod:`onebit_bert.optim.auto_freeze`, bounded by
+            ``auto_freeze`` and ``total_steps``).
         max_coeff, min_coeff: bounds of the warmup trust ratio.
         coeff_beta: EMA rate of the recorded trust ratio ``c``.
         factor_max, factor_min: bounds of the compression-stage factor ``f``.
@@ -51,6 +52,8 @@ class OneBitLamb(Optimizer):
         comm: the :class:`Communicator` whose ranks share this model.
         bucket_numel: compress the momentum in buckets of at most this many elements
             (bounds the temporary memory of one all-reduce); ``None``: one bucket.
+        auto_freeze, total_steps: with ``freeze_step="auto"``, the detector's settings and
+            the run's length in steps (its bounds are fractions of it).
 
     After each step: ``stage`` ("warmup" or "compression"), ``last_trust_ratios`` (``r``
     in warmup, ``c·f`` in compression, one per layer), ``last_factors`` (``f``, or None in
@@ -59,11 +62,13 @@ class OneBitLamb(Optimizer):
     optimizer's traffic from this rank).
     """
 
+    NAME = NAME
+
     def __init__(
         self,
         params: Iterable,
         lr: float = defaults.LR,
-        freeze_step: int = defaults.FREEZE_STEP,
+        freeze_step: int | str = defaults.FREEZE_STEP,
         betas: tuple[float, float] = defaults.BETAS,
         eps: float = defaults.EPS,
         weight_decay: float = defaults.WEIGHT_DECAY,
@@ -75,12 +80,11 @@ class OneBitLamb(Optimizer):
         factor_threshold: float = defaults.FACTOR_THRESHOLD,
         comm: Communicator | None = None,
         bucket_numel: int | None = None,
+        auto_freeze: AutoFreezeConfig | None = None,
+        total_steps: int | None = None,
     ):
         check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(
-                f"freeze_step must be an integer >= 1 (the last warmup step), got {freeze_step!r}"
-            )
+        self._check_freeze_step(freeze_step)
         if not 0.0 <= coeff_beta < 1.0:
             raise ValueError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
         if not 0.0 < factor_min <= factor_max:
@@ -90,9 +94,7 @@ class OneBitLamb(Optimizer):
             )
         if not 0.0 <= factor_threshold < 1.0:
             raise ValueError(f"factor_threshold must be in [0, 1), got {factor_threshold}")
-        if bucket_numel is not None and bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive element count, got {bucket_numel}")
-        defaults = dict(
+        hyperparameters = dict(
             lr=lr,
             betas=tuple(betas),
             eps=eps,
@@ -104,27 +106,11 @@ class OneBitLamb(Optimizer):
             factor_min=factor_min,
             factor_threshold=factor_threshold,
         )
-        super().__init__(params, defaults)
-        check_params_and_grads(self, NAME)
-        self._check_single_fp32_device()
-        self.freeze_step = freeze_step
-        self.bucket_numel = bucket_numel
-        if comm is None:
-            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-            comm = Communicator(group=group, device=self._device)
-        self.comm = comm
-        self._step = 0
-        # Masks describe this run (e.g. the phase's sequence length), not its history, so
-        # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.
-        self._masks: dict[torch.Tensor, torch.Tensor] = {}
-        self._feedback: ErrorFeedback | None = None
-        self._flat: torch.Tensor | None = None
+        super().__init__(params, hyperparameters, comm, bucket_numel)
+        self._init_freeze(freeze_step, auto_freeze, total_steps)
         self._scratch: torch.Tensor | None = None
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
-        self.last_compression_error: torch.Tensor | None = None
-        self.last_step_bytes = 0
-        self.bytes_sent = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -140,68 +126,8 @@ class OneBitLamb(Optimizer):
         kwargs = onebit_lamb_kwargs(config)
         return cls(params, comm=comm, bucket_numel=bucket_numel, **kwargs)
 
-    def _check_single_fp32_device(self) -> None:
-        devices = set()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.float32:
-                    raise TypeError(
-                        f"{NAME} keeps fp32 master weights; got a {p.dtype} parameter of shape "
-                        f"{tuple(p.shape)}. Keep parameters in fp32 and use autocast for "
-                        f"bf16/fp16 compute"
-                    )
-                devices.add(p.device)
-        if len(devices) > 1:
-            raise ValueError(
-                f"{NAME} needs all parameters on one device, got {sorted(map(str, devices))}"
-            )
-        self._device = devices.pop() if devices else torch.device("cpu")
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        self._flat = None  # the momentum layout changed
-
-    # ------------------------------------------------------------------ public state
-    @property
-    def syncs_internally(self) -> bool:
-        """True when the next ``step()`` averages across ranks by itself: the caller must
-        then skip its own gradient all-reduce and pass local (micro-batch averaged)
-        gradients."""
-        return self._step + 1 > self.freeze_step
-
-    @property
-    def stage(self) -> str:
-        """Stage of the last step taken ("warmup" before the first one)."""
-        return "warmup" if self._step <= self.freeze_step else "compression"
-
-    @property
-    def step_count(self) -> int:
-        return self._step
-
-    def set_momentum_mask(self, param: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Zero the momentum of ``param`` where ``mask`` is 0, after every compressed
-        all-reduce (rows that never train, such as position embeddings beyond the
-        current sequence length, would otherwise pick up compression noise).
-        ``mask`` broadcasts to the parameter's shape; ``None`` removes it. Masks are not
-        part of :meth:`state_dict`: set them again after building the optimizer."""
-        if not any(param is p for g in self.param_groups for p in g["params"]):
-            raise ValueError("set_momentum_mask: the tensor is not a parameter of this optimizer")
-        if mask is None:
-            self._masks.pop(param, None)
-            return
-        try:
-            fits = torch.broadcast_shapes(mask.shape, param.shape) == param.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"momentum mask of shape {tuple(mask.shape)} does not broadcast to the "
-                f"parameter's shape {tuple(param.shape)}"
-            )
-        mask = mask.detach().to(device=param.device, dtype=torch.float32)
-        if not torch.all((mask == 0) | (mask == 1)):
-            raise ValueError("a momentum mask holds only 0 (masked) and 1 (kept)")
-        self._masks[param] = mask
+    def _on_new_flat(self, flat: torch.Tensor) -> None:
+        self._scratch = torch.empty_like(flat)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -209,10 +135,8 @@ class OneBitLamb(Optimizer):
         rank's compression errors) is under ``"per_rank"``: a checkpoint can store the rest
         once and only that part per rank."""
         state = super().state_dict()
-        state["onebit"] = {"step": self._step, "freeze_step": self.freeze_step}
-        state["per_rank"] = {
-            "error_feedback": None if self._feedback is None else self._feedback.state_dict(),
-        }
+        state["onebit"] = self._freeze_state()
+        state["per_rank"] = self._per_rank_state()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -229,25 +153,9 @@ class OneBitLamb(Optimizer):
             )
         check_state_shapes(self, state_dict)
         super().load_state_dict(state_dict)
-        self._step = int(extra["step"])
-        self._flat = None
-        self._feedback = None
-        saved = per_rank.get("error_feedback")
-        if saved is None and self._step > self.freeze_step:
-            warnings.warn(
-                f"1-bit LAMB state at step {self._step} has no compression errors for this "
-                f"rank; starting them from zero",
-                stacklevel=2,
-            )
-        if saved is not None:
-            self._feedback = ErrorFeedback(
-                saved["numel"],
-                self.comm.world_size,
-                rank=self.comm.rank,
-                device=self._device,
-                bucket_numel=self.bucket_numel,
-            )
-            self._feedback.load_state_dict(saved)
+        self._load_freeze_state(extra)
+        compressing = self.freeze_step is not None and self._step > self.freeze_step
+        self._load_per_rank_state(per_rank, compressing)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -258,7 +166,7 @@ class OneBitLamb(Optimizer):
                 loss = closure()
         check_params_and_grads(self, NAME)
         self._step += 1
-        if self._step <= self.freeze_step:
+        if self.freeze_step is None or self._step <= self.freeze_step:
             self._warmup_step()
         else:
             self._compression_step()
@@ -283,91 +191,33 @@ class OneBitLamb(Optimizer):
             c = torch.stack(coeffs)
             cb = group["coeff_beta"]
             torch._foreach_copy_(coeffs, list(torch.where(r != 1.0, cb * c + (1 - cb) * r, c)))
-            if self._step == self.freeze_step:
-                for p in params:
-                    self.state[p]["exp_avg_sq_fresh"] = self.state[p]["exp_avg_sq"].clone()
             ratios.append(r)
+        self._observe_warmup(self._states_with("exp_avg_sq"))
+        if self._step == self.freeze_step:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p]["exp_avg_sq_fresh"] = self.state[p]["exp_avg_sq"].clone()
         self.last_trust_ratios = torch.cat(ratios) if ratios else None
         self.last_factors = None
         self.last_compression_error = None
         self.last_step_bytes = 0
 
-    def _layout(self) -> list[tuple[dict, list[torch.Tensor]]]:
-        """Per group, the parameters that take part in the compressed all-reduce: every
-        parameter that has optimizer state (the same set on every rank)."""
-        layout = []
-        for group in self.param_groups:
-            members = []
-            for p in group["params"]:
-                if "exp_avg" in self.state[p]:
-                    members.append(p)
-                elif p.grad is not None:
-                    raise RuntimeError(
-                        f"a parameter of shape {tuple(p.shape)} received its first gradient "
-                        f"after freeze_step={self.freeze_step}; every trained parameter must "
-                        f"receive gradients during the warmup stage"
-                    )
-            layout.append((group, members))
-        return layout
-
-    def _flat_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """One zero-padded fp32 buffer whose slices are the ``exp_avg`` states, so the
-        compressed all-reduce works in place. Rebuilt after loading a state dict."""
-        numel = sum(p.numel() for p in params)
-        flat = self._flat
-        if flat is not None:
-            offset = 0
-            for p in params:
-                m = self.state[p]["exp_avg"]
-                if m.data_ptr() != flat.data_ptr() + 4 * offset:
-                    flat = None
-                    break
-                offset += p.numel()
-            if offset != numel:
-                flat = None
-        if flat is None:
-            flat = torch.zeros(padded_size(numel, self.comm.world_size), device=self._device)
-            for p, view in zip(params, self._views(flat, params, 0), strict=True):
-                view.copy_(self.state[p]["exp_avg"])
-                self.state[p]["exp_avg"] = view
-            self._flat = flat
-            self._scratch = torch.empty_like(flat)
-        if self._feedback is None:
-            self._feedback = ErrorFeedback(
-                numel,
-                self.comm.world_size,
-                rank=self.comm.rank,
-                device=self._device,
-                bucket_numel=self.bucket_numel,
-            )
-        elif self._feedback.numel != numel:
-            raise ValueError(
-                f"saved compression errors cover {self._feedback.numel} elements but the "
-                f"momentum has {numel}: the optimizer state belongs to a different model"
-            )
-        return flat
-
-    @staticmethod
-    def _views(buffer: torch.Tensor, params: list[torch.Tensor], start: int) -> list:
-        """Slices of ``buffer`` from ``start`` on, shaped like ``params`` one after another."""
-        views, offset = [], start
-        for p in params:
-            views.append(buffer[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
-
     def _compression_step(self) -> None:
-        layout = self._layout()
+        layout = self._layout("exp_avg", f"after freeze_step={self.freeze_step}")
         members = [p for _, ps in layout for p in ps]
         if not members:
             return
-        flat = self._flat_momentum(members)
+        flat = self._fused(members, "exp_avg")
         for p in members:
             st = self.state[p]
             if "exp_avg_sq_fresh" not in st:  # freeze_step moved past a saved run's step
                 st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
         if "scaling_coeff" not in self.state[members[0]]:
-            self._set_scaling_coefficients(members)
+            # Momenta are identical on all ranks here (warmup averaged the gradients).
+            self._set_scaling_coefficients(members, "exp_avg")
+            for p in members:
+                self.state[p].setdefault("last_factor", torch.ones((), device=p.device))
 
         previous = self._scratch
         previous.copy_(flat)
@@ -381,16 +231,7 @@ class OneBitLamb(Optimizer):
             torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
             torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
 
-        momentum_norm = torch.linalg.vector_norm(flat)
-        before = self.comm.snapshot()
-        with self.comm.traffic("momentum"):
-            self.comm.compressed_all_reduce(flat, self._feedback)
-        # What 1-bit rounding left out on this rank, relative to what it was asked to send.
-        self.last_compression_error = torch.linalg.vector_norm(
-            self._feedback.worker_error
-        ) / momentum_norm.clamp_min(1e-30)
-        self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
-        self.bytes_sent += self.last_step_bytes
+        self._compressed_all_reduce(flat, "momentum")
 
         ratios, factors, offset = [], [], 0
         for group, params in layout:
@@ -403,31 +244,13 @@ class OneBitLamb(Optimizer):
         self.last_factors = torch.cat(factors)
         self.last_trust_ratios = torch.cat(ratios)
 
-    def _set_scaling_coefficients(self, params: list[torch.Tensor]) -> None:
-        # Momenta are identical on all ranks here (warmup averaged the gradients), so every
-        # rank derives the same scales without communicating. A layer with zero momentum
-        # gets scale 1 instead of inf.
-        rms = torch.stack(
-            [
-                torch.linalg.vector_norm(self.state[p]["exp_avg"]) / math.sqrt(p.numel())
-                for p in params
-            ]
-        )
-        scales = torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
-        for p, s in zip(params, scales.unbind(0), strict=True):
-            self.state[p]["scaling_coeff"] = s.clone()
-            self.state[p].setdefault("last_factor", torch.ones((), device=p.device))
-
     def _compressed_update(self, group, params, previous, offset):
         beta1, beta2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         torch._foreach_div_(momenta, [st["scaling_coeff"] for st in states])
-        for p, st in zip(params, states, strict=True):
-            mask = self._masks.get(p)
-            if mask is not None:
-                st["exp_avg"].mul_(mask)
+        self._apply_masks(params, momenta)
         # Reconstructed global gradient g~ = (m - β1·m_prev) / (1-β1), in the scratch buffer.
         grad_est = self._views(previous, params, offset)
         torch._foreach_mul_(grad_est, -beta1)

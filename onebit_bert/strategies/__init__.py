@@ -13,9 +13,13 @@ import torch
 from torch import nn
 
 from onebit_bert.distributed.env import DistContext
-from onebit_bert.optim.build import OptimizerConfig, build_optimizer
-from onebit_bert.strategies.base import Strategy, StrategyConfig
-from onebit_bert.strategies.data_parallel import DataParallel, OneBitLambStrategy
+from onebit_bert.optim.build import COMPRESSED_OPTIMIZERS, OptimizerConfig, build_optimizer
+from onebit_bert.strategies.base import GradientSync, Strategy, StrategyConfig
+from onebit_bert.strategies.data_parallel import (
+    DataParallel,
+    OneBitAdamStrategy,
+    OneBitLambStrategy,
+)
 from onebit_bert.strategies.decentralized import (
     DECENTRALIZED_STRATEGIES,
     Decentralized,
@@ -27,6 +31,7 @@ from onebit_bert.strategies.local_steps import (
     LocalSteps,
     check_local_step_config,
 )
+from onebit_bert.strategies.zero_one_adam import ZeroOneAdamStrategy
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +40,23 @@ __all__ = [
     "LOCAL_STEP_STRATEGIES",
     "DataParallel",
     "Decentralized",
+    "GradientSync",
     "LocalSteps",
+    "OneBitAdamStrategy",
     "OneBitLambStrategy",
     "Strategy",
     "StrategyConfig",
+    "ZeroOneAdamStrategy",
     "build_strategy",
     "resolve_strategy_name",
 ]
+
+SELF_SYNCING = {
+    "onebit_lamb": OneBitLambStrategy,
+    "onebit_adam": OneBitAdamStrategy,
+    "zero_one_adam": ZeroOneAdamStrategy,
+}
+"""Strategy of each optimizer that communicates by itself (same name as the optimizer)."""
 
 
 def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> str:
@@ -49,7 +64,7 @@ def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> st
     cannot work."""
     name = cfg.name
     if name == "auto":
-        name = "onebit_lamb" if optimizer.name == "onebit_lamb" else "data_parallel"
+        name = optimizer.name if optimizer.name in COMPRESSED_OPTIMIZERS else "data_parallel"
     if name in DECENTRALIZED_STRATEGIES:
         check_decentralized_config(name, cfg, optimizer.name)
         return name
@@ -57,15 +72,15 @@ def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> st
     if name in LOCAL_STEP_STRATEGIES:
         check_local_step_config(name, cfg, optimizer.name)
         return name
-    if name == "onebit_lamb" and optimizer.name != "onebit_lamb":
+    if name in SELF_SYNCING and optimizer.name != name:
         raise ValueError(
-            f"strategy.name onebit_lamb needs optimizer.name onebit_lamb, got "
-            f"{optimizer.name!r}; set optimizer.name=onebit_lamb or strategy.name=auto"
+            f"strategy.name {name} needs optimizer.name {name}, got {optimizer.name!r}; "
+            f"set optimizer.name={name} or strategy.name=auto"
         )
-    if name == "data_parallel" and optimizer.name == "onebit_lamb":
+    if name == "data_parallel" and optimizer.name in COMPRESSED_OPTIMIZERS:
         raise ValueError(
-            "optimizer.name onebit_lamb compresses its own communication after freeze_step; "
-            "use strategy.name=onebit_lamb (or auto), not data_parallel"
+            f"optimizer.name {optimizer.name} compresses its own communication on some steps; "
+            f"use strategy.name={optimizer.name} (or auto), not data_parallel"
         )
     return name
 
@@ -77,12 +92,15 @@ def build_strategy(
     loss_module: nn.Module,
     ctx: DistContext,
     momentum_masks: dict[str, torch.Tensor] | None = None,
+    total_steps: int | None = None,
 ) -> Strategy:
     """The configured strategy over ``model`` (forward passes run through ``loss_module``,
-    which holds it), with its optimizer built from ``optimizer_cfg``.
+    which holds it), with its optimizer built from ``optimizer_cfg``; ``total_steps`` (the
+    run's length) bounds ``optimizer.freeze_step: auto``.
 
     1-bit LAMB on a world of one runs as exact LAMB with the same hyperparameters (no bias
-    correction, as 1-bit LAMB has none) unless ``cfg.force_compression``.
+    correction, as 1-bit LAMB has none) unless ``cfg.force_compression``; 1-bit Adam and
+    0/1 Adam skip their compression there unless ``cfg.force_compression``.
     """
     name = resolve_strategy_name(cfg, optimizer_cfg)
     use_ddp = cfg.grad_sync == "ddp" or (cfg.grad_sync == "auto" and ctx.device.type == "cuda")
@@ -93,11 +111,18 @@ def build_strategy(
         )
         optimizer_cfg = replace(optimizer_cfg, name="lamb", bias_correction=False)
         name = "data_parallel"
-    optimizer = build_optimizer(optimizer_cfg, model, ctx.comm, momentum_masks)
+    optimizer = build_optimizer(
+        optimizer_cfg,
+        model,
+        ctx.comm,
+        momentum_masks,
+        total_steps=total_steps,
+        force_compression=cfg.force_compression,
+    )
     if name in LOCAL_STEP_STRATEGIES:
         return LocalSteps(model, loss_module, optimizer, ctx, cfg, name)
     if name in DECENTRALIZED_STRATEGIES:
         bounds = (optimizer_cfg.min_coeff, optimizer_cfg.max_coeff)
         return Decentralized(model, loss_module, optimizer, ctx, cfg, name, bounds)
-    cls = OneBitLambStrategy if name == "onebit_lamb" else DataParallel
+    cls = SELF_SYNCING.get(name, DataParallel)
     return cls(model, loss_module, optimizer, ctx, use_ddp=use_ddp)

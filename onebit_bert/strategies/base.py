@@ -2,6 +2,7 @@
 
 One optimizer step of the loop, and the hook each part calls::
 
+    strategy.gradient_sync()           what happens to this step's gradients (asked first)
     for each micro-batch:   with strategy.backward_context(last): forward, backward
     strategy.after_backward()          gradient sync (all-reduce, DDP's, or none)
     (loss-scale check, clipping: the loop's own)
@@ -25,34 +26,50 @@ from torch import nn
 
 from onebit_bert.distributed.env import DistContext
 
+GradientSync = Literal["allreduce", "optimizer", "none"]
+"""What happens to a step's gradients before the optimizer step
+(:meth:`Strategy.gradient_sync`)."""
+
 
 @dataclass
 class StrategyConfig:
     """How data-parallel ranks synchronise; the optimizer section picks the optimizer."""
 
     name: Literal[
-        "auto", "data_parallel", "onebit_lamb", "co2", "slowmo", "local_sgd", "decentlam", "dmsgd"
+        "auto",
+        "data_parallel",
+        "onebit_lamb",
+        "onebit_adam",
+        "zero_one_adam",
+        "co2",
+        "slowmo",
+        "local_sgd",
+        "decentlam",
+        "dmsgd",
     ] = "auto"
     """data_parallel: average gradients every step, then step the optimizer (LAMB, AdamW);
-    onebit_lamb: 1-bit LAMB (averaged gradients in its warmup, then its own compressed
-    momentum all-reduce); auto: onebit_lamb for optimizer.name onebit_lamb, otherwise
-    data_parallel. Local steps (the optimizer, LAMB or AdamW, steps each rank alone;
-    parameters are averaged every ``outer_every`` steps): slowmo: a synchronous average
-    and a slow momentum step; local_sgd: slowmo with outer_momentum 0 and outer_lr 1 (the
-    average itself); co2: the average of round t runs in the background during round t+1
-    and enters one round late, with a staleness-gap penalty and outer-momentum
-    clipping. Decentralised (optimizer.name sgd; no global average, each rank exchanges
-    its parameters with its neighbours in ``topology`` every step): decentlam: momentum
-    on the gossip-induced gradient (DecentLaM); dmsgd: each rank's own momentum step,
-    then the neighbour average (DmSGD, adapt-then-combine)."""
+    onebit_lamb, onebit_adam: 1-bit LAMB, 1-bit Adam (averaged gradients in the warmup, then the
+    optimizer's own compressed momentum all-reduce); zero_one_adam: 0/1 Adam (averaged gradients
+    on its variance-update steps only, 1-bit gradients on the others, then local steps with a
+    1-bit synchronisation); auto: the strategy of the same name for those three optimizers,
+    otherwise data_parallel. Local steps (the optimizer, LAMB or AdamW, steps each rank alone;
+    parameters are averaged every ``outer_every`` steps): slowmo: a synchronous average and a
+    slow momentum step; local_sgd: slowmo with outer_momentum 0 and outer_lr 1 (the average
+    itself); co2: the average of round t runs in the background during round t+1 and enters one
+    round late, with a staleness-gap penalty and outer-momentum clipping. Decentralised
+    (optimizer.name sgd; no global average, each rank exchanges its parameters with its
+    neighbours in ``topology`` every step): decentlam: momentum on the gossip-induced gradient
+    (DecentLaM); dmsgd: each rank's own momentum step, then the neighbour average (DmSGD,
+    adapt-then-combine)."""
     grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
     """How gradients are averaged while they are: ``ddp`` overlaps bucketed all-reduces
     with the backward pass (DistributedDataParallel, ``no_sync`` during accumulation);
     ``allreduce`` runs one bucketed all-reduce after the last micro-batch (every second of
     it measurable); ``auto``: ddp on GPUs, allreduce on CPUs."""
     force_compression: bool = False
-    """1-bit LAMB on one process runs as exact LAMB (there is nothing to send, and
-    compression would only add error, as in DeepSpeed); true compresses anyway (tests)."""
+    """1-bit LAMB on one process runs as exact LAMB, and 1-bit Adam and 0/1 Adam skip
+    their compression there (there is nothing to send, and compression would only add
+    error, as in DeepSpeed); true compresses anyway (tests)."""
     outer_every: int = 12
     """co2, slowmo, local_sgd: local steps per round (tau); one parameter average per
     round (SlowMo's paper: 12 for local SGD, 48 over SGP)."""
@@ -82,8 +99,9 @@ class StrategyConfig:
     """decentlam, dmsgd: the communication graph (weights as BlueFog's): ring (left and
     right neighbour, 1/3 each); exponential (static: neighbours i - 2^j, j < ceil(log2 n),
     uniform weights); one_peer_exponential (one peer per step, i - 2^(k mod log2 n), 1/2
-    each; a power-of-2 number of ranks); full (the exact average, for tests). null:
-    exponential."""
+    each; a power-of-2 number of ranks); full (the exact average, for tests). null: ring
+    for decentlam (its momentum diverges on the directed exponential graphs at beta 0.9,
+    which is refused when the strategy is built), exponential for dmsgd."""
     layerwise: Literal["none", "lamb"] = "none"
     """decentlam, dmsgd: lamb scales each tensor's update by a LAMB trust ratio
     |x| / |update| clipped to [optimizer.min_coeff, optimizer.max_coeff] (the project's
@@ -134,6 +152,19 @@ class Strategy:
         """The trained parameters, in model order."""
 
     # ------------------------------------------------------------------ one step
+    def gradient_sync(self) -> GradientSync:
+        """What happens to the coming step's gradients before the optimizer step; asked
+        before its first forward pass, and the same answer until that step is taken:
+
+        - ``allreduce``: averaged over ranks in full precision (by :meth:`after_backward`,
+          or by DDP's hooks during the last micro-batch's backward);
+        - ``optimizer``: left local; the optimizer's step communicates what it needs
+          (compressed momentum or gradients), or nothing on a local step;
+        - ``none``: left local; the strategy communicates something else, or nothing.
+
+        The base strategy sends nothing: ``none``."""
+        return "none"
+
     def backward_context(self, last_micro_batch: bool):
         """Around one micro-batch's forward and backward."""
         return contextlib.nullcontext()

@@ -1,5 +1,7 @@
-"""Data parallelism with a gradient average every step (LAMB, AdamW), and 1-bit LAMB,
-which needs averaged gradients only in its warmup stage and then communicates by itself."""
+"""Data parallelism with a gradient average every step (LAMB, AdamW), and the strategies of
+the optimizers that average across ranks by themselves on some steps (1-bit LAMB, 1-bit
+Adam; 0/1 Adam in :mod:`onebit_bert.strategies.zero_one_adam`): they average gradients
+only on the steps whose optimizer asks for it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed.env import DistContext
-from onebit_bert.strategies.base import Strategy
+from onebit_bert.strategies.base import GradientSync, Strategy
 
 
 class DataParallel(Strategy):
@@ -36,26 +38,50 @@ class DataParallel(Strategy):
             module = self.ddp
         super().__init__(model, module, optimizer, ctx)
 
-    def sync_gradients(self) -> bool:
-        """Whether this step's gradients are averaged across ranks."""
-        return True
+    def gradient_sync(self) -> GradientSync:
+        """Every step's gradients are averaged."""
+        return "allreduce"
 
     def backward_context(self, last_micro_batch: bool):
-        if self.ddp is not None and not (last_micro_batch and self.sync_gradients()):
+        if self.ddp is not None and not (last_micro_batch and self.gradient_sync() == "allreduce"):
             return self.ddp.no_sync()
         return contextlib.nullcontext()
 
     def after_backward(self) -> None:
-        if self.sync_gradients() and self.ddp is None and self.ctx.world_size > 1:
+        if self.gradient_sync() == "allreduce" and self.ddp is None and self.ctx.world_size > 1:
             with self.comm.traffic("gradients"):
                 self.comm.all_reduce_coalesced([p.grad for p in self.params if p.grad is not None])
 
 
-class OneBitLambStrategy(DataParallel):
-    """1-bit LAMB: averaged gradients (as :class:`DataParallel`) up to ``freeze_step``,
-    then none: the optimizer's step all-reduces its momentum in 1 bit (``momentum``)."""
+class SelfSyncingDataParallel(DataParallel):
+    """For an optimizer with ``syncs_internally``: averaged gradients (as
+    :class:`DataParallel`) on the steps it says False, none on the others, where its step
+    communicates by itself."""
+
+    def gradient_sync(self) -> GradientSync:
+        return "optimizer" if self.optimizer.syncs_internally else "allreduce"
+
+    def metrics(self) -> dict:
+        """The base figures, and with ``freeze_step: auto`` the detector's last statistic
+        (``freeze_statistic``) and, once chosen, the last warmup step (``freeze_step``)."""
+        out = super().metrics()
+        if getattr(self.optimizer, "auto_freeze", False):
+            if self.optimizer.freeze_statistic is not None:
+                out["freeze_statistic"] = self.optimizer.freeze_statistic
+            if self.optimizer.freeze_step is not None:
+                out["freeze_step"] = self.optimizer.freeze_step
+        return out
+
+
+class OneBitLambStrategy(SelfSyncingDataParallel):
+    """1-bit LAMB: averaged gradients up to ``freeze_step``, then none: the optimizer's step
+    all-reduces its momentum in 1 bit (``momentum``)."""
 
     name = "onebit_lamb"
 
-    def sync_gradients(self) -> bool:
-        return not self.optimizer.syncs_internally
+
+class OneBitAdamStrategy(SelfSyncingDataParallel):
+    """1-bit Adam: averaged gradients up to ``freeze_step``, then none: the optimizer's step
+    all-reduces its momentum in 1 bit (``momentum``)."""
+
+    name = "onebit_adam"

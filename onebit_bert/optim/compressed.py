@@ -1,0 +1,375 @@
+"""What 1-bit LAMB, 1-bit Adam and 0/1 Adam share: the machinery around the compressed
+all-reduce, and the full-precision warmup that ends at ``freeze_step``.
+
+:class:`CompressedOptimizer` keeps fp32 parameters on one device, the communicator, one
+zero-padded flat buffer whose slices *are* a per-parameter state (so the error-compensated
+1-bit all-reduce runs in place, once per bucket, over every layer at once), this rank's
+compression errors, momentum masks, and a state dict split into the part every rank
+shares and this rank's own part (``"per_rank"``).
+
+Fusing all layers into one buffer means one scale per bucket instead of DeepSpeed's one
+scale per tensor (its 1-bit Adam and 0/1 Adam compress tensor by tensor). Layers whose
+values are much smaller than the rest would then be swamped by the common scale, so every
+layer is multiplied by a scaling coefficient before compression and divided by it after
+(:func:`scaling_coefficients`: the mean RMS over layers divided by the layer's RMS), which
+is how 1-bit LAMB (Li et al., arXiv 2104.06069, Sec. 3; DeepSpeed's ``OnebitLamb``) makes
+one fused buffer work. The coefficients are computed from state that is identical on every
+rank, so every rank derives the same ones without communicating.
+
+:class:`WarmupThenCompress` adds the two-stage schedule of 1-bit LAMB and 1-bit Adam:
+steps ``1 .. freeze_step`` take averaged gradients, later ones compress. ``freeze_step``
+may be ``"auto"`` (:mod:`onebit_bert.optim.auto_freeze`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from onebit_bert.distributed.comm import Communicator
+from onebit_bert.distributed.compression import ErrorFeedback, padded_size
+from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig, FreezeDetector
+from onebit_bert.optim.lamb import check_params_and_grads
+
+log = logging.getLogger(__name__)
+
+
+def scaling_coefficients(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, ``mean_k(rms_k) / rms_l`` (1 for an all-zero tensor instead of inf): the
+    factors that give every tensor the same RMS before a fused compression."""
+    rms = torch.stack([torch.linalg.vector_norm(t) / math.sqrt(t.numel()) for t in tensors])
+    return torch.where(rms > 0, rms.mean() / rms, torch.ones_like(rms))
+
+
+class CompressedOptimizer(Optimizer):
+    """Base of the optimizers that average something across ranks with the 1-bit
+    all-reduce. Subclasses set ``NAME`` and implement ``step``; ``_step`` counts steps.
+
+    After each step: ``last_compression_error`` (‖this rank's worker error‖ / ‖what it
+    compressed‖, None when nothing was compressed), ``last_step_bytes`` and ``bytes_sent``
+    (this optimizer's traffic from this rank).
+    """
+
+    NAME = "compressed optimizer"
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        comm: Communicator | None,
+        bucket_numel: int | None,
+    ):
+        if bucket_numel is not None and bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be a positive element count, got {bucket_numel}")
+        super().__init__(params, defaults)
+        check_params_and_grads(self, self.NAME)
+        self._check_single_fp32_device()
+        self.bucket_numel = bucket_numel
+        if comm is None:
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+            comm = Communicator(group=group, device=self._device)
+        self.comm = comm
+        self._step = 0
+        # Masks describe this run (e.g. the phase's sequence length), not its history, so
+        # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.
+        self._masks: dict[torch.Tensor, torch.Tensor] = {}
+        self._feedback: ErrorFeedback | None = None
+        self._flat: torch.Tensor | None = None
+        self.last_compression_error: torch.Tensor | None = None
+        self.last_step_bytes = 0
+        self.bytes_sent = 0
+
+    def _check_single_fp32_device(self) -> None:
+        devices = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise TypeError(
+                        f"{self.NAME} keeps fp32 master weights; got a {p.dtype} parameter of "
+                        f"shape {tuple(p.shape)}. Keep parameters in fp32 and use autocast for "
+                        f"bf16/fp16 compute"
+                    )
+                devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(
+                f"{self.NAME} needs all parameters on one device, got {sorted(map(str, devices))}"
+            )
+        self._device = devices.pop() if devices else torch.device("cpu")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._flat = None  # the fused layout changed
+
+    @property
+    def step_count(self) -> int:
+        return self._step
+
+    # ------------------------------------------------------------------ masks
+    def set_momentum_mask(self, param: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Zero what the compressed all-reduce returns for ``param`` where ``mask`` is 0
+        (rows that never train, such as position embeddings beyond the current sequence
+        length, would otherwise pick up compression noise). ``mask`` broadcasts to the
+        parameter's shape; ``None`` removes it. Masks are not part of :meth:`state_dict`:
+        set them again after building the optimizer."""
+        if not any(param is p for g in self.param_groups for p in g["params"]):
+            raise ValueError("set_momentum_mask: the tensor is not a parameter of this optimizer")
+        if mask is None:
+            self._masks.pop(param, None)
+            return
+        try:
+            fits = torch.broadcast_shapes(mask.shape, param.shape) == param.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"momentum mask of shape {tuple(mask.shape)} does not broadcast to the "
+                f"parameter's shape {tuple(param.shape)}"
+            )
+        mask = mask.detach().to(device=param.device, dtype=torch.float32)
+        if not torch.all((mask == 0) | (mask == 1)):
+            raise ValueError("a momentum mask holds only 0 (masked) and 1 (kept)")
+        self._masks[param] = mask
+
+    def _states_with(self, key: str) -> list[torch.Tensor]:
+        """State ``key`` of every parameter that has it, in group and parameter order."""
+        return [
+            self.state[p][key]
+            for group in self.param_groups
+            for p in group["params"]
+            if key in self.state[p]
+        ]
+
+    def _apply_masks(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        for p, t in zip(params, tensors, strict=True):
+            mask = self._masks.get(p)
+            if mask is not None:
+                t.mul_(mask)
+
+    # ------------------------------------------------------------------ the fused buffer
+    def _layout(self, key: str, when: str) -> list[tuple[dict, list[torch.Tensor]]]:
+        """Per group, the parameters that take part in the fused all-reduce: every
+        parameter that has state ``key`` (the same set on every rank). A parameter with a
+        gradient but no such state got its first gradient too late (``when`` says when)."""
+        layout = []
+        for group in self.param_groups:
+            members = []
+            for p in group["params"]:
+                if key in self.state[p]:
+                    members.append(p)
+                elif p.grad is not None:
+                    raise RuntimeError(
+                        f"a parameter of shape {tuple(p.shape)} received its first gradient "
+                        f"{when}; every trained parameter must receive gradients from the "
+                        f"first step on"
+                    )
+            layout.append((group, members))
+        return layout
+
+    def _fused(self, params: list[torch.Tensor], key: str) -> torch.Tensor:
+        """One zero-padded fp32 buffer whose slices are the ``key`` states of ``params``,
+        so the compressed all-reduce works in place; and this rank's compression errors
+        for it. Rebuilt after loading a state dict."""
+        numel = sum(p.numel() for p in params)
+        flat = self._flat
+        if flat is not None:
+            offset = 0
+            for p in params:
+                if self.state[p][key].data_ptr() != flat.data_ptr() + 4 * offset:
+                    flat = None
+                    break
+                offset += p.numel()
+            if offset != numel:
+                flat = None
+        if flat is None:
+            flat = torch.zeros(padded_size(numel, self.comm.world_size), device=self._device)
+            for p, view in zip(params, self._views(flat, params, 0), strict=True):
+                view.copy_(self.state[p][key])
+                self.state[p][key] = view
+            self._flat = flat
+            self._on_new_flat(flat)
+        if self._feedback is None:
+            self._feedback = ErrorFeedback(
+                numel,
+                self.comm.world_size,
+                rank=self.comm.rank,
+                device=self._device,
+                bucket_numel=self.bucket_numel,
+            )
+        elif self._feedback.numel != numel:
+            raise ValueError(
+                f"saved compression errors cover {self._feedback.numel} elements but the "
+                f"fused buffer has {numel}: the optimizer state belongs to a different model"
+            )
+        return flat
+
+    def _on_new_flat(self, flat: torch.Tensor) -> None:
+        """Called when the fused buffer is (re)built; subclasses size scratch space here."""
+
+    @staticmethod
+    def _views(buffer: torch.Tensor, params: list[torch.Tensor], start: int) -> list:
+        """Slices of ``buffer`` from ``start`` on, shaped like ``params`` one after another."""
+        views, offset = [], start
+        for p in params:
+            views.append(buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
+    def _compressed_all_reduce(self, flat: torch.Tensor, kind: str) -> None:
+        """Average ``flat`` over ranks in 1 bit, in place, filed as traffic ``kind``; sets
+        ``last_compression_error`` and the byte counters."""
+        norm = torch.linalg.vector_norm(flat)
+        before = self.comm.snapshot()
+        with self.comm.traffic(kind):
+            self.comm.compressed_all_reduce(flat, self._feedback)
+        # What 1-bit rounding left out on this rank, relative to what it was asked to send.
+        self.last_compression_error = torch.linalg.vector_norm(
+            self._feedback.worker_error
+        ) / norm.clamp_min(1e-30)
+        self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
+        self.bytes_sent += self.last_step_bytes
+
+    def _set_scaling_coefficients(self, params: list[torch.Tensor], source: str) -> None:
+        """``scaling_coeff`` of every parameter from its ``source`` state, which must be
+        identical on every rank when this is called."""
+        scales = scaling_coefficients([self.state[p][source] for p in params])
+        for p, s in zip(params, scales.unbind(0), strict=True):
+            self.state[p]["scaling_coeff"] = s.clone()
+
+    # ------------------------------------------------------------------ per-rank state
+    def _per_rank_state(self) -> dict:
+        return {"error_feedback": None if self._feedback is None else self._feedback.state_dict()}
+
+    def _load_per_rank_state(self, per_rank: dict, compressing: bool) -> None:
+        """Restore this rank's compression errors (fresh ones, with a warning when the run
+        is already compressing and none were saved for this rank)."""
+        self._flat = None
+        self._feedback = None
+        saved = per_rank.get("error_feedback")
+        if saved is None and compressing:
+            warnings.warn(
+                f"{self.NAME} state at step {self._step} has no compression errors for this "
+                f"rank; starting them from zero",
+                stacklevel=3,
+            )
+        if saved is not None:
+            self._feedback = ErrorFeedback(
+                saved["numel"],
+                self.comm.world_size,
+                rank=self.comm.rank,
+                device=self._device,
+                bucket_numel=self.bucket_numel,
+            )
+            self._feedback.load_state_dict(saved)
+
+
+class WarmupThenCompress(CompressedOptimizer):
+    """Steps ``1 .. freeze_step`` take gradients the caller averaged (the warmup), later
+    ones compress (``syncs_internally``). ``freeze_step="auto"`` lets a
+    :class:`~onebit_bert.optim.auto_freeze.FreezeDetector` choose it from the second
+    moment, within bounds set by ``auto_freeze`` and ``total_steps``; until it has chosen,
+    ``freeze_step`` is None."""
+
+    def _init_freeze(
+        self,
+        freeze_step: int | str,
+        auto_freeze: AutoFreezeConfig | None,
+        total_steps: int | None,
+    ) -> None:
+        self._detector: FreezeDetector | None = None
+        if freeze_step == AUTO:
+            self._detector = (auto_freeze or AutoFreezeConfig()).detector(total_steps)
+            self.freeze_step: int | None = None
+        else:
+            self.freeze_step = freeze_step
+
+    @staticmethod
+    def _check_freeze_step(freeze_step) -> None:
+        if freeze_step == AUTO:
+            return
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be an integer >= 1 (the last warmup step) or 'auto', "
+                f"got {freeze_step!r}"
+            )
+
+    @property
+    def auto_freeze(self) -> bool:
+        """Whether the warmup's end is chosen from the second moment."""
+        return self._detector is not None
+
+    @property
+    def freeze_statistic(self) -> float | None:
+        """With ``freeze_step="auto"``: the last check's largest relative change of a
+        layer's ‖v‖ over the window (None before the second check)."""
+        return None if self._detector is None else self._detector.statistic
+
+    @property
+    def syncs_internally(self) -> bool:
+        """True when the next ``step()`` averages across ranks by itself: the caller must
+        then skip its own gradient all-reduce and pass local (micro-batch averaged)
+        gradients."""
+        return self.freeze_step is not None and self._step + 1 > self.freeze_step
+
+    @property
+    def stage(self) -> str:
+        """Stage of the last step taken ("warmup" before the first one)."""
+        if self.freeze_step is None or self._step <= self.freeze_step:
+            return "warmup"
+        return "compression"
+
+    def _observe_warmup(self, exp_avg_sqs: list[torch.Tensor]) -> None:
+        """After warmup step ``_step``: let the detector decide whether it was the last."""
+        if self._detector is None or self.freeze_step is not None:
+            return
+        if self._detector.observe(self._step, exp_avg_sqs):
+            self.freeze_step = self._step
+            if self.comm.rank == 0:
+                log.info(
+                    "%s: warmup ends at step %d (largest relative change of a layer's |v| "
+                    "over %d steps: %s)",
+                    self.NAME,
+                    self._step,
+                    self._detector.window,
+                    self._detector.statistic,
+                )
+
+    def _freeze_state(self) -> dict:
+        return {
+            "step": self._step,
+            "freeze_step": self.freeze_step,
+            "auto_freeze": None if self._detector is None else self._detector.state_dict(),
+        }
+
+    def _load_freeze_state(self, extra: dict) -> None:
+        """Restore the step count and, with ``freeze_step="auto"``, the decision or the
+        detector's history. A fixed ``freeze_step`` stays this optimizer's own (a new
+        phase may set another)."""
+        self._step = int(extra["step"])
+        if self._detector is None:
+            return
+        saved = extra.get("auto_freeze")
+        if saved is not None:
+            self._detector.load_state_dict(saved)
+            self.freeze_step = self._detector.freeze_step
+        elif extra.get("freeze_step") is not None and self._step > extra["freeze_step"]:
+            # written by a run with a fixed freeze_step that is already compressing
+            self.freeze_step = int(extra["freeze_step"])
+            self._detector.freeze_step = self.freeze_step
+
+
+def check_betas_eps_wd(lr: float, betas, eps: float, weight_decay: float) -> None:
+    """One clear error per bad Adam-type hyperparameter."""
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")

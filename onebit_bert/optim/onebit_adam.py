@@ -1,0 +1,225 @@
+"""1-bit Adam (Tang et al., arXiv 2102.02888): Adam whose momentum is synchronised with
+1-bit compression once its second moment is frozen.
+
+Per parameter tensor ``x`` with gradient ``g`` (no bias correction, ``eps`` outside the
+square root, decoupled weight decay ``wd``), as DeepSpeed's ``OnebitAdam`` computes it:
+
+* **warmup**, steps ``1 .. freeze_step``: the caller averages gradients over ranks
+  (``syncs_internally`` is False), and ::
+
+      m = β1·m + (1-β1)·ḡ;   v = β2·v + (1-β2)·ḡ²;   x = x - lr·(m/(sqrt(v)+eps) + wd·x)
+
+* **compression**, later steps: ``v`` is frozen and the caller sends nothing; each rank
+  folds its local gradient into the momentum, and the momenta are averaged with the
+  error-compensated 1-bit all-reduce (:meth:`Communicator.compressed_all_reduce
+  <onebit_bert.distributed.comm.Communicator.compressed_all_reduce>`)::
+
+      m = C(β1·m + (1-β1)·g_local) ⊙ mask;   x = x - lr·(m/(sqrt(v)+eps) + wd·x)
+
+On a world of one nothing is compressed (as in DeepSpeed): the optimizer is then Adam
+without bias correction whose ``v`` stops changing after ``freeze_step``.
+``force_compression`` compresses anyway (tests of the collective on one process).
+
+Where this differs from DeepSpeed's ``OnebitAdam``, on purpose:
+
+* No discarded step: DeepSpeed's first ``step()`` only allocates buffers and throws the
+  first batch's gradient away; here step 1 is a real Adam step, and ``freeze_step`` counts
+  real steps (DeepSpeed's counter includes the discarded call, so its last full-precision
+  update is its ``freeze_step - 1``-th).
+* One fused buffer for all layers, compressed bucket by bucket (DeepSpeed compresses
+  every tensor on its own, two collectives per tensor): each layer is multiplied by a
+  scaling coefficient before compression and divided by it after, fixed at the first
+  compression step from the (rank-identical) momentum, as 1-bit LAMB does
+  (:mod:`onebit_bert.optim.compressed`). The padding sits at the end of the buffer and
+  stays zero, and scales use real elements only.
+* This rank's compression errors are checkpointed (``state_dict()["per_rank"]``) and
+  restored on resume with the same world size; DeepSpeed resets them on every load.
+* ``freeze_step="auto"`` (:mod:`onebit_bert.optim.auto_freeze`).
+* No ``non_freeze`` parameter groups (DeepSpeed's option to keep some groups in full
+  precision), and masks are set with :meth:`set_momentum_mask`, not ``exp_avg_mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from onebit_bert.distributed.comm import Communicator
+from onebit_bert.optim import defaults
+from onebit_bert.optim.auto_freeze import AutoFreezeConfig
+from onebit_bert.optim.compressed import WarmupThenCompress, check_betas_eps_wd
+from onebit_bert.optim.deepspeed import onebit_adam_kwargs
+from onebit_bert.optim.lamb import check_params_and_grads, check_state_shapes
+
+NAME = "1-bit Adam"
+SECTION = "onebit_adam"
+"""The key of this optimizer's own entries in its state dict."""
+
+
+def adam_update(group: dict, params: list[torch.Tensor], states: list[dict]) -> None:
+    """``x = x - lr·(m/(sqrt(v)+eps) + wd·x)`` with the group's hyperparameters (no bias
+    correction), on tensors of one device and dtype."""
+    denom = torch._foreach_sqrt([st["exp_avg_sq"] for st in states])
+    torch._foreach_add_(denom, group["eps"])
+    update = torch._foreach_div([st["exp_avg"] for st in states], denom)
+    if group["weight_decay"] > 0.0:
+        torch._foreach_add_(update, params, alpha=group["weight_decay"])
+    torch._foreach_add_(params, update, alpha=-group["lr"])
+
+
+def fold_gradients(momenta: list[torch.Tensor], grads: list[torch.Tensor], beta1: float) -> None:
+    """``m = β1·m + (1-β1)·g`` in place."""
+    torch._foreach_mul_(momenta, beta1)
+    torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
+
+
+class OneBitAdam(WarmupThenCompress):
+    """1-bit Adam over the ranks of ``comm`` (default: the default process group, or a
+    world of one when none exists).
+
+    Args:
+        lr, betas, eps, weight_decay: Adam's (no bias correction, decoupled weight decay).
+        freeze_step: last step of the warmup (>= 1), or ``"auto"``
+            (:mod:`onebit_bert.optim.auto_freeze`, bounded by ``auto_freeze`` and
+            ``total_steps``).
+        comm: the :class:`Communicator` whose ranks share this model.
+        bucket_numel: compress in buckets of at most this many elements; ``None``: one.
+        auto_freeze, total_steps: with ``freeze_step="auto"``, the detector's settings and
+            the run's length in steps.
+        force_compression: compress even on a world of one.
+
+    After each step: ``stage`` ("warmup" or "compression"), ``last_compression_error``,
+    ``last_step_bytes`` and ``bytes_sent``.
+    """
+
+    NAME = NAME
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = defaults.LR,
+        freeze_step: int | str = defaults.FREEZE_STEP,
+        betas: tuple[float, float] = defaults.BETAS,
+        eps: float = defaults.EPS,
+        weight_decay: float = defaults.WEIGHT_DECAY,
+        comm: Communicator | None = None,
+        bucket_numel: int | None = None,
+        auto_freeze: AutoFreezeConfig | None = None,
+        total_steps: int | None = None,
+        force_compression: bool = False,
+    ):
+        check_betas_eps_wd(lr, betas, eps, weight_decay)
+        self._check_freeze_step(freeze_step)
+        hyperparameters = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, hyperparameters, comm, bucket_numel)
+        self._init_freeze(freeze_step, auto_freeze, total_steps)
+        self.compresses = self.comm.world_size > 1 or force_compression
+        """Whether the compression stage runs the 1-bit all-reduce (not on a world of one,
+        unless forced)."""
+
+    @classmethod
+    def from_deepspeed_config(
+        cls,
+        params: Iterable,
+        config: dict[str, Any],
+        comm: Communicator | None = None,
+        bucket_numel: int | None = None,
+    ) -> OneBitAdam:
+        """Build from the ``params`` of a DeepSpeed ``{"type": "OneBitAdam"}`` optimizer
+        (:func:`onebit_bert.optim.deepspeed.onebit_adam_kwargs` says what is accepted)."""
+        return cls(params, comm=comm, bucket_numel=bucket_numel, **onebit_adam_kwargs(config))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly; this rank's compression errors are under
+        ``"per_rank"`` (the rest is the same on every rank)."""
+        state = super().state_dict()
+        state[SECTION] = self._freeze_state()
+        state["per_rank"] = self._per_rank_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state saved by :meth:`state_dict`. Compression errors saved under a
+        different world size (or by another rank), or missing, start from zero (with a
+        warning when the run is already compressing)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(SECTION, None)
+        per_rank = state_dict.pop("per_rank", None) or {}
+        if extra is None:
+            raise ValueError(
+                "this optimizer state has no 1-bit Adam section; it was saved by another "
+                "optimizer (resume with the optimizer that wrote it)"
+            )
+        check_state_shapes(self, state_dict)
+        super().load_state_dict(state_dict)
+        self._load_freeze_state(extra)
+        compressing = self.freeze_step is not None and self._step > self.freeze_step
+        self._load_per_rank_state(per_rank, compressing and self.compresses)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        check_params_and_grads(self, NAME)
+        self._step += 1
+        self.last_compression_error = None
+        self.last_step_bytes = 0
+        if self.freeze_step is None or self._step <= self.freeze_step:
+            self._warmup_step()
+        else:
+            self._compression_step()
+        return loss
+
+    def _warmup_step(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if "exp_avg" not in self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+            states = [self.state[p] for p in params]
+            beta1, beta2 = group["betas"]
+            grads = [p.grad for p in params]
+            fold_gradients([st["exp_avg"] for st in states], grads, beta1)
+            squares = [st["exp_avg_sq"] for st in states]
+            torch._foreach_mul_(squares, beta2)
+            torch._foreach_addcmul_(squares, grads, grads, value=1.0 - beta2)
+            adam_update(group, params, states)
+        self._observe_warmup(self._states_with("exp_avg_sq"))
+
+    def _compression_step(self) -> None:
+        layout = self._layout("exp_avg", f"after freeze_step={self.freeze_step}")
+        members = [p for _, ps in layout for p in ps]
+        if not members:
+            return
+        if self.compresses:
+            flat = self._fused(members, "exp_avg")
+            if "scaling_coeff" not in self.state[members[0]]:
+                # the momentum is identical on every rank here: warmup averaged the gradients
+                self._set_scaling_coefficients(members, "exp_avg")
+        for group, params in layout:
+            if not params:
+                continue
+            momenta = [self.state[p]["exp_avg"] for p in params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            fold_gradients(momenta, grads, group["betas"][0])
+            if self.compresses:
+                torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
+        if self.compresses:
+            self._compressed_all_reduce(flat, "momentum")
+        for group, params in layout:
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            if self.compresses:
+                momenta = [st["exp_avg"] for st in states]
+                torch._foreach_div_(momenta, [st["scaling_coeff"] for st in states])
+                self._apply_masks(params, momenta)
+            adam_update(group, params, states)

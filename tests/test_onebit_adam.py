@@ -1,0 +1,353 @@
+"""1-bit Adam: against a plain simulation of p workers at world sizes 1, 2, 4 (real gloo
+ranks), equal to Adam without bias correction on a world of one, exact resume from each
+stage, DeepSpeed config mapping and argument checks, and a pretraining run with
+``freeze_step: auto`` killed with SIGKILL in its warmup and again in its compression stage
+that resumes bit for bit."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+from onebit_bert.config import ConfigError, from_dict
+from onebit_bert.distributed import Communicator
+from onebit_bert.metrics_log import read_metrics
+from onebit_bert.optim import OneBitAdam
+from pretrain.config import PretrainConfig
+from tests.distributed_harness import run_ranks
+from tests.test_compressed_allreduce import simulate
+from tests.test_local_steps import _checkpoint, _equal
+from tests.test_onebit_lamb import FLAT_ORDER, _groups, _init_params, _local_grads, _mean_grads
+from tests.test_onebit_lamb import _mask as _row_mask
+from tests.test_pretrain import _kill_all, _torchrun, _write_cfg, tiny_config
+
+HP = dict(lr=0.05, freeze_step=3, weight_decay=0.0)
+DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as _groups sets it
+MASKED = 2  # the layer whose row 1 is masked
+
+
+class AdamSimulation:
+    """1-bit Adam for p workers in one process, one layer at a time, as the module
+    docstring of onebit_bert.optim.onebit_adam states it."""
+
+    def __init__(self, world_size, lr, freeze_step, compress, bucket=None, b1=0.9, b2=0.999):
+        self.p, self.lr, self.freeze, self.compress = world_size, lr, freeze_step, compress
+        self.b1, self.b2, self.eps, self.bucket, self.t = b1, b2, 1e-8, bucket, 0
+        self.w = [t.clone() for t in _init_params()]
+        self.m = [torch.zeros_like(t) for t in self.w]
+        self.v = [torch.zeros_like(t) for t in self.w]
+        self.numel = sum(t.numel() for t in self.w)
+        quantum = 8 * world_size
+        self.padded = -(-self.numel // quantum) * quantum
+        self.ew = [torch.zeros(self.padded) for _ in range(world_size)]
+        self.es = [torch.zeros(self.padded // world_size) for _ in range(world_size)]
+
+    def _update(self, i):
+        u = self.m[i] / (self.v[i].sqrt() + self.eps) + DECAY[i] * self.w[i]
+        self.w[i] = self.w[i] - self.lr * u
+
+    def step(self):
+        self.t += 1
+        if self.t <= self.freeze:
+            for i, g in enumerate(_mean_grads(self.p, self.t)):
+                self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
+                self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
+                self._update(i)
+            return
+        if not self.compress:
+            for i, g in enumerate(_local_grads(0, self.t)):
+                self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
+                self._update(i)
+            return
+        if self.t == self.freeze + 1:
+            rms = [m.norm().item() / math.sqrt(m.numel()) for m in self.m]
+            self.scale = [sum(rms) / len(rms) / r for r in rms]
+        inputs = []
+        for rank in range(self.p):
+            local = [
+                (self.b1 * m + (1 - self.b1) * g) * s
+                for m, g, s in zip(self.m, _local_grads(rank, self.t), self.scale, strict=True)
+            ]
+            flat = torch.zeros(self.padded)
+            flat[: self.numel] = torch.cat([local[i].reshape(-1) for i in FLAT_ORDER])
+            inputs.append(flat)
+        out = simulate(inputs, self.ew, self.es, self.numel, self.bucket)
+        offset = 0
+        for i in FLAT_ORDER:
+            n = self.w[i].numel()
+            self.m[i] = out[offset : offset + n].view_as(self.w[i]) / self.scale[i]
+            offset += n
+            if i == MASKED:
+                self.m[i] = self.m[i] * _row_mask()
+            self._update(i)
+
+
+def _run_real(comm, steps, bucket, force):
+    params = [torch.nn.Parameter(t) for t in _init_params()]
+    opt = OneBitAdam(_groups(params), comm=comm, bucket_numel=bucket, force_compression=force, **HP)
+    opt.set_momentum_mask(params[MASKED], _row_mask())
+    stages, byte_counts, params_by_step = [], [], []
+    for step in range(1, steps + 1):
+        local = opt.syncs_internally
+        grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        stages.append(opt.stage)
+        byte_counts.append(opt.last_step_bytes)
+        params_by_step.append([p.detach().clone() for p in params])
+    return {
+        "params": params_by_step,
+        "stages": stages,
+        "bytes": byte_counts,
+        "v": [opt.state[p]["exp_avg_sq"].clone() for p in params],
+    }
+
+
+@pytest.mark.parametrize("world_size,bucket", [(1, None), (2, None), (4, 64)])
+def test_matches_the_simulation_and_replicas_agree_every_step(world_size, bucket):
+    steps = 8
+    results = run_ranks(_run_real, world_size, steps, bucket, False)
+    sim = AdamSimulation(world_size, HP["lr"], HP["freeze_step"], world_size > 1, bucket)
+    for step in range(steps):
+        sim.step()
+        for res in results:
+            for got, want in zip(res["params"][step], sim.w, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for res in results[1:]:
+            for a, b in zip(res["params"][step], results[0]["params"][step], strict=True):
+                assert torch.equal(a, b), f"replicas differ after step {step + 1}"
+    for res in results:
+        assert res["stages"] == ["warmup"] * 3 + ["compression"] * 5
+        assert all(b == 0 for b in res["bytes"][:3])
+        assert all((b > 0) == (world_size > 1) for b in res["bytes"][3:])
+        for v_final, v_sim in zip(res["v"], sim.v, strict=True):  # frozen at step 3
+            torch.testing.assert_close(v_final, v_sim, rtol=1e-6, atol=0)
+
+
+def test_world_of_one_is_adam_without_bias_correction_with_v_frozen():
+    steps, freeze = 9, 4
+    params = [torch.nn.Parameter(t) for t in _init_params()]
+    opt = OneBitAdam(_groups(params), lr=0.05, freeze_step=freeze, comm=Communicator(None))
+    w = [t.clone() for t in _init_params()]
+    m = [torch.zeros_like(t) for t in w]
+    v = [torch.zeros_like(t) for t in w]
+    for step in range(1, steps + 1):
+        grads = _local_grads(0, step)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(grads):  # Adam, no bias correction; v stops at freeze_step
+            m[i] = 0.9 * m[i] + 0.1 * g
+            if step <= freeze:
+                v[i] = 0.999 * v[i] + 0.001 * g * g
+            w[i] = w[i] - 0.05 * (m[i] / (v[i].sqrt() + 1e-8) + DECAY[i] * w[i])
+        for p, want in zip(params, w, strict=True):
+            torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+    assert opt.stage == "compression" and opt.bytes_sent == 0
+    assert opt.last_compression_error is None  # nothing compressed on a world of one
+    assert not any("scaling_coeff" in opt.state[p] for p in params)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _resume_run(comm, steps, save_points):
+    """The uninterrupted trajectory, then for each save point a fresh optimizer that loads
+    the state saved there (through torch.save) and continues; all final parameters."""
+    import io
+
+    def make():
+        params = [torch.nn.Parameter(t) for t in _init_params()]
+        opt = OneBitAdam(_groups(params), comm=comm, lr=0.05, freeze_step=3, bucket_numel=64)
+        opt.set_momentum_mask(params[MASKED], _row_mask())
+        return params, opt
+
+    def run(params, opt, start, stop, saves):
+        for step in range(start + 1, stop + 1):
+            local = opt.syncs_internally
+            grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.step()
+            if step in saves:
+                buffer = io.BytesIO()
+                torch.save(
+                    {"params": [p.detach().clone() for p in params], "opt": opt.state_dict()},
+                    buffer,
+                )
+                saves[step] = buffer.getvalue()
+
+    params, opt = make()
+    saves = dict.fromkeys(save_points)
+    run(params, opt, 0, steps, saves)
+    out = {"straight": [p.detach().clone() for p in params], "resumed": {}}
+    for step, blob in saves.items():
+        saved = torch.load(io.BytesIO(blob), weights_only=True)
+        params, opt = make()
+        with torch.no_grad():
+            for p, value in zip(params, saved["params"], strict=True):
+                p.copy_(value)
+        opt.load_state_dict(saved["opt"])
+        run(params, opt, step, steps, {})
+        out["resumed"][step] = [p.detach().clone() for p in params]
+    return out
+
+
+def test_resume_from_either_stage_continues_bit_for_bit():
+    # 2: warmup; 3: the last warmup step; 5: compressing, with errors that matter
+    for res in run_ranks(_resume_run, 2, 8, (2, 3, 5)):
+        for step, params in res["resumed"].items():
+            for a, b in zip(res["straight"], params, strict=True):
+                assert torch.equal(a, b), f"resumed from step {step}"
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def test_deepspeed_config_maps_one_to_one():
+    params = [torch.nn.Parameter(torch.ones(3))]
+    config = {  # DeepSpeedExamples' 1-bit Adam BERT seq-128 settings
+        "lr": 4e-4,
+        "freeze_step": 23000,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "bias_correction": False,
+        "cuda_aware": False,
+        "comm_backend_name": "nccl",
+    }
+    opt = OneBitAdam.from_deepspeed_config(params, config, comm=Communicator(None))
+    assert opt.freeze_step == 23000
+    group = opt.param_groups[0]
+    assert group["lr"] == 4e-4 and group["weight_decay"] == 0.01 and group["betas"] == (0.9, 0.999)
+    with pytest.raises(ValueError, match="unknown 1-bit Adam option"):
+        OneBitAdam.from_deepspeed_config(params, {"var_freeze_step": 5})
+    with pytest.raises(ValueError, match="AMSGrad"):
+        OneBitAdam.from_deepspeed_config(params, {"amsgrad": True})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(freeze_step=0), "freeze_step must be an integer >= 1"),
+        (dict(freeze_step="soon"), "or 'auto'"),
+        (dict(freeze_step="auto"), "total_steps=schedule.max_steps"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(eps=0.0), "eps"),
+        (dict(bucket_numel=0), "bucket_numel"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OneBitAdam([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "optimizer,strategy,match",
+    [
+        ({"name": "onebit_adam"}, {"name": "data_parallel"}, "use strategy.name=onebit_adam"),
+        ({"name": "lamb"}, {"name": "onebit_adam"}, "needs optimizer.name onebit_adam"),
+        ({"name": "onebit_adam", "freeze_step": 0}, {}, "freeze_step must be >= 1"),
+        (
+            {"name": "onebit_adam", "freeze_step": "later"},
+            {},
+            r"optimizer\.freeze_step must be int \| \{auto\}, got 'later'",
+        ),
+    ],
+)
+def test_bad_configs_name_the_field(optimizer, strategy, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(PretrainConfig, {"optimizer": optimizer, "strategy": strategy})
+
+
+# ----------------------------------------------------------------------------- pretraining
+
+
+def _adam_config(corpus, run_dir):
+    # freeze_step auto on a 12-step run: a check every step, and the warmup ends at step 6
+    # (min_fraction) if the last check was calm, else at step 7 (max_fraction); a run killed
+    # after its step-4 checkpoint resumes with the detector's history and must decide as
+    # the straight one, and its step-8 checkpoint is in the compression stage.
+    cfg = tiny_config(
+        corpus,
+        run_dir,
+        **{
+            "optimizer.name": "onebit_adam",
+            "optimizer.lr": 2e-3,
+            "optimizer.freeze_step": "auto",
+            "schedule.max_steps": 12,
+            "checkpoint.every": 4,
+            "checkpoint.keep_last": 3,
+            "data.validation_every": 6,
+        },
+    )
+    cfg["optimizer"]["auto_freeze"] = {
+        "window": 1,
+        "threshold": 0.5,
+        "patience": 1,
+        "min_fraction": 0.5,
+        "max_fraction": 0.59,
+    }
+    return cfg
+
+
+def run_killing_after_checkpoints(cfg_path, run_dir, steps, max_steps):
+    """Launch the run; SIGKILL every process as soon as the checkpoint of ``steps[0]``
+    exists, launch again (it resumes) and kill after ``steps[1]``, ...; then let the last
+    launch finish."""
+    for step in steps:
+        proc = _torchrun(cfg_path)
+        step_dir = run_dir / "checkpoints" / f"step_{step:08d}"
+        deadline = time.time() + 240
+        try:
+            while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+        finally:
+            _kill_all(proc)  # no chance to save anything more
+        assert step_dir.is_dir(), f"the run never reached step {step}"
+        logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+        assert max(logged) < max_steps, "the run was not cut short"
+    proc = _torchrun(cfg_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+
+def test_killed_onebit_adam_run_resumes_bit_for_bit(tiny_corpus, tmp_path):
+    straight = _write_cfg(_adam_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
+    proc = _torchrun(straight)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    records = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
+    freeze = records[-1]["freeze_step"]
+    assert freeze in (6, 7)
+    assert [r["stage"] for r in records] == ["warmup"] * freeze + ["compression"] * (12 - freeze)
+    assert [r["grad_sync"] for r in records] == (
+        ["allreduce"] * freeze + ["optimizer"] * (12 - freeze)
+    )
+    assert all(r["freeze_statistic"] >= 0 for r in records[1:])
+    warm, compressed = records[0], records[-1]
+    assert warm["comm_bytes_gradients"] > 0 and "comm_bytes_momentum" not in warm
+    assert "comm_bytes_gradients" not in compressed
+    assert 0 < compressed["comm_bytes_momentum"] < warm["comm_bytes_gradients"] / 10
+
+    # killed in the warmup (after checkpoint 4), then in the compression stage (after 8)
+    killed = _write_cfg(_adam_config(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
+    run_killing_after_checkpoints(killed, tmp_path / "b", (4, 8), 12)
+
+    for step in (4, 8, 12):
+        (shared_a, ranks_a), (shared_b, ranks_b) = (
+            _checkpoint(tmp_path / "a", step),
+            _checkpoint(tmp_path / "b", step),
+        )
+        _equal(shared_a["model"], shared_b["model"], "model")
+        _equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
+        for ra, rb in zip(ranks_a, ranks_b, strict=True):
+            _equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
+    by_step = {r["step"]: r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r}
+    for record in records:
+        assert by_step[record["step"]]["loss"] == record["loss"], record["step"]
