@@ -98,8 +98,8 @@ bench-giant-doc: setup
 # LAMB vs 1-bit LAMB on an emulated cluster (network namespaces + tc; needs root):
 # 25, 40, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 30 minutes on 2 cores.
 # JSON and a plot in runs/bench_netem/. ARGS: e.g. --bandwidths 100 --world-sizes 2;
-# --strategies lamb,co2 (any of lamb, onebit_lamb, adamw, co2, slowmo, local_sgd, decentlam,
-# dmsgd), --outer-every N (local steps per round of co2, slowmo, local_sgd) and
+# --strategies lamb,co2 (any of lamb, onebit_lamb, adamw, onebit_adam, zero_one_adam, co2,
+# slowmo, local_sgd, decentlam, dmsgd), --outer-every N (local steps per round of co2, slowmo, local_sgd) and
 # --topologies ring,one_peer_exponential (graphs of decentlam and dmsgd)
 bench-netem: setup
 	$(PY) -m bench.netem --data-root $(DATA_ROOT) $(ARGS)

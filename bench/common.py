@@ -13,6 +13,10 @@ WIKI = "enwiki_wikiextractor_sample/*.txt.gz"
 VOCAB = "bert_vocab/uncased/vocab.txt"
 
 
+ADAM_FAMILY = ("adamw", "onebit_adam", "zero_one_adam")
+"""Optimizers the benchmarks run at AdamW's learning rate."""
+
+
 def pretrain_config(
     data: Path,
     run_dir: Path,
@@ -27,12 +31,15 @@ def pretrain_config(
     net_interface: str | None = None,
     strategy: dict | None = None,
     momentum: float | None = None,
+    optimizer_fields: dict | None = None,
 ) -> dict:
     """The pretraining config every benchmark trains with: fp32, a constant learning rate
-    (1e-4 for AdamW, 5e-3 for LAMB and 1-bit LAMB), no checkpoints, no wandb.
+    (1e-4 for AdamW, 1-bit Adam and 0/1 Adam, 5e-3 for the others), no checkpoints, no
+    wandb.
     ``stop_after`` stops there without the final validation and export; ``strategy`` is the
     config's ``strategy`` section (e.g. ``{"name": "co2", "outer_every": 8}``; default: the
-    optimizer's own); ``momentum``: ``optimizer.betas[0]`` (default: the optimizer's)."""
+    optimizer's own); ``momentum``: ``optimizer.betas[0]`` (default: the optimizer's);
+    ``optimizer_fields``: more ``optimizer`` fields (e.g. 0/1 Adam's schedule)."""
     cfg = {
         "run_dir": str(run_dir),
         "model": {"preset": model},
@@ -40,7 +47,7 @@ def pretrain_config(
         "batch": {"global_batch_size": batch, "micro_batch_size": micro},
         "optimizer": {
             "name": optimizer,
-            "lr": 1e-4 if optimizer == "adamw" else 5e-3,
+            "lr": 1e-4 if optimizer in ADAM_FAMILY else 5e-3,
             "freeze_step": freeze_step,
             "eps": 1e-6,
             "weight_decay": 0.01,
@@ -57,6 +64,8 @@ def pretrain_config(
         cfg["strategy"] = dict(strategy)
     if momentum is not None:
         cfg["optimizer"]["betas"] = [momentum, 0.999]
+    if optimizer_fields:
+        cfg["optimizer"].update(optimizer_fields)
     return cfg
 
 

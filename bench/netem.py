@@ -8,8 +8,12 @@ one gloo process per host, once per strategy of ``--strategies`` (default
 ``lamb,onebit_lamb``):
 
 * lamb, adamw: the gradient all-reduce every step (medians after ``--warmup-steps``);
-* onebit_lamb: ``freeze_step`` full-precision warmup steps, then the compression stage
-  (medians of each stage, its first step skipped);
+* onebit_lamb, onebit_adam: ``freeze_step`` full-precision warmup steps, then the
+  compression stage (medians of each stage, its first step skipped);
+* zero_one_adam: a shortened 0/1 Adam schedule that passes through all its kinds of step
+  (full-precision variance steps, 1-bit gradient steps, local steps, 1-bit syncs;
+  :data:`ZERO_ONE_ADAM_BENCH`): the medians of each kind, and the means over the measured
+  steps;
 * co2, slowmo, local_sgd: LAMB steps on each rank (LAMB's learning rate) and one parameter
   all-reduce every ``--outer-every`` (tau) steps; CO2's runs in the background during the
   next round. Means over whole rounds, the first two skipped (round 0 has nothing in
@@ -25,8 +29,12 @@ ranks do but never communicate: the upper limit of samples/s.
 
 Step times and bytes come from the stage's own metrics (rank 0): ``comm_bytes`` is what the
 communicator handed to gloo (a background all-reduce counted in the step that launches it),
-``net_tx_bytes`` what rank 0's eth0 sent in the same step window (``logging.net_interface``;
-bytes a background all-reduce sends between two step windows are in neither). The step
+``net_rx_bytes`` what rank 0's eth0 received in the same step window (``logging.net_interface``;
+bytes a background all-reduce sends between two step windows are in neither). Received, not
+sent: a step cannot end before what it receives has arrived, while what it sent may still
+sit in the emulated link's queue and be counted in the next window (point-to-point
+exchanges end on the receive); every traffic pattern here is symmetric, each rank
+receiving what it sends. The step
 timer (``samples_per_s``) ends before the loop's per-step statistics all-reduce; every
 summary also has ``wall_samples_per_s`` from the records' log times, which include it (and
 the wait for the slowest rank it implies). Links are reshaped between bandwidths; the namespaces are
@@ -115,7 +123,7 @@ def summarize(records: list[dict], batch: int, average=statistics.median) -> dic
         "comm_seconds": avg("comm_seconds"),
         "comm_fraction": average([r["comm_seconds"] / r["step_seconds"] for r in records]),
         "counted_bytes_per_step": avg("comm_bytes"),
-        "wire_bytes_per_step": avg("net_tx_bytes"),
+        "wire_bytes_per_step": avg("net_rx_bytes"),
     }
 
 
@@ -159,7 +167,7 @@ def round_summary(records: list[dict], batch: int, every: int) -> dict:
 
     before = next((r for r in records if r["step"] == window[0]["step"] - 1), None)
     wall = window[-1]["time"] - before["time"] if before and "time" in before else None
-    wire = total("net_tx_bytes")
+    wire = total("net_rx_bytes")
     return {
         "steps": n,
         "rounds": n // every,
@@ -202,6 +210,7 @@ class SweepPoint:
         rank: int | None = None,
         strategy: dict | None = None,
         momentum: float | None = None,
+        optimizer_fields: dict | None = None,
     ) -> Path:
         """Write the pretraining config ``<name>[rank].yaml`` and return its run folder. With
         ``rank``: a single-process run of one rank's batch; without: the distributed run of
@@ -229,6 +238,7 @@ class SweepPoint:
                 net_interface=None if per_rank else "eth0",
                 strategy=strategy,
                 momentum=momentum,
+                optimizer_fields=optimizer_fields,
             ),
         )
         path = self.folder / f"{name}{suffix}.yaml"
@@ -258,17 +268,51 @@ def _measure_data_parallel(point: SweepPoint, name: str) -> dict:
 
 
 def _measure_onebit(point: SweepPoint, name: str = "onebit_lamb") -> dict:
-    """The compression stage's summary, with the warmup stage's under ``warmup`` (first
-    step of each skipped)."""
+    """1-bit LAMB or 1-bit Adam: the compression stage's summary, with the warmup stage's
+    under ``warmup`` (first step of each skipped)."""
     args = point.args
-    onebit_dir = point.config("onebit", "onebit_lamb", args.freeze_step + 1 + args.steps)
-    point.run_distributed("onebit")
+    run = "onebit" if name == "onebit_lamb" else name
+    onebit_dir = point.config(run, name, args.freeze_step + 1 + args.steps)
+    point.run_distributed(run)
     records = step_records(onebit_dir)
     warmup_records = [r for r in records if r["stage"] == "warmup"][1:]
     compression_records = [r for r in records if r["stage"] == "compression"][1:]
     return {
         **summarize(compression_records, point.batch),
         "warmup": summarize(warmup_records, point.batch),
+    }
+
+
+ZERO_ONE_ADAM_BENCH = {
+    "var_freeze_step": 6,
+    "var_update_scaler": 2,
+    "local_step_scaler": 2,
+    "local_step_clipper": 4,
+}
+"""0/1 Adam's schedule in the benchmark: variance steps 1, 2, 4, 6 (two per interval,
+the interval doubling), 1-bit gradient steps 3 and 5, then local steps with a 1-bit sync
+every 1, 2, then 4 steps. A real run's mix of kinds follows its own schedule (e.g. BERT-Large's
+config: variance updates to step 12,500, then syncs every 16 steps at most)."""
+ZERO_ONE_ADAM_KINDS = ("variance", "compressed", "local", "sync")
+
+
+def _measure_zero_one_adam(point: SweepPoint, name: str = "zero_one_adam") -> dict:
+    """0/1 Adam on :data:`ZERO_ONE_ADAM_BENCH`'s schedule: the means over the steps after
+    the first (``--warmup-steps`` does not apply: the schedule is the measurement), and under
+    ``kinds`` the medians of each kind of step (by its logged ``stage``)."""
+    steps = ZERO_ONE_ADAM_BENCH["var_freeze_step"] + max(point.args.steps, 12)
+    run_dir = point.config(name, name, steps, optimizer_fields=ZERO_ONE_ADAM_BENCH)
+    point.run_distributed(name)
+    records = step_records(run_dir)[1:]
+    kinds = {}
+    for kind in ZERO_ONE_ADAM_KINDS:
+        of_kind = [r for r in records if r.get("stage") == kind]
+        if of_kind:
+            kinds[kind] = summarize(of_kind, point.batch)
+    return {
+        **summarize(records, point.batch, statistics.fmean),
+        "kinds": kinds,
+        "schedule": dict(ZERO_ONE_ADAM_BENCH),
     }
 
 
@@ -344,6 +388,8 @@ MEASURE = {
     "lamb": _single(_measure_data_parallel),
     "onebit_lamb": _single(_measure_onebit),
     "adamw": _single(_measure_data_parallel),
+    "onebit_adam": _single(_measure_onebit),
+    "zero_one_adam": _single(_measure_zero_one_adam),
     "co2": _single(_measure_local_steps),
     "slowmo": _single(_measure_local_steps),
     "local_sgd": _single(_measure_local_steps),
@@ -517,6 +563,8 @@ STRATEGY_LABELS = {
     "lamb": "LAMB",
     "onebit_lamb": "1-bit LAMB compression",
     "adamw": "AdamW",
+    "onebit_adam": "1-bit Adam compression",
+    "zero_one_adam": "0/1 Adam",
     "co2": "CO2",
     "slowmo": "SlowMo",
     "local_sgd": "local SGD",
@@ -531,8 +579,9 @@ def plot_series(row: dict) -> list[tuple[str, tuple[str, ...]]]:
     LAMB as its warmup and its compression stage, compute-only last."""
     series = []
     for name, run in row["runs"].items():
-        if name == "onebit_lamb":
-            series.append(("1-bit LAMB warmup", ("runs", name, "warmup", "samples_per_s")))
+        if name in ("onebit_lamb", "onebit_adam"):
+            label = STRATEGY_LABELS[name].replace("compression", "warmup")
+            series.append((label, ("runs", name, "warmup", "samples_per_s")))
         strategy, _, topology = name.partition("/")
         label = STRATEGY_LABELS[strategy]
         if topology:
@@ -599,7 +648,7 @@ def _parser() -> argparse.ArgumentParser:
         default="lamb,onebit_lamb",
         help=f"comma list of {', '.join(STRATEGIES)} (co2, slowmo and local_sgd step LAMB "
         "locally with LAMB's learning rate; decentlam and dmsgd step momentum SGD, once per "
-        "graph of --topologies)",
+        "graph of --topologies; zero_one_adam runs a short schedule with every kind of step)",
     )
     parser.add_argument(
         "--outer-every",

@@ -46,7 +46,7 @@ def _local_step_records(rounds: int, every: int) -> list[dict]:
             "forward_backward_seconds": 0.9,
             "comm_seconds": 3.0 if waits else 0.0,
             "comm_bytes": 300 if outer else 0,
-            "net_tx_bytes": 330 if outer else 10,
+            "net_rx_bytes": 330 if outer else 10,
             "stage": "local",
         }
         if step > every:  # the trainer logs the last wait from the first one on
@@ -181,7 +181,7 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
             "--freeze-step",
             "2",
             "--strategies",
-            "lamb,onebit_lamb,co2,decentlam",
+            "lamb,onebit_lamb,co2,decentlam,onebit_adam,zero_one_adam",
             "--outer-every",
             "2",
             "--topologies",
@@ -210,7 +210,9 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     for run in ("lamb_bytes_per_step", "onebit_bytes_per_step"):
         assert 0.95 < row[run]["wire_over_counted"] < 1.25, row[run]
     # CO2: one parameter all-reduce per round of 2 steps, so half LAMB's counted bytes
-    assert set(row["runs"]) == {"lamb", "onebit_lamb", "co2", "decentlam/ring"}
+    assert set(row["runs"]) == {
+        "lamb", "onebit_lamb", "co2", "decentlam/ring", "onebit_adam", "zero_one_adam"
+    }  # fmt: skip
     co2 = row["runs"]["co2"]
     assert (co2["steps"], co2["rounds"], co2["outer_every"]) == (2, 1, 2)
     assert co2["counted_bytes_vs_lamb"] == pytest.approx(2.0, rel=0.01)
@@ -224,6 +226,18 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     assert decentlam["counted_bytes_vs_lamb"] == pytest.approx(1.0, rel=0.02)
     assert 0.95 < netem._bytes_per_step(decentlam)["wire_over_counted"] < 1.25, decentlam
     assert summary["topologies"] == ["ring"]
+    # 1-bit Adam: full-precision warmup, then 1-bit momentum; 0/1 Adam: every kind of step,
+    # the variance steps sending what LAMB's do, the local ones only the statistics
+    onebit_adam = row["runs"]["onebit_adam"]
+    assert (
+        onebit_adam["warmup"]["counted_bytes_per_step"] > 5 * onebit_adam["counted_bytes_per_step"]
+    )
+    kinds = row["runs"]["zero_one_adam"]["kinds"]
+    assert set(kinds) == {"variance", "compressed", "local", "sync"}
+    lamb_bytes = row["runs"]["lamb"]["counted_bytes_per_step"]
+    assert kinds["variance"]["counted_bytes_per_step"] == pytest.approx(lamb_bytes, rel=0.01)
+    assert lamb_bytes > 5 * kinds["compressed"]["counted_bytes_per_step"]
+    assert kinds["sync"]["counted_bytes_per_step"] > 10 * kinds["local"]["counted_bytes_per_step"]
     whole = summary["whole_run"]["2"]
     assert whole["max_steps"] > whole["freeze_step"] > 0 and whole["reduction"] > 1
     assert _netns_names() == before_ns and _links() == before_links
