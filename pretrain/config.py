@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from onebit_bert.distributed.policy import CommConfig
 from onebit_bert.metrics_log import LoggingConfig
 from onebit_bert.optim.build import OptimizerConfig
-from onebit_bert.strategies import StrategyConfig, resolve_strategy_name
+from onebit_bert.strategies import StrategyConfig, check_comm_config, resolve_strategy_name
 
 PRESETS = ("bert-tiny", "bert-mini", "bert-small", "bert-base", "bert-large")
 
@@ -149,6 +150,7 @@ class PretrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -169,7 +171,7 @@ class PretrainConfig:
             raise ValueError("clip_grad_norm must be >= 0")
         if self.seed < 0:
             raise ValueError("seed must be >= 0")
-        resolve_strategy_name(self.strategy, self.optimizer)
+        check_comm_config(self.comm, resolve_strategy_name(self.strategy, self.optimizer))
 
     def batch_plan(self, world_size: int) -> int:
         """Gradient accumulation steps; a clear error if the batch does not divide."""

@@ -42,6 +42,9 @@ class StepRecord:
     """Why the step is bad (non-finite loss or gradient norm, fp16 overflow at scale 1)."""
     grad_sync: str | None = None
     """What happened to the step's gradients (the strategy's ``gradient_sync()``)."""
+    intra_node_bytes: int = 0
+    """Bytes sent inside this rank's node under ``comm.hierarchy: node`` (not in
+    ``comm``)."""
 
     @property
     def mlm_loss(self) -> float:
@@ -69,6 +72,8 @@ class StepRecord:
         }
         if self.grad_sync is not None:
             metrics["grad_sync"] = self.grad_sync
+        if self.intra_node_bytes:
+            metrics["comm_bytes_intra_node"] = self.intra_node_bytes
         for kind, (nbytes, seconds, _calls) in sorted(self.comm.by_kind.items()):
             metrics[f"comm_bytes_{kind}"] = nbytes
             metrics[f"comm_seconds_{kind}"] = seconds

@@ -87,6 +87,12 @@ class Trainer:
         init = checkpointing.resolve_init(cfg)
         self.run_dir = Path(cfg.run_dir)
         self.precision = resolve_precision(cfg.precision, ctx.device)
+        if cfg.comm.overlap and self.precision == "fp16":
+            raise ValueError(
+                "comm.overlap folds gradients into the momentum during the backward pass, "
+                "before fp16's loss scale is checked; use precision bf16 or fp32, or "
+                "comm.overlap=false"
+            )
         self._setup_model()
         self.checkpoints = CheckpointManager(
             outputs.checkpoints_dir(self.run_dir), ctx.comm, cfg.checkpoint.keep_last
@@ -158,6 +164,7 @@ class Trainer:
             ctx,
             untrained_position_rows(self.model, self.seq_length),
             total_steps=cfg.schedule.max_steps,
+            comm_cfg=cfg.comm,
         )
 
     # ------------------------------------------------------------------ one step
@@ -167,7 +174,7 @@ class Trainer:
         cfg, ctx, comm, strategy = self.cfg, self.ctx, self.ctx.comm, self.strategy
         t0 = time.perf_counter()
         grad_sync = strategy.gradient_sync()  # the strategy's hooks act on the same answer
-        comm_before = comm.snapshot()
+        comm_before, intra_before = comm.snapshot(), comm.intra_stats.copy()
         net_before = self.net.snapshot() if self.net is not None else None
         # statistics, then tokens, bad-step flag and stop flag, summed in one all-reduce
         totals = torch.zeros(len(STAT_KEYS) + 3, device=ctx.device, dtype=torch.float64)
@@ -193,9 +200,10 @@ class Trainer:
         bad_grads = not ok and self.scaler.scale <= 1.0  # overflow at the smallest scale
         if ok:
             if cfg.clip_grad_norm > 0:
-                grad_norm = float(
-                    torch.nn.utils.clip_grad_norm_(strategy.params, cfg.clip_grad_norm)
-                )
+                # an overlapped compression step has used its gradients already: measured
+                # (and checked), not clipped
+                limit = cfg.clip_grad_norm if strategy.clips_gradients() else math.inf
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(strategy.params, limit))
                 bad_grads = not math.isfinite(grad_norm)
             strategy.step()
         self.scaler.update(ok)
@@ -209,6 +217,7 @@ class Trainer:
         strategy.after_step(step + 1)
         t3 = time.perf_counter()
         comm_step = comm.snapshot() - comm_before
+        intra_step = comm.intra_stats.copy() - intra_before
         net_step = self.net.snapshot() - net_before if self.net is not None else None
         stop_requested = self.preemption is not None and self.preemption.requested
         totals[-2] = 1.0 if bad_grads else 0.0
@@ -235,6 +244,7 @@ class Trainer:
             values[-1] > 0,
             bad,
             grad_sync,
+            intra_step.bytes_sent,
         )
 
     def step_metrics(self, record: StepRecord) -> dict:

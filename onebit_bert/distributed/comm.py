@@ -9,6 +9,7 @@ collective          bytes this rank puts on the wire
 ==================  ===============================================================
 all_reduce          ring: 2·(p-1)/p · tensor bytes
 all_gather          ring: (p-1) · bytes of this rank's input
+reduce_scatter      ring: (p-1)/p · tensor bytes
 all_to_all          every row of the input except the one addressed to itself
 broadcast           tensor bytes on every rank except the last of the chain
 neighbour_exchange  tensor bytes × number of destinations (point-to-point)
@@ -25,6 +26,7 @@ compression policy can choose a codec per kind.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -59,28 +61,33 @@ class CommStats:
     seconds: float = 0.0
     calls: int = 0
     by_kind: dict[str, list] = field(default_factory=dict)
+    # a collective running on a background thread adds while the main thread reads
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        self.bytes_sent += nbytes
-        self.seconds += seconds
-        self.calls += 1
-        entry = self.by_kind.setdefault(kind, [0, 0.0, 0])
-        entry[0] += nbytes
-        entry[1] += seconds
-        entry[2] += 1
+        with self._lock:
+            self.bytes_sent += nbytes
+            self.seconds += seconds
+            self.calls += 1
+            entry = self.by_kind.setdefault(kind, [0, 0.0, 0])
+            entry[0] += nbytes
+            entry[1] += seconds
+            entry[2] += 1
 
     def add_seconds(self, kind: str, seconds: float) -> None:
         """Time spent on a collective already counted (an asynchronous one, waited)."""
-        self.seconds += seconds
-        self.by_kind.setdefault(kind, [0, 0.0, 0])[1] += seconds
+        with self._lock:
+            self.seconds += seconds
+            self.by_kind.setdefault(kind, [0, 0.0, 0])[1] += seconds
 
     def copy(self) -> CommStats:
-        return CommStats(
-            self.bytes_sent,
-            self.seconds,
-            self.calls,
-            {k: list(v) for k, v in self.by_kind.items()},
-        )
+        with self._lock:
+            return CommStats(
+                self.bytes_sent,
+                self.seconds,
+                self.calls,
+                {k: list(v) for k, v in self.by_kind.items()},
+            )
 
     def __sub__(self, other: CommStats) -> CommStats:
         by_kind = {}
@@ -167,6 +174,8 @@ class Communicator:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        self.intra_stats = CommStats()
+        """Traffic inside a node under ``comm.hierarchy: node`` (kept out of ``stats``)."""
         self.kind = "other"
         self._tables: dict[torch.device, torch.Tensor] = {}
 
@@ -195,6 +204,14 @@ class Communicator:
         if sync:
             torch.cuda.synchronize(self.device)
         self.stats.add(self.kind, int(nbytes), time.perf_counter() - start)
+
+    @contextmanager
+    def external(self, nbytes: int):
+        """Count, under the current kind, collectives that code outside this class runs
+        on this communicator's group inside the block (PyTorch's PowerSGD hook), as
+        ``nbytes``."""
+        with self._count(nbytes):
+            yield
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if device not in self._tables:
@@ -293,6 +310,23 @@ class Communicator:
             dist.all_gather_single(output.view(-1), tensor.reshape(-1), group=self.group)
         return output
 
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Average ``tensor`` (flat, ``world_size`` equal slices) over ranks; this rank's
+        slice of the average lands in ``output``."""
+        if tensor.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter input has {tensor.numel()} elements; it needs "
+                f"{self.world_size} x {output.numel()}"
+            )
+        if self.world_size == 1:
+            output.view(-1).copy_(tensor.reshape(-1))
+            return output
+        p = self.world_size
+        with self._count((p - 1) * output.numel() * output.element_size()):
+            dist.reduce_scatter_single(output.view(-1), tensor.reshape(-1), group=self.group)
+        output.div_(p)
+        return output
+
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Row ``j`` of ``tensor`` (first dim = world size) goes to rank ``j``; row ``i`` of
         ``output`` comes from rank ``i``."""
@@ -372,16 +406,17 @@ class Communicator:
             handle.finished_at = handle.started_at
         return handle
 
-    def side_channel(self) -> Communicator:
+    def side_channel(self, shared_stats: bool = True) -> Communicator:
         """A communicator over the same ranks in a process group of its own, whose counts
-        go to this communicator's stats. Collective: every rank calls it, in the same
-        order."""
+        go to this communicator's stats (or, ``shared_stats=False``, to its own).
+        Collective: every rank calls it, in the same order."""
         if self.group is None:
             side = Communicator(None, self.device, self.synchronize_timing)
         else:
             ranks = dist.get_process_group_ranks(self.group)
             side = Communicator(dist.new_group(ranks), self.device, self.synchronize_timing)
-        side.stats = self.stats
+        if shared_stats:
+            side.stats = self.stats
         return side
 
     def barrier(self) -> None:
@@ -411,21 +446,29 @@ class Communicator:
             )
         if buffer.dtype != torch.float32:
             raise ValueError(f"compressed_all_reduce needs fp32, got {buffer.dtype}")
-        table = self._table(buffer.device)
-        for bucket in feedback.buckets:
-            x = buffer[bucket.start : bucket.start + bucket.size]
-            chunk = bucket.size // p
-            server_slice = slice(bucket.start // p, (bucket.start + bucket.size) // p)
-            self._compressed_bucket(
-                x,
-                feedback.worker_error[bucket.start : bucket.start + bucket.size],
-                feedback.server_error[server_slice],
-                bucket.real,
-                bucket.chunk_real(self.rank, p),
-                chunk,
-                table,
-            )
+        for index in range(len(feedback.buckets)):
+            self.compressed_all_reduce_bucket(buffer, feedback, index)
         return buffer
+
+    def compressed_all_reduce_bucket(
+        self, buffer: torch.Tensor, feedback: ErrorFeedback, index: int
+    ) -> None:
+        """:meth:`compressed_all_reduce` on bucket ``index`` of ``feedback``'s plan only
+        (the buckets are independent: one bucket at a time gives the same numbers)."""
+        bucket = feedback.buckets[index]
+        p = self.world_size
+        x = buffer[bucket.start : bucket.start + bucket.size]
+        chunk = bucket.size // p
+        server_slice = slice(bucket.start // p, (bucket.start + bucket.size) // p)
+        self._compressed_bucket(
+            x,
+            feedback.worker_error[bucket.start : bucket.start + bucket.size],
+            feedback.server_error[server_slice],
+            bucket.real,
+            bucket.chunk_real(self.rank, p),
+            chunk,
+            self._table(buffer.device),
+        )
 
     def _compressed_bucket(self, x, worker_error, server_error, real, my_real, chunk, table):
         p = self.world_size

@@ -36,6 +36,8 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     launcher: str  # "torchrun", "slurm" or "single"
+    local_world_size: int = 1
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node)."""
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -91,6 +93,9 @@ def resolve_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else _DEFAULT_PORT,
             launcher="torchrun",
+            local_world_size=(
+                _int_env(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else 1
+            ),
         )
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         if "MASTER_ADDR" in env:
@@ -114,6 +119,7 @@ def resolve_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             master_addr=master_addr,
             master_port=port,
             launcher="slurm",
+            local_world_size=_slurm_tasks_per_node(env),
         )
     else:
         return LaunchEnv(0, 1, 0, "127.0.0.1", _DEFAULT_PORT, "single")
@@ -123,6 +129,15 @@ def resolve_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             f"{launch.world_size}; the rank must lie in [0, world size)"
         )
     return launch
+
+
+def _slurm_tasks_per_node(env: Mapping[str, str]) -> int:
+    """Tasks on this node: SLURM_NTASKS_PER_NODE, else the first count of
+    SLURM_TASKS_PER_NODE (``"2(x3),1"``: 2), else 1."""
+    if "SLURM_NTASKS_PER_NODE" in env:
+        return _int_env(env, "SLURM_NTASKS_PER_NODE")
+    match = re.match(r"\s*(\d+)", env.get("SLURM_TASKS_PER_NODE", ""))
+    return int(match.group(1)) if match else 1
 
 
 def default_backend() -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import warnings
 from collections.abc import Iterable
 
@@ -80,7 +81,12 @@ class CompressedOptimizer(Optimizer):
         # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.
         self._masks: dict[torch.Tensor, torch.Tensor] = {}
         self._feedback: ErrorFeedback | None = None
+        self.codec = None
+        """A codec (:mod:`onebit_bert.distributed.codecs`) that replaces the built-in 1-bit
+        all-reduce of the fused buffer (``comm.compression.momentum`` other than onebit,
+        or ``comm.hierarchy: node``); None: the built-in path."""
         self._flat: torch.Tensor | None = None
+        self._flat_numel = 0
         self.last_compression_error: torch.Tensor | None = None
         self.last_step_bytes = 0
         self.bytes_sent = 0
@@ -193,6 +199,9 @@ class CompressedOptimizer(Optimizer):
                 self.state[p][key] = view
             self._flat = flat
             self._on_new_flat(flat)
+        self._flat_numel = numel
+        if self.codec is not None:
+            return flat
         if self._feedback is None:
             self._feedback = ErrorFeedback(
                 numel,
@@ -220,11 +229,25 @@ class CompressedOptimizer(Optimizer):
             offset += p.numel()
         return views
 
+    def set_codec(self, codec) -> None:
+        """Average the fused buffer with ``codec`` instead of the built-in 1-bit all-reduce
+        (its state then travels in this optimizer's per-rank state)."""
+        self.codec = codec
+        self._feedback = None
+
     def _compressed_all_reduce(self, flat: torch.Tensor, kind: str) -> None:
-        """Average ``flat`` over ranks in 1 bit, in place, filed as traffic ``kind``; sets
-        ``last_compression_error`` and the byte counters."""
-        norm = torch.linalg.vector_norm(flat)
+        """Average ``flat`` over ranks in 1 bit (or with :attr:`codec`), in place, filed as
+        traffic ``kind``; sets ``last_compression_error`` (None with a codec) and the byte
+        counters."""
         before = self.comm.snapshot()
+        if self.codec is not None:
+            with self.comm.traffic(kind):
+                self.codec.all_reduce([flat[: self._flat_numel]], kind)
+            self.last_compression_error = None
+            self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
+            self.bytes_sent += self.last_step_bytes
+            return
+        norm = torch.linalg.vector_norm(flat)
         with self.comm.traffic(kind):
             self.comm.compressed_all_reduce(flat, self._feedback)
         # What 1-bit rounding left out on this rank, relative to what it was asked to send.
@@ -233,6 +256,56 @@ class CompressedOptimizer(Optimizer):
         ) / norm.clamp_min(1e-30)
         self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
         self.bytes_sent += self.last_step_bytes
+
+    # ------------------------------------------------------------------ overlap
+    def enable_overlap(self, comm: Communicator) -> None:
+        """Let compression steps start their bucket all-reduces during the backward pass
+        (:class:`OverlappedCompression`), on ``comm`` (a side channel of this optimizer's
+        communicator). Registers a post-accumulate-grad hook on every parameter."""
+        self._overlap_comm = comm
+        self._overlapped: OverlappedCompression | None = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        run = getattr(self, "_overlapped", None)
+        if run is not None:
+            run.grad_ready(p)
+
+    def begin_overlap(self) -> bool:
+        """Before the last micro-batch's backward of a step: arm the overlap if that step
+        compresses with the built-in 1-bit all-reduce; True when armed."""
+        if getattr(self, "_overlap_comm", None) is None or not self._next_step_overlaps():
+            return False
+        layout = self._layout("exp_avg", "after the freeze step")
+        members = [p for _, ps in layout for p in ps]
+        if not members:
+            return False
+        flat = self._fused(members, "exp_avg")
+        self._prepare_compression(members, flat)
+        self._overlapped = OverlappedCompression(self, layout, flat, self._overlap_comm)
+        return True
+
+    def _take_overlapped(self) -> OverlappedCompression | None:
+        """The armed overlap of this step (disarmed), or None."""
+        run = getattr(self, "_overlapped", None)
+        self._overlapped = None
+        return run
+
+    def _next_step_overlaps(self) -> bool:
+        """Whether the coming step compresses with the built-in all-reduce (subclasses
+        that can overlap say so)."""
+        return False
+
+    def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """State a compression step needs before it folds gradients (subclasses)."""
+
+    def _fold_for_compression(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Fold ``params``' gradients into their momenta and scale for compression
+        (subclasses that can overlap)."""
+        raise NotImplementedError
 
     def _set_scaling_coefficients(self, params: list[torch.Tensor], source: str) -> None:
         """``scaling_coeff`` of every parameter from its ``source`` state, which must be
@@ -243,13 +316,19 @@ class CompressedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ per-rank state
     def _per_rank_state(self) -> dict:
-        return {"error_feedback": None if self._feedback is None else self._feedback.state_dict()}
+        state = {"error_feedback": None if self._feedback is None else self._feedback.state_dict()}
+        if self.codec is not None:
+            state["codec"] = self.codec.state_dict()
+        return state
 
     def _load_per_rank_state(self, per_rank: dict, compressing: bool) -> None:
         """Restore this rank's compression errors (fresh ones, with a warning when the run
         is already compressing and none were saved for this rank)."""
         self._flat = None
         self._feedback = None
+        if self.codec is not None:
+            self.codec.load_state_dict(per_rank.get("codec") or {})
+            return
         saved = per_rank.get("error_feedback")
         if saved is None and compressing:
             warnings.warn(
@@ -266,6 +345,92 @@ class CompressedOptimizer(Optimizer):
                 bucket_numel=self.bucket_numel,
             )
             self._feedback.load_state_dict(saved)
+
+
+class OverlappedCompression:
+    """One compression step whose bucket all-reduces start during the backward pass.
+
+    Armed before the last micro-batch's backward (:meth:`CompressedOptimizer.begin_overlap`):
+    as each parameter's gradient is complete (its post-accumulate-grad hook), the
+    optimizer folds it into the momentum (the same per-group arithmetic, one parameter at
+    a time); once every parameter overlapping a bucket of the fused buffer is folded, the
+    bucket is ready. A worker thread compresses and all-reduces the buckets in a fixed
+    order (last bucket first: the order the backward pass completes them, the same on
+    every rank), on a process group of its own. The step then folds what got no gradient
+    and waits (:meth:`finish`). The buckets are independent, so the numbers are those of
+    the step without overlap."""
+
+    def __init__(self, opt: CompressedOptimizer, layout, flat: torch.Tensor, comm: Communicator):
+        self.opt = opt
+        self.flat = flat
+        self.comm = comm
+        self.feedback = opt._feedback
+        buckets = self.feedback.buckets
+        self.pending = [0] * len(buckets)
+        self.where: dict[int, tuple[dict, torch.Tensor, list[int]]] = {}
+        offset = 0
+        for group, params in layout:
+            for p in params:
+                hit = [
+                    k
+                    for k, b in enumerate(buckets)
+                    if offset < b.start + b.size and b.start < offset + p.numel()
+                ]
+                for k in hit:
+                    self.pending[k] += 1
+                self.where[id(p)] = (group, p, hit)
+                offset += p.numel()
+        self.ready = [threading.Event() for _ in buckets]
+        for k, count in enumerate(self.pending):
+            if count == 0:  # padding only
+                self.ready[k].set()
+        self.lock = threading.Lock()
+        self.norm_sq = torch.zeros((), dtype=torch.float64, device=flat.device)
+        self.error: BaseException | None = None
+        self.before = comm.snapshot()
+        self.worker = threading.Thread(target=self._run, daemon=True)
+        self.worker.start()
+
+    def _run(self) -> None:
+        try:
+            with self.comm.traffic("momentum"):
+                for k in reversed(range(len(self.ready))):
+                    self.ready[k].wait()
+                    b = self.feedback.buckets[k]
+                    x = self.flat[b.start : b.start + b.size]
+                    self.norm_sq += torch.linalg.vector_norm(x).double() ** 2
+                    self.comm.compressed_all_reduce_bucket(self.flat, self.feedback, k)
+        except BaseException as exc:  # re-raised by finish() in the caller's thread
+            self.error = exc
+            for event in self.ready:
+                event.set()
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        entry = self.where.pop(id(p), None)
+        if entry is None:
+            return
+        group, param, hit = entry
+        self.opt._fold_for_compression(group, [param])
+        with self.lock:
+            for k in hit:
+                self.pending[k] -= 1
+                if self.pending[k] == 0:
+                    self.ready[k].set()
+
+    def finish(self) -> None:
+        """Fold the parameters that got no gradient, wait for every bucket; set the
+        optimizer's error and byte figures."""
+        for _group, param, _hit in list(self.where.values()):
+            self.grad_ready(param)
+        self.worker.join()
+        if self.error is not None:
+            raise RuntimeError("the overlapped compressed all-reduce failed") from self.error
+        opt = self.opt
+        opt.last_compression_error = torch.linalg.vector_norm(
+            opt._feedback.worker_error
+        ) / self.norm_sq.sqrt().float().clamp_min(1e-30)
+        opt.last_step_bytes = (self.comm.snapshot() - self.before).bytes_sent
+        opt.bytes_sent += opt.last_step_bytes
 
 
 class WarmupThenCompress(CompressedOptimizer):

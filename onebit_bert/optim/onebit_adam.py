@@ -175,6 +175,22 @@ class OneBitAdam(WarmupThenCompress):
             self._compression_step()
         return loss
 
+    def _next_step_overlaps(self) -> bool:
+        return self.compresses and self.syncs_internally and self.codec is None
+
+    def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
+        if "scaling_coeff" not in self.state[members[0]]:
+            # the momentum is identical on every rank here: warmup averaged the gradients
+            self._set_scaling_coefficients(members, "exp_avg")
+
+    def _fold_for_compression(self, group: dict, params: list[torch.Tensor]) -> None:
+        """``m = β1·m + (1-β1)·g``, then the scaling coefficient when compressing."""
+        momenta = [self.state[p]["exp_avg"] for p in params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        fold_gradients(momenta, grads, group["betas"][0])
+        if self.compresses:
+            torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
+
     def _warmup_step(self) -> None:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -199,21 +215,18 @@ class OneBitAdam(WarmupThenCompress):
         members = [p for _, ps in layout for p in ps]
         if not members:
             return
-        if self.compresses:
-            flat = self._fused(members, "exp_avg")
-            if "scaling_coeff" not in self.state[members[0]]:
-                # the momentum is identical on every rank here: warmup averaged the gradients
-                self._set_scaling_coefficients(members, "exp_avg")
-        for group, params in layout:
-            if not params:
-                continue
-            momenta = [self.state[p]["exp_avg"] for p in params]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            fold_gradients(momenta, grads, group["betas"][0])
+        overlapped = self._take_overlapped() if self.compresses else None
+        if overlapped is not None:  # folded and all-reduced during the backward pass
+            overlapped.finish()
+        else:
+            flat = self._fused(members, "exp_avg") if self.compresses else None
             if self.compresses:
-                torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
-        if self.compresses:
-            self._compressed_all_reduce(flat, "momentum")
+                self._prepare_compression(members, flat)
+            for group, params in layout:
+                if params:
+                    self._fold_for_compression(group, params)
+            if self.compresses:
+                self._compressed_all_reduce(flat, "momentum")
         for group, params in layout:
             if not params:
                 continue

@@ -209,29 +209,16 @@ class OneBitLamb(WarmupThenCompress):
         if not members:
             return
         flat = self._fused(members, "exp_avg")
-        for p in members:
-            st = self.state[p]
-            if "exp_avg_sq_fresh" not in st:  # freeze_step moved past a saved run's step
-                st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
-        if "scaling_coeff" not in self.state[members[0]]:
-            # Momenta are identical on all ranks here (warmup averaged the gradients).
-            self._set_scaling_coefficients(members, "exp_avg")
-            for p in members:
-                self.state[p].setdefault("last_factor", torch.ones((), device=p.device))
-
         previous = self._scratch
-        previous.copy_(flat)
-        for group, params in layout:
-            if not params:
-                continue
-            beta1 = group["betas"][0]
-            momenta = [self.state[p]["exp_avg"] for p in params]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            torch._foreach_mul_(momenta, beta1)
-            torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
-            torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
-
-        self._compressed_all_reduce(flat, "momentum")
+        overlapped = self._take_overlapped()
+        if overlapped is not None:  # folded and all-reduced during the backward pass
+            overlapped.finish()
+        else:
+            self._prepare_compression(members, flat)
+            for group, params in layout:
+                if params:
+                    self._fold_for_compression(group, params)
+            self._compressed_all_reduce(flat, "momentum")
 
         ratios, factors, offset = [], [], 0
         for group, params in layout:
@@ -243,6 +230,34 @@ class OneBitLamb(WarmupThenCompress):
             offset += sum(p.numel() for p in params)
         self.last_factors = torch.cat(factors)
         self.last_trust_ratios = torch.cat(ratios)
+
+    def _next_step_overlaps(self) -> bool:
+        return self.syncs_internally and self.codec is None
+
+    def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
+        for p in members:
+            st = self.state[p]
+            if "exp_avg_sq_fresh" not in st:  # freeze_step moved past a saved run's step
+                st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
+        if "scaling_coeff" not in self.state[members[0]]:
+            # Momenta are identical on all ranks here (warmup averaged the gradients).
+            self._set_scaling_coefficients(members, "exp_avg")
+            for p in members:
+                self.state[p].setdefault("last_factor", torch.ones((), device=p.device))
+
+    def _fold_for_compression(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Keep each momentum before the step (the scratch buffer, same layout as the
+        fused one), then ``m = β1·m + (1-β1)·g`` and the scaling coefficient."""
+        beta1 = group["betas"][0]
+        momenta = [self.state[p]["exp_avg"] for p in params]
+        base = self._flat.data_ptr()
+        for m in momenta:
+            offset = (m.data_ptr() - base) // m.element_size()
+            self._scratch[offset : offset + m.numel()].copy_(m.view(-1))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        torch._foreach_mul_(momenta, beta1)
+        torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
+        torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
 
     def _compressed_update(self, group, params, previous, offset):
         beta1, beta2 = group["betas"]

@@ -5,7 +5,7 @@ One optimizer step of the loop, and the hook each part calls::
     strategy.gradient_sync()           what happens to this step's gradients (asked first)
     for each micro-batch:   with strategy.backward_context(last): forward, backward
     strategy.after_backward()          gradient sync (all-reduce, DDP's, or none)
-    (loss-scale check, clipping: the loop's own)
+    (loss-scale check, clipping: the loop's own, where strategy.clips_gradients())
     strategy.step()                    the optimizer step (may communicate)
     strategy.after_step(step)          outer step / neighbour exchange (may start async work)
     strategy.drain()                   before validation, checkpoints, export and exit
@@ -171,6 +171,11 @@ class Strategy:
 
     def after_backward(self) -> None:
         """After the last micro-batch's backward: make gradients ready for the step."""
+
+    def clips_gradients(self) -> bool:
+        """Whether the loop may clip this step's gradients before :meth:`step` (False
+        where the optimizer consumed them during the backward pass)."""
+        return True
 
     def step(self) -> None:
         """The optimizer step."""

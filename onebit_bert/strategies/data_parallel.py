@@ -10,6 +10,7 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, bucketed, codec_ddp_hook
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import GradientSync, Strategy
 
@@ -23,9 +24,18 @@ class DataParallel(Strategy):
     name = "data_parallel"
 
     def __init__(
-        self, model: nn.Module, loss_module: nn.Module, optimizer, ctx: DistContext, use_ddp: bool
+        self,
+        model: nn.Module,
+        loss_module: nn.Module,
+        optimizer,
+        ctx: DistContext,
+        use_ddp: bool,
+        grad_codec: Codec | None = None,
     ):
         self.ddp = None
+        self.grad_codec = grad_codec
+        """Averages the gradients instead of the plain fp32 all-reduce
+        (``comm.compression.grad``, ``comm.hierarchy``); None: the plain one."""
         module = loss_module
         if ctx.world_size > 1 and use_ddp:
             self.ddp = DistributedDataParallel(
@@ -34,7 +44,8 @@ class DataParallel(Strategy):
                 broadcast_buffers=False,
                 gradient_as_bucket_view=True,
             )
-            self.ddp.register_comm_hook(None, ctx.comm.ddp_comm_hook())
+            hook = ctx.comm.ddp_comm_hook() if grad_codec is None else codec_ddp_hook(grad_codec)
+            self.ddp.register_comm_hook(None, hook)
             module = self.ddp
         super().__init__(model, module, optimizer, ctx)
 
@@ -49,8 +60,25 @@ class DataParallel(Strategy):
 
     def after_backward(self) -> None:
         if self.gradient_sync() == "allreduce" and self.ddp is None and self.ctx.world_size > 1:
+            grads = [p.grad for p in self.params if p.grad is not None]
             with self.comm.traffic("gradients"):
-                self.comm.all_reduce_coalesced([p.grad for p in self.params if p.grad is not None])
+                if self.grad_codec is None:
+                    self.comm.all_reduce_coalesced(grads)
+                else:
+                    buckets = bucketed(grads, GRAD_BUCKET_BYTES)
+                    for i, bucket in enumerate(buckets):
+                        self.grad_codec.all_reduce(bucket, f"grad/{i}", last=i == len(buckets) - 1)
+
+    def state_dict(self) -> tuple[dict, dict]:
+        shared, per_rank = super().state_dict()
+        if self.grad_codec is not None:
+            per_rank["grad_codec"] = self.grad_codec.state_dict()
+        return shared, per_rank
+
+    def load_state_dict(self, shared: dict, per_rank: dict | None, same_run: bool = True) -> None:
+        super().load_state_dict(shared, per_rank, same_run)
+        if self.grad_codec is not None:
+            self.grad_codec.load_state_dict((per_rank or {}).get("grad_codec") or {})
 
 
 class SelfSyncingDataParallel(DataParallel):
@@ -58,8 +86,36 @@ class SelfSyncingDataParallel(DataParallel):
     :class:`DataParallel`) on the steps it says False, none on the others, where its step
     communicates by itself."""
 
+    overlapping = False
+    """True from the last micro-batch's backward to the step of a compression step whose
+    all-reduces started during the backward pass (``comm.overlap``)."""
+
     def gradient_sync(self) -> GradientSync:
         return "optimizer" if self.optimizer.syncs_internally else "allreduce"
+
+    def enable_overlap(self, bucket_mb: float) -> None:
+        """``comm.overlap``: compression steps fold each gradient into the momentum as soon
+        as it is complete and all-reduce each bucket of the momentum as soon as it is
+        folded, during the last micro-batch's backward. The momentum is compressed in
+        buckets of about ``bucket_mb`` MB (unless ``optimizer.bucket_numel`` sets them), on
+        a process group of its own."""
+        opt = self.optimizer
+        if opt.bucket_numel is None:
+            opt.bucket_numel = max(1, int(bucket_mb * (1 << 20)) // 4)
+        opt.enable_overlap(self.comm.side_channel())
+
+    def backward_context(self, last_micro_batch: bool):
+        if last_micro_batch and hasattr(self.optimizer, "begin_overlap"):
+            self.overlapping = self.optimizer.begin_overlap()
+        return super().backward_context(last_micro_batch)
+
+    def clips_gradients(self) -> bool:
+        """An overlapped step has folded its gradients before the loop could clip them."""
+        return not self.overlapping
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.overlapping = False
 
     def metrics(self) -> dict:
         """The base figures, and with ``freeze_step: auto`` the detector's last statistic

@@ -120,6 +120,7 @@ class Decentralized(Strategy):
         cfg: StrategyConfig,
         name: str,
         trust_bounds: tuple[float, float] = (defaults.MIN_COEFF, defaults.MAX_COEFF),
+        neighbour_codec: str = "none",
     ):
         super().__init__(model, loss_module, optimizer, ctx)
         if name not in DECENTRALIZED_STRATEGIES:
@@ -139,6 +140,14 @@ class Decentralized(Strategy):
         self.steps = 0
         """Steps taken: the time index k of a time-varying graph."""
         self._x, self._y, self._mixed, self._recv = (self.flat.empty() for _ in range(4))
+        # comm.compression.neighbour: what the neighbours receive is rounded to 16 bits;
+        # each rank's own term stays exact
+        self.wire_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[
+            neighbour_codec
+        ]
+        if self.wire_dtype is not None:
+            self._send_half = torch.empty_like(self._x, dtype=self.wire_dtype)
+            self._recv_half = torch.empty_like(self._x, dtype=self.wire_dtype)
         self._mean_key: int | None = None  # self._recv holds the average of this step
         self._eval = AverageModel(model, self.flat)
         self.last_trust_ratios: torch.Tensor | None = None
@@ -249,14 +258,19 @@ class Decentralized(Strategy):
         mixing = self.mixing()
         torch.mul(y, mixing.self_weight, out=out)
         rank = self.comm.rank
+        send, recv = y, self._recv
+        if self.wire_dtype is not None:
+            send, recv = self._send_half.copy_(y), self._recv_half
         for shift, weight in mixing.shifts:
             with self.comm.traffic("neighbour"):
                 self.comm.neighbour_exchange(
-                    y,
+                    send,
                     [mixing.send_to(rank, shift)],
                     [mixing.recv_from(rank, shift)],
-                    out=[self._recv],
+                    out=[recv],
                 )
+            if recv is not self._recv:
+                self._recv.copy_(recv)
             out.add_(self._recv, alpha=weight)
         self._mean_key = None  # the receive buffer no longer holds an average
         return out

@@ -52,6 +52,7 @@ import logging
 import torch
 from torch import nn
 
+from onebit_bert.distributed.codecs import AsyncCodecAllReduce
 from onebit_bert.distributed.comm import AsyncAllReduce
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import Strategy, StrategyConfig
@@ -112,6 +113,7 @@ class LocalSteps(Strategy):
         ctx: DistContext,
         cfg: StrategyConfig,
         name: str,
+        policy=None,
     ):
         super().__init__(model, loss_module, optimizer, ctx)
         if name not in LOCAL_STEP_STRATEGIES:
@@ -137,13 +139,21 @@ class LocalSteps(Strategy):
         # The outer collectives run on a group of their own, so that the loop's statistics
         # all-reduce is not queued behind a parameter average in flight.
         self.outer_comm = self.comm.side_channel() if self.asynchronous else self.comm
+        # comm.compression.outer: a lossy codec averages each rank's progress since the
+        # round's anchor (x_i - x0, identical x0 on every rank), not the parameters
+        self.outer_codec = None
+        if policy is not None and policy.codec_name("outer") != "none":
+            # asynchronous: on a group of its own, on a background thread, its counts
+            # filed when waited (AsyncCodecAllReduce)
+            codec_comm = self.comm.side_channel(shared_stats=False) if self.asynchronous else None
+            self.outer_codec = policy.codec("outer", comm=codec_comm)
         self.flat = _FlatParams(self.params)
         self.anchor: torch.Tensor | None = None  # x0_t; taken before the first step
         self.previous_anchor: torch.Tensor | None = None  # x0_{t-1} (co2)
         self.momentum = torch.zeros(self.flat.numel, device=self.flat.device)
         self.average = self.flat.empty()  # the last round's average (in flight for co2)
         self.has_average = False
-        self.pending: AsyncAllReduce | None = None
+        self.pending: AsyncAllReduce | AsyncCodecAllReduce | None = None
         self.rounds = 0
         self.last_lr: float | None = None
         self.at_round_end = False  # no inner step since the last outer step
@@ -181,8 +191,14 @@ class LocalSteps(Strategy):
 
     def _outer_step_synchronous(self) -> None:
         self.flat.read(out=self.average)
-        with self.outer_comm.traffic("parameters"):
-            self.outer_comm.all_reduce(self.average, op="avg")
+        if self.outer_codec is not None:
+            self.average.sub_(self.anchor)  # this rank's progress over the round
+            with self.comm.traffic("parameters"):
+                self.outer_codec.all_reduce([self.average], "outer")
+            self.average.add_(self.anchor)
+        else:
+            with self.outer_comm.traffic("parameters"):
+                self.outer_comm.all_reduce(self.average, op="avg")
         self.has_average = True
         delta = self.anchor - self.average
         gamma = 1.0
@@ -207,8 +223,15 @@ class LocalSteps(Strategy):
         else:  # round 0: nothing in flight yet, the anchor stays
             self.previous_anchor.copy_(self.anchor)
         self.flat.read(out=self.average)
-        with self.outer_comm.traffic("parameters"):
-            self.pending = self.outer_comm.all_reduce_async(self.average)
+        if self.outer_codec is not None:
+            # progress since the round's anchor (previous_anchor now): added back on wait
+            self.average.sub_(self.previous_anchor)
+            self.pending = AsyncCodecAllReduce(
+                self.outer_codec, [self.average], "outer", "parameters", self.comm.stats
+            )
+        else:
+            with self.outer_comm.traffic("parameters"):
+                self.pending = self.outer_comm.all_reduce_async(self.average)
         self.has_average = True
         self.flat.write(self.anchor)
 
@@ -236,6 +259,9 @@ class LocalSteps(Strategy):
         if self.pending is None:
             return
         self.last_wait = self.pending.wait()
+        if isinstance(self.pending, AsyncCodecAllReduce):
+            # the round started from previous_anchor, which stays until the next outer step
+            self.average.add_(self.previous_anchor)
         self.last_in_flight = self.pending.in_flight_seconds
         self.total_wait += self.last_wait
         self.waits += 1

@@ -26,9 +26,15 @@ class ZeroOneAdamStrategy(SelfSyncingDataParallel):
     name = "zero_one_adam"
 
     def __init__(
-        self, model: nn.Module, loss_module: nn.Module, optimizer, ctx: DistContext, use_ddp: bool
+        self,
+        model: nn.Module,
+        loss_module: nn.Module,
+        optimizer,
+        ctx: DistContext,
+        use_ddp: bool,
+        grad_codec=None,
     ):
-        super().__init__(model, loss_module, optimizer, ctx, use_ddp)
+        super().__init__(model, loss_module, optimizer, ctx, use_ddp, grad_codec)
         self.flat = FlatParams(self.params)
         self.synced_model = AverageModel(model, self.flat)
 

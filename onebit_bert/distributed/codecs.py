@@ -1,0 +1,565 @@
+"""Codecs: how a buffer is averaged over ranks, and at what precision it travels.
+
+Every codec averages a list of tensors in place (:meth:`Codec.all_reduce`) through the
+:class:`~onebit_bert.distributed.comm.Communicator`'s collectives, so the bytes it counts
+are the bytes it sends (the messages' sizes, scales and padding included):
+
+========  ======================================================================  ========
+codec     what travels                                                             bits/el
+========  ======================================================================  ========
+none      fp32, one ring all-reduce (today's path, bit for bit)                    32
+bf16      bf16 chunks, all-to-all; fp32 sums per chunk, bf16 all-gather           16
+fp16      as bf16 with fp16                                                        16
+int8      int8 with one fp32 scale per block of ``int8_block`` elements, error    8 + 32/B
+          feedback on both sides, same two phases
+onebit    signs with one fp32 scale per chunk, error feedback on both sides (the  1 + ...
+          1-bit all-reduce of 1-bit LAMB)
+powersgd  rank-r factors P and Q of every matrix (PyTorch's PowerSGD DDP hook),    ~r(n+m)
+          small tensors in fp32; error feedback and warm start as that hook
+========  ======================================================================  ========
+
+**Two phases.** bf16, fp16 and int8 use the pattern of the 1-bit all-reduce: the padded
+buffer is cut into one chunk per rank; every rank encodes its copy and sends chunk ``j``
+to rank ``j`` (all-to-all); rank ``j`` decodes the ``p`` copies of its chunk, sums them in
+fp32 in rank order, divides by ``p``, encodes the average and sends it to everyone
+(all-gather); every rank decodes the same bytes, so the result is identical on every
+rank. Each phase puts ``(p - 1) / p`` of the encoded buffer on the wire, the two together
+what a ring all-reduce of the encoded buffer would, but no sum is ever rounded to the
+wire format before all ``p`` terms are in.
+
+**Error feedback** (int8, onebit): what encoding left out on this rank is added to the
+next call's input for the same buffer (the worker error), and likewise on the server side
+for the chunk this rank reduces; so nothing is lost over time, only delayed. The errors
+are per-rank state (:meth:`Codec.state_dict`), keyed by the buffer's name, and restored
+on resume.
+
+On a world of one every codec is a no-op: there is nothing to send.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from onebit_bert.distributed.compression import ErrorFeedback
+
+CODECS = ("none", "bf16", "fp16", "int8", "onebit", "powersgd")
+"""Codec names, as the ``comm.compression`` config section spells them."""
+
+INT8_LEVELS = 127
+"""int8 codes run over [-127, 127] (symmetric, so 0 is exact and -128 never appears)."""
+
+
+class Codec:
+    """Averages tensors over the ranks of a communicator at some precision.
+
+    ``all_reduce(tensors, key)`` replaces every tensor by its mean over ranks; ``key``
+    names the buffer (e.g. ``"grad/0"``): stateful codecs keep their errors per key, so
+    the same key must mean the same tensors (same sizes, same order) on every call.
+    """
+
+    name = "none"
+    lossy = False
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
+        """Average ``tensors`` over ranks, in place. ``last``: this buffer is the last one
+        the caller averages in this step (PowerSGD counts steps by it)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """This rank's codec state (compression errors); empty when it has none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (from this rank of the same world size)."""
+
+    # helpers shared by the flat codecs
+    @staticmethod
+    def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1).float() for t in tensors])
+
+    @staticmethod
+    def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class PlainCodec(Codec):
+    """fp32, one ring all-reduce per buffer: exactly the communicator's
+    :meth:`~onebit_bert.distributed.comm.Communicator.all_reduce_coalesced`."""
+
+    name = "none"
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
+        self.comm.all_reduce_coalesced(list(tensors), op="avg")
+
+
+class TwoPhaseCodec(Codec):
+    """The all-to-all / fp32 reduction / all-gather pattern (module docstring) for an
+    element encoding that subclasses define: ``_encode(rows) -> (message bytes per row,
+    decoded rows)`` and ``_decode(messages) -> rows``. ``quantum`` is the element count
+    every chunk is a multiple of; ``error_feedback`` keeps worker and server errors."""
+
+    error_feedback = False
+    quantum = 1
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.errors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def padded(self, numel: int) -> int:
+        """The buffer length the two phases work on: a multiple of ``p * quantum``."""
+        step = self.comm.world_size * self.quantum
+        return max(step, -(-numel // step) * step)
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
+        p = self.comm.world_size
+        if p == 1 or not tensors:
+            return
+        flat = self._flatten(tensors)
+        numel = flat.numel()
+        x = torch.zeros(self.padded(numel), dtype=torch.float32, device=flat.device)
+        x[:numel] = flat
+        worker_error = server_error = None
+        if self.error_feedback:
+            worker_error, server_error = self._errors(key, x)
+            x.add_(worker_error)
+        rows = x.view(p, -1)
+        outgoing, decoded = self._encode(rows)
+        if worker_error is not None:
+            torch.sub(x, decoded.view(-1), out=worker_error)
+        incoming = torch.empty_like(outgoing)
+        self.comm.all_to_all(incoming, outgoing)
+        # this rank's chunk: the p copies summed in fp32, in rank order
+        mine = self._decode(incoming).sum(dim=0, keepdim=True).div_(p)
+        if server_error is not None:
+            mine.add_(server_error.view(1, -1))
+        reply, decoded_mine = self._encode(mine)
+        if server_error is not None:
+            torch.sub(mine.view(-1), decoded_mine.view(-1), out=server_error)
+        gathered = torch.empty(p, reply.shape[1], dtype=torch.uint8, device=x.device)
+        self.comm.all_gather(gathered, reply.view(-1))
+        result = self._decode(gathered).reshape(-1)[:numel]
+        self._unflatten(result, tensors)
+
+    def _errors(self, key: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if key not in self.errors or self.errors[key][0].numel() != x.numel():
+            self.errors[key] = (
+                torch.zeros_like(x),
+                torch.zeros(x.numel() // self.comm.world_size, dtype=x.dtype, device=x.device),
+            )
+        return self.errors[key]
+
+    def state_dict(self) -> dict:
+        if not self.errors:
+            return {}
+        return {
+            "world_size": self.comm.world_size,
+            "errors": {k: [w.clone(), s.clone()] for k, (w, s) in self.errors.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.errors = {}
+        if not state:
+            return
+        if state["world_size"] != self.comm.world_size:
+            raise ValueError(
+                f"{self.name} compression errors were saved on {state['world_size']} ranks, "
+                f"this run has {self.comm.world_size}"
+            )
+        device = self.comm.device
+        self.errors = {k: (w.to(device), s.to(device)) for k, (w, s) in state["errors"].items()}
+
+    def _encode(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _decode(self, messages: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class HalfCodec(TwoPhaseCodec):
+    """bf16 or fp16 on the wire (round to nearest even), fp32 sums; no error feedback
+    (the rounding error is about 2^-9 (bf16) or 2^-12 (fp16) of each value). fp16 values
+    beyond +-65504 become inf, which the loop's divergence guard reports."""
+
+    def __init__(self, comm, dtype: torch.dtype):
+        super().__init__(comm)
+        self.dtype = dtype
+        self.name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+    lossy = True
+
+    def _encode(self, rows):
+        half = rows.to(self.dtype)
+        return half.view(torch.uint8).reshape(rows.shape[0], -1), half.float()
+
+    def _decode(self, messages):
+        return messages.view(self.dtype).float()
+
+
+class Int8Codec(TwoPhaseCodec):
+    """int8 codes with one fp32 scale (max |x| / 127) per block of ``block`` elements, and
+    error feedback on both sides. A message row is the chunk's codes followed by its
+    scales' bytes."""
+
+    name = "int8"
+    lossy = True
+    error_feedback = True
+
+    def __init__(self, comm, block: int = 1024):
+        if block < 1:
+            raise ValueError(f"comm.int8_block must be >= 1, got {block}")
+        super().__init__(comm)
+        self.block = block
+        self.quantum = block
+
+    def _encode(self, rows):
+        n_rows, chunk = rows.shape
+        blocks = rows.view(n_rows, chunk // self.block, self.block)
+        scale = blocks.abs().amax(dim=2, keepdim=True) / INT8_LEVELS
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(blocks / safe).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+        decoded = codes.float() * scale
+        message = torch.cat(
+            [codes.view(n_rows, chunk).view(torch.uint8), scale.view(n_rows, -1).view(torch.uint8)],
+            dim=1,
+        )
+        return message, decoded.view(n_rows, chunk)
+
+    def _decode(self, messages):
+        n_rows = messages.shape[0]
+        chunk = messages.shape[1] * self.block // (self.block + 4)
+        codes = messages[:, :chunk].contiguous().view(torch.int8)
+        scale = messages[:, chunk:].contiguous().view(torch.float32)
+        blocks = codes.view(n_rows, -1, self.block).float() * scale.unsqueeze(2)
+        return blocks.view(n_rows, chunk)
+
+
+class OneBitCodec(Codec):
+    """Signs with error feedback: the communicator's 1-bit all-reduce
+    (:meth:`~onebit_bert.distributed.comm.Communicator.compressed_all_reduce`) on a
+    zero-padded copy, one :class:`~onebit_bert.distributed.compression.ErrorFeedback` per
+    buffer name."""
+
+    name = "onebit"
+    lossy = True
+
+    def __init__(self, comm, bucket_numel: int | None = None):
+        super().__init__(comm)
+        self.bucket_numel = bucket_numel
+        self.feedback: dict[str, ErrorFeedback] = {}
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
+        if self.comm.world_size == 1 or not tensors:
+            return
+        flat = self._flatten(tensors)
+        feedback = self.feedback.get(key)
+        if feedback is None or feedback.numel != flat.numel():
+            feedback = self.feedback[key] = ErrorFeedback(
+                flat.numel(),
+                self.comm.world_size,
+                rank=self.comm.rank,
+                device=flat.device,
+                bucket_numel=self.bucket_numel,
+            )
+        buffer = torch.zeros(feedback.padded_numel, dtype=torch.float32, device=flat.device)
+        buffer[: flat.numel()] = flat
+        self.comm.compressed_all_reduce(buffer, feedback)
+        self._unflatten(buffer[: flat.numel()], tensors)
+
+    def state_dict(self) -> dict:
+        return {k: f.state_dict() for k, f in self.feedback.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.feedback = {}
+        for key, saved in state.items():
+            fb = ErrorFeedback(
+                saved["numel"],
+                self.comm.world_size,
+                rank=self.comm.rank,
+                device=self.comm.device,
+                bucket_numel=self.bucket_numel,
+            )
+            fb.load_state_dict(saved)
+            self.feedback[key] = fb
+
+
+class _Bucket:
+    """What PyTorch's PowerSGD hook reads from a DDP ``GradBucket``, for a list of
+    gradient tensors outside DDP: a flat buffer and per-tensor views of it."""
+
+    def __init__(self, index: int, tensors: Sequence[torch.Tensor], is_last: bool):
+        self._index = index
+        self._is_last = is_last
+        self._buffer = torch.cat([t.reshape(-1) for t in tensors])
+        self._grads = []
+        offset = 0
+        for t in tensors:
+            self._grads.append(self._buffer[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer.copy_(buffer)
+
+
+class PowerSGDCodec(Codec):
+    """PowerSGD (Vogels et al., 2019) by PyTorch's own DDP hook
+    (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``): every gradient
+    matrix worth it (``_should_compress``: compressed size x ``min_compression_rate`` <
+    its size) travels as rank-``rank`` factors, the rest in fp32; error feedback and warm
+    start on. The hook all-reduces through ``torch.distributed`` itself, so its bytes are
+    counted here from the same decision the hook makes (the hook's own ``_should_compress``
+    on each tensor): 2 (p - 1) / p x 4 bytes x (uncompressed elements + P + Q elements),
+    and the whole buffer before ``start_step``. Gradients only: it needs each tensor's
+    shape, and is a biased compressor meant for gradients."""
+
+    name = "powersgd"
+    lossy = True
+
+    def __init__(self, comm, rank: int = 4, start_step: int = 10, min_compression_rate=2.0):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+
+        super().__init__(comm)
+        if rank < 1:
+            raise ValueError(f"comm.powersgd_rank must be >= 1, got {rank}")
+        if start_step < 2:
+            raise ValueError(
+                f"comm.powersgd_start_step must be >= 2 (the hook's error feedback and warm "
+                f"start need a full-precision first step), got {start_step}"
+            )
+        self.hook = hook
+        self.rank = rank
+        self.min_compression_rate = min_compression_rate
+        self.state = (
+            hook.PowerSGDState(
+                process_group=comm.group,
+                matrix_approximation_rank=rank,
+                start_powerSGD_iter=start_step,
+                min_compression_rate=min_compression_rate,
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=0,
+            )
+            if comm.world_size > 1
+            else None
+        )
+        self._buckets: dict[str, int] = {}
+
+    def _wire_elements(self, tensors: Sequence[torch.Tensor]) -> int:
+        if self.state.iter < self.state.start_powerSGD_iter:
+            return sum(t.numel() for t in tensors)
+        total = 0
+        for t in tensors:
+            n = t.shape[0] if t.dim() else 1
+            m = t.numel() // max(n, 1)
+            r = min(n, m, self.rank)
+            compress, plain, packed = self.hook._should_compress(n, m, r, self.min_compression_rate)
+            total += packed if compress else plain
+        return total
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
+        if self.comm.world_size == 1 or not tensors:
+            return
+        index = self._buckets.setdefault(key, len(self._buckets))
+        bucket = _Bucket(index, tensors, last)
+        result = self.run_hook(bucket)
+        self._unflatten(result, tensors)
+
+    def run_hook(self, bucket) -> torch.Tensor:
+        """PyTorch's hook on one bucket (a DDP ``GradBucket`` or :class:`_Bucket`), waited,
+        with its bytes counted; returns the averaged flat buffer."""
+        p = self.comm.world_size
+        nbytes = 2 * (p - 1) * 4 * self._wire_elements(bucket.gradients()) // p
+        with self.comm.external(nbytes):
+            result = self.hook.powerSGD_hook(self.state, bucket).wait()
+        return result[0] if isinstance(result, list) else result
+
+    def state_dict(self) -> dict:
+        if self.state is None:
+            return {}
+        st = self.state
+        kind, keys, pos, has_gauss, cached = st.rng.get_state()
+        return {
+            "iter": st.iter,
+            "rng": {
+                "keys": torch.from_numpy(keys.astype(np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached": float(cached),
+            },
+            "error": {int(k): v.clone() for k, v in st.error_dict.items()},
+            "p": {int(k): v.clone() for k, v in st.p_memory_dict.items()},
+            "q": {int(k): v.clone() for k, v in st.q_memory_dict.items()},
+            "buckets": dict(self._buckets),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.state is None or not state:
+            return
+        st = self.state
+        st.iter = int(state["iter"])
+        rng = state["rng"]
+        st.rng.set_state(
+            (
+                "MT19937",
+                rng["keys"].numpy().astype(np.uint32),
+                rng["pos"],
+                rng["has_gauss"],
+                rng["cached"],
+            )
+        )
+        device = self.comm.device
+        st.error_dict = {k: v.to(device) for k, v in state["error"].items()}
+        st.p_memory_dict = {k: v.to(device) for k, v in state["p"].items()}
+        st.q_memory_dict = {k: v.to(device) for k, v in state["q"].items()}
+        self._buckets = dict(state["buckets"])
+
+
+GRAD_BUCKET_BYTES = 64 << 20
+"""Gradients are averaged in buffers of at most this many bytes (as
+:meth:`~onebit_bert.distributed.comm.Communicator.all_reduce_coalesced`)."""
+
+
+def bucketed(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of ``tensors`` of at most ``bucket_bytes`` each (a tensor larger
+    than that is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if buckets and size + nbytes <= bucket_bytes:
+            buckets[-1].append(t)
+            size += nbytes
+        else:
+            buckets.append([t])
+            size = nbytes
+    return buckets
+
+
+def codec_ddp_hook(codec: Codec):
+    """A ``DistributedDataParallel`` comm hook that averages each gradient bucket with
+    ``codec`` (synchronously, during the backward pass; PowerSGD gets DDP's own bucket),
+    counted as ``gradients``."""
+
+    def hook(_state, bucket):
+        buffer = bucket.buffer()
+        with codec.comm.traffic("gradients"):
+            if isinstance(codec, PowerSGDCodec):
+                buffer.copy_(codec.run_hook(bucket))
+            else:
+                codec.all_reduce([buffer], f"grad/{bucket.index()}", last=bucket.is_last())
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    return hook
+
+
+def build_codec(
+    name: str,
+    comm,
+    *,
+    int8_block: int = 1024,
+    powersgd_rank: int = 4,
+    powersgd_start_step: int = 10,
+    bucket_numel: int | None = None,
+) -> Codec:
+    """The codec called ``name`` over ``comm``."""
+    if name == "none":
+        return PlainCodec(comm)
+    if name == "bf16":
+        return HalfCodec(comm, torch.bfloat16)
+    if name == "fp16":
+        return HalfCodec(comm, torch.float16)
+    if name == "int8":
+        return Int8Codec(comm, int8_block)
+    if name == "onebit":
+        return OneBitCodec(comm, bucket_numel)
+    if name == "powersgd":
+        return PowerSGDCodec(comm, powersgd_rank, powersgd_start_step)
+    raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+
+
+def bits_per_element(name: str, int8_block: int = 1024) -> float:
+    """Nominal wire bits per element of a codec, before padding and per-chunk scales
+    (powersgd: data dependent, NaN)."""
+    return {
+        "none": 32.0,
+        "bf16": 16.0,
+        "fp16": 16.0,
+        "int8": 8.0 + 32.0 / int8_block,
+        "onebit": 1.0,
+    }.get(name, math.nan)
+
+
+class AsyncCodecAllReduce:
+    """``codec.all_reduce(tensors, key)`` running on a background thread (its collectives
+    on the codec's own process group), with the interface of
+    :class:`~onebit_bert.distributed.comm.AsyncAllReduce`: ``wait()`` returns the seconds
+    the caller blocked, ``in_flight_seconds`` how long the average took. The codec's
+    communicator keeps its counts apart; ``wait()`` files its bytes in ``stats`` under
+    ``kind``, with the blocked seconds (so they are filed when waited, not at launch)."""
+
+    def __init__(self, codec: Codec, tensors: Sequence[torch.Tensor], key: str, kind: str, stats):
+        self.codec = codec
+        self.kind = kind
+        self.stats = stats
+        self.before = codec.comm.snapshot()
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None
+        self.error: BaseException | None = None
+        self.waited = False
+        self.thread = threading.Thread(target=self._run, args=(list(tensors), key), daemon=True)
+        self.thread.start()
+
+    def _run(self, tensors, key) -> None:
+        try:
+            with self.codec.comm.traffic(self.kind):
+                self.codec.all_reduce(tensors, key)
+        except BaseException as exc:  # re-raised in the caller's thread by wait()
+            self.error = exc
+        finally:
+            self.finished_at = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> float:
+        if self.waited:
+            return 0.0
+        start = time.perf_counter()
+        self.thread.join()
+        blocked = time.perf_counter() - start
+        self.waited = True
+        if self.error is not None:
+            raise RuntimeError(f"the background {self.codec.name} average failed") from self.error
+        sent = (self.codec.comm.snapshot() - self.before).bytes_sent
+        self.stats.add(self.kind, sent, blocked)
+        return blocked
+
+    @property
+    def in_flight_seconds(self) -> float:
+        end = self.finished_at if self.finished_at is not None else time.perf_counter()
+        return end - self.started_at

@@ -1,0 +1,398 @@
+"""Codecs behind the communicator: each one's encoding, its error-feedback invariant, the
+two-phase all-reduce on real gloo ranks against a plain one-process simulation, exact
+byte counts, state round trips, PowerSGD by PyTorch's hook, and the hierarchy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from onebit_bert.distributed import Communicator
+from onebit_bert.distributed.codecs import (
+    INT8_LEVELS,
+    HalfCodec,
+    Int8Codec,
+    build_codec,
+)
+from onebit_bert.distributed.policy import CommConfig, CommPolicy, CompressionConfig
+from tests.distributed_harness import run_ranks
+
+SHAPES = [(37, 5), (11,), (64, 3)]
+NUMEL = 37 * 5 + 11 + 64 * 3  # 388: padding in every codec
+
+
+def rank_inputs(rank: int, calls: int = 3) -> list[list[torch.Tensor]]:
+    """Per call, this rank's tensors (different on every rank and call)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [[torch.randn(s, generator=g) * (1 + c) for s in SHAPES] for c in range(calls)]
+
+
+# ----------------------------------------------------------------------------- encodings
+
+
+def one_rank():
+    return Communicator(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_encoding_is_rounding_to_the_format(dtype):
+    codec = HalfCodec(one_rank(), dtype)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    message, decoded = codec._encode(x)
+    assert message.dtype == torch.uint8 and message.shape == (4, 64 * 2)
+    assert torch.equal(decoded, x.to(dtype).float())
+    assert torch.equal(codec._decode(message), decoded)
+
+
+def test_int8_encoding_bounds_the_error_by_half_a_step():
+    codec = Int8Codec(one_rank(), block=16)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    x[1, :16] = 0.0  # an all-zero block
+    message, decoded = codec._encode(x)
+    assert message.shape == (2, 64 + 4 * 4)  # codes, then one fp32 scale per block
+    assert torch.equal(codec._decode(message), decoded)
+    blocks = x.view(2, 4, 16)
+    step = blocks.abs().amax(dim=2, keepdim=True) / INT8_LEVELS
+    err = (decoded.view(2, 4, 16) - blocks).abs()
+    assert torch.all(err <= step / 2 * (1 + 1e-6) + 1e-12)
+    assert torch.equal(decoded[1, :16], torch.zeros(16))
+    codes = message[:, :64].contiguous().view(torch.int8)
+    assert codes.min() >= -INT8_LEVELS and codes.max() <= INT8_LEVELS
+    # each block's largest magnitude is a full-scale code
+    assert torch.equal(
+        codes.view(2, 4, 16).abs().amax(dim=2)[0], torch.full((4,), 127, dtype=torch.int8)
+    )
+
+
+def test_int8_block_must_be_positive():
+    with pytest.raises(ValueError, match="int8_block"):
+        Int8Codec(one_rank(), block=0)
+
+
+def test_unknown_codec_is_named():
+    with pytest.raises(ValueError, match="unknown codec 'int4'"):
+        build_codec("int4", one_rank())
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "onebit", "powersgd"])
+def test_every_codec_is_a_no_op_on_one_rank(name):
+    codec = build_codec(name, one_rank())
+    tensors = [t.clone() for t in rank_inputs(0, 1)[0]]
+    codec.all_reduce(tensors, "x")
+    assert all(torch.equal(a, b) for a, b in zip(tensors, rank_inputs(0, 1)[0], strict=True))
+
+
+# ----------------------------------------------------------------------------- simulation
+
+
+def _bf16(rows):
+    return rows.to(torch.bfloat16).float()
+
+
+def _fp16(rows):
+    return rows.to(torch.float16).float()
+
+
+def _int8(rows, block):
+    out = torch.empty_like(rows)
+    for r in range(rows.shape[0]):
+        for a in range(0, rows.shape[1], block):
+            v = rows[r, a : a + block]
+            s = v.abs().max() / 127
+            q = torch.zeros_like(v) if s == 0 else torch.round(v / s).clamp(-127, 127)
+            out[r, a : a + block] = q * s
+    return out
+
+
+def simulate_two_phase(inputs, roundtrip, quantum, errors=None):
+    """The two phases for p ranks in one process, written out plainly. ``inputs``: per
+    rank a flat fp32 tensor; ``errors``: per rank [worker, server] or None (updated)."""
+    p = len(inputs)
+    numel = inputs[0].numel()
+    padded = max(p * quantum, -(-numel // (p * quantum)) * (p * quantum))
+    chunk = padded // p
+    sent = []
+    for i in range(p):
+        x = torch.zeros(padded)
+        x[:numel] = inputs[i]
+        if errors is not None:
+            x = x + errors[i][0]
+        d = roundtrip(x.view(p, chunk)).reshape(-1)
+        if errors is not None:
+            errors[i][0] = x - d
+        sent.append(d)
+    result = torch.zeros(padded)
+    for j in range(p):
+        mine = torch.stack([sent[i][j * chunk : (j + 1) * chunk] for i in range(p)]).sum(0) / p
+        if errors is not None:
+            mine = mine + errors[j][1]
+        d = roundtrip(mine.view(1, chunk)).reshape(-1)
+        if errors is not None:
+            errors[j][1] = mine - d
+        result[j * chunk : (j + 1) * chunk] = d
+    return result[:numel]
+
+
+def _codec_calls(comm, name):
+    codec = build_codec(name, comm, int8_block=32)
+    outputs, counted = [], []
+    for tensors in rank_inputs(comm.rank):
+        before = comm.snapshot()
+        codec.all_reduce(tensors, "buf")
+        counted.append((comm.snapshot() - before).bytes_sent)
+        outputs.append(torch.cat([t.reshape(-1) for t in tensors]))
+    return {"outputs": outputs, "bytes": counted, "state": codec.state_dict()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+def test_two_phase_codecs_match_the_simulation_bit_for_bit(name, world_size):
+    ranks = run_ranks(_codec_calls, world_size, name)
+    roundtrip, quantum, feedback = {
+        "bf16": (_bf16, 1, False),
+        "fp16": (_fp16, 1, False),
+        "int8": (lambda rows: _int8(rows, 32), 32, True),
+    }[name]
+    errors = None
+    if feedback:
+        padded = -(-NUMEL // (world_size * 32)) * world_size * 32
+        errors = [[torch.zeros(padded), torch.zeros(padded // world_size)] for _ in ranks]
+    inputs = [rank_inputs(r) for r in range(world_size)]
+    for call in range(3):
+        flat = [torch.cat([t.reshape(-1) for t in inputs[r][call]]) for r in range(world_size)]
+        want = simulate_two_phase(flat, roundtrip, quantum, errors)
+        for r in ranks:
+            assert torch.equal(r["outputs"][call], want), f"{name}: call {call} differs"
+        exact = torch.stack(flat).mean(0)
+        tolerance = {"bf16": 2e-2, "fp16": 3e-3, "int8": 0.1}[name]
+        assert (want - exact).abs().max() <= tolerance * exact.abs().max()
+    # exact bytes: two phases, (p-1) rows each, of the encoded chunk (+ scales)
+    padded = -(-NUMEL // (world_size * quantum)) * world_size * quantum
+    chunk = padded // world_size
+    row = {"bf16": 2 * chunk, "fp16": 2 * chunk, "int8": chunk + 4 * (chunk // 32)}[name]
+    for r in ranks:
+        assert r["bytes"] == [2 * (world_size - 1) * row] * 3
+    if feedback:  # the errors each rank keeps are the simulation's
+        for rank, r in enumerate(ranks):
+            worker, server = r["state"]["errors"]["buf"]
+            assert torch.equal(worker, errors[rank][0])
+            assert torch.equal(server, errors[rank][1])
+
+
+def test_error_feedback_carries_what_int8_left_out():
+    """Summed over calls, the average int8 delivers differs from the exact average by no
+    more than the errors still held (nothing is lost, only delayed)."""
+    ranks = run_ranks(_codec_calls, 2, "int8")
+    inputs = [rank_inputs(r) for r in range(2)]
+    exact = sum(
+        torch.stack([torch.cat([t.reshape(-1) for t in inputs[r][c]]) for r in range(2)]).mean(0)
+        for c in range(3)
+    )
+    delivered = sum(ranks[0]["outputs"])
+    held = sum(r["state"]["errors"]["buf"][0][:NUMEL] for r in ranks) / 2
+    server = torch.cat([r["state"]["errors"]["buf"][1] for r in ranks])[:NUMEL]
+    assert torch.allclose(delivered + held + server, exact, atol=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_codecs_give_every_rank_the_same_result(world_size):
+    for name in ("bf16", "int8", "onebit"):
+        ranks = run_ranks(_codec_calls, world_size, name)
+        for r in ranks[1:]:
+            assert all(
+                torch.equal(a, b) for a, b in zip(r["outputs"], ranks[0]["outputs"], strict=True)
+            ), name
+
+
+def _plain_vs_coalesced(comm):
+    tensors = rank_inputs(comm.rank, 1)[0]
+    copies = [t.clone() for t in tensors]
+    build_codec("none", comm).all_reduce(tensors, "g")
+    comm.all_reduce_coalesced(copies)
+    return all(torch.equal(a, b) for a, b in zip(tensors, copies, strict=True))
+
+
+def test_none_is_the_plain_coalesced_all_reduce():
+    assert all(run_ranks(_plain_vs_coalesced, 2))
+
+
+def _onebit_codec_vs_comm(comm):
+    from onebit_bert.distributed import ErrorFeedback
+
+    codec = build_codec("onebit", comm)
+    feedback = ErrorFeedback(NUMEL, comm.world_size, rank=comm.rank)
+    same = True
+    for tensors in rank_inputs(comm.rank):
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        buffer = torch.zeros(feedback.padded_numel)
+        buffer[:NUMEL] = flat
+        comm.compressed_all_reduce(buffer, feedback)
+        codec.all_reduce(tensors, "m")
+        same &= torch.equal(torch.cat([t.reshape(-1) for t in tensors]), buffer[:NUMEL])
+    return same
+
+
+def test_onebit_codec_is_the_communicators_one_bit_all_reduce():
+    assert all(run_ranks(_onebit_codec_vs_comm, 2))
+
+
+def _resumed(comm, name):
+    """Three calls straight, against two calls, a state round trip, and the third."""
+    kw = {"int8_block": 32, "powersgd_start_step": 2}
+    straight = build_codec(name, comm, **kw)
+    inputs = rank_inputs(comm.rank)
+    for tensors in inputs:
+        straight.all_reduce(tensors, "k")
+    inputs2 = rank_inputs(comm.rank)
+    first = build_codec(name, comm, **kw)
+    for tensors in inputs2[:2]:
+        first.all_reduce(tensors, "k")
+    state = first.state_dict()
+    second = build_codec(name, comm, **kw)
+    second.load_state_dict(state)
+    second.all_reduce(inputs2[2], "k")
+    return all(torch.equal(a, b) for a, b in zip(inputs[2], inputs2[2], strict=True))
+
+
+@pytest.mark.parametrize("name", ["int8", "onebit", "powersgd"])
+def test_codec_state_round_trip_continues_exactly(name):
+    assert all(run_ranks(_resumed, 2, name))
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+
+
+def _powersgd(comm, start_step):
+    g = torch.Generator().manual_seed(comm.rank)
+    codec = build_codec("powersgd", comm, powersgd_rank=1, powersgd_start_step=start_step)
+    out = []
+    for _ in range(4):
+        tensors = [torch.randn(16, 12, generator=g), torch.randn(7, generator=g)]
+        plain = [t.clone() for t in tensors]
+        comm.all_reduce_coalesced(plain)
+        before = comm.snapshot()
+        codec.all_reduce(tensors, "grad/0")
+        out.append(
+            {
+                "equal_to_plain": all(
+                    torch.equal(a, b) for a, b in zip(tensors, plain, strict=True)
+                ),
+                "bytes": (comm.snapshot() - before).bytes_sent,
+                "result": [t.clone() for t in tensors],
+                "plain": plain,
+            }
+        )
+    return out
+
+
+def test_powersgd_by_the_torch_hook_counts_its_factors():
+    start = 2
+    ranks = run_ranks(_powersgd, 2, start)
+    for step, entry in enumerate(ranks[0]):
+        if step < start:  # fp32 steps: the hook's plain all-reduce
+            assert entry["equal_to_plain"]
+            assert entry["bytes"] == 2 * 1 * 4 * (16 * 12 + 7) // 2
+        else:  # rank-1 factors of the matrix (16 + 12), the vector in fp32
+            assert not entry["equal_to_plain"]
+            assert entry["bytes"] == 2 * 1 * 4 * (16 + 12 + 7) // 2
+            matrix = entry["result"][0]
+            assert torch.linalg.matrix_rank(matrix) == 1
+            # the uncompressed vector is the exact average
+            assert torch.allclose(entry["result"][1], entry["plain"][1])
+    for a, b in zip(ranks[0], ranks[1], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["result"], b["result"], strict=True))
+
+
+def test_powersgd_start_step_must_leave_a_full_precision_step():
+    with pytest.raises(ValueError, match="powersgd_start_step"):
+        build_codec("powersgd", one_rank(), powersgd_start_step=1)
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def test_policy_defaults_are_todays_behaviour():
+    cfg = CommConfig()
+    assert cfg.is_default
+    assert (cfg.compression.grad, cfg.compression.momentum) == ("none", "onebit")
+
+
+@pytest.mark.parametrize(
+    ("kind", "codec", "message"),
+    [
+        ("stats", "int8", "stats traffic takes none"),
+        ("outer", "onebit", "outer traffic takes none, bf16, fp16, int8"),
+        ("neighbour", "int8", "neighbour traffic takes none, bf16, fp16"),
+        ("momentum", "powersgd", "momentum traffic takes"),
+        ("grad", "zip", "unknown codec 'zip'"),
+    ],
+)
+def test_policy_refuses_a_codec_a_kind_cannot_take(kind, codec, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionConfig(**{kind: codec})
+
+
+def test_hierarchy_refuses_powersgd():
+    with pytest.raises(ValueError, match="per-node slices"):
+        CommConfig(compression=CompressionConfig(grad="powersgd"), hierarchy="node")
+
+
+def _hierarchical(comm, local_world_size, name):
+    cfg = CommConfig(compression=CompressionConfig(grad=name), hierarchy="node", int8_block=32)
+    policy = CommPolicy(cfg, comm, comm.rank % local_world_size, local_world_size)
+    codec = policy.codec("grad")
+    tensors = rank_inputs(comm.rank, 1)[0]
+    before, intra_before = comm.snapshot(), comm.intra_stats.copy()
+    with comm.traffic("gradients"):
+        codec.all_reduce(tensors, "g")
+    return {
+        "out": torch.cat([t.reshape(-1) for t in tensors]),
+        "inter": (comm.snapshot() - before).bytes_sent,
+        "intra": (comm.intra_stats.copy() - intra_before).bytes_sent,
+    }
+
+
+def test_hierarchy_averages_exactly_in_full_precision():
+    """2 nodes x 2 ranks, codec none: the exact average (up to fp32 summation order),
+    half the buffer (194 elements) per rank across nodes, a reduce-scatter and an
+    all-gather inside."""
+    ranks = run_ranks(_hierarchical, 4, 2, "none")
+    inputs = [torch.cat([t.reshape(-1) for t in rank_inputs(r, 1)[0]]) for r in range(4)]
+    exact = torch.stack(inputs).mean(0)
+    for r in ranks:
+        assert torch.allclose(r["out"], exact, atol=1e-6)
+        assert torch.equal(r["out"], ranks[0]["out"])
+        # across nodes: a 2-rank ring all-reduce of the slice
+        assert r["inter"] == 2 * 1 * 194 * 4 // 2
+        # inside the node: reduce-scatter and all-gather, one slice each
+        assert r["intra"] == 2 * 194 * 4
+
+
+def test_hierarchy_compresses_between_nodes_only():
+    """int8 between nodes: each node's mean is computed exactly first, so the result is
+    the int8 two-phase average of the two node means."""
+    ranks = run_ranks(_hierarchical, 4, 2, "int8")
+    inputs = [torch.cat([t.reshape(-1) for t in rank_inputs(r, 1)[0]]) for r in range(4)]
+    node_means = [(inputs[0] + inputs[1]) / 2, (inputs[2] + inputs[3]) / 2]
+    # local rank 0 carries elements [0, 194) across nodes, local rank 1 [194, 388)
+    halves = [[m[:194] for m in node_means], [m[194:] for m in node_means]]
+    errors = [[[torch.zeros(256), torch.zeros(128)] for _ in range(2)] for _ in halves]
+    want = torch.cat(
+        [
+            simulate_two_phase(half, lambda rows: _int8(rows, 32), 32, err)
+            for half, err in zip(halves, errors, strict=True)
+        ]
+    )
+    for r in ranks:
+        assert torch.allclose(r["out"], want, atol=1e-6)
+        assert torch.equal(r["out"], ranks[0]["out"])
+
+
+def test_hierarchy_needs_ranks_numbered_node_by_node():
+    from onebit_bert.distributed.policy import node_layout
+
+    assert node_layout(5, 8, 1, 4) == 2
+    with pytest.raises(ValueError, match="numbered node by node"):
+        node_layout(5, 8, 0, 4)
+    with pytest.raises(ValueError, match="do not split into nodes"):
+        node_layout(0, 6, 0, 4)
