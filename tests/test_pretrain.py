@@ -48,11 +48,11 @@ def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
         "seed": 7,
     }
     for key, value in overrides.items():
-        section, _, field = key.partition(".")
-        if field:
-            cfg.setdefault(section, {})[field] = value
-        else:
-            cfg[key] = value
+        *sections, field = key.split(".")
+        target = cfg
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[field] = value
     return cfg
 
 

@@ -122,6 +122,18 @@ class TwoPhaseCodec(Codec):
         step = self.comm.world_size * self.quantum
         return max(step, -(-numel // step) * step)
 
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes this rank sends to average ``numel`` elements: (p - 1) message rows in
+        each phase."""
+        p = self.comm.world_size
+        if p == 1:
+            return 0
+        chunk = self.padded(numel) // p
+        return 2 * (p - 1) * self._row_bytes(chunk)
+
+    def _row_bytes(self, chunk: int) -> int:
+        raise NotImplementedError
+
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
         p = self.comm.world_size
         if p == 1 or not tensors:
@@ -199,6 +211,9 @@ class HalfCodec(TwoPhaseCodec):
 
     lossy = True
 
+    def _row_bytes(self, chunk: int) -> int:
+        return 2 * chunk
+
     def _encode(self, rows):
         half = rows.to(self.dtype)
         return half.view(torch.uint8).reshape(rows.shape[0], -1), half.float()
@@ -222,6 +237,9 @@ class Int8Codec(TwoPhaseCodec):
         super().__init__(comm)
         self.block = block
         self.quantum = block
+
+    def _row_bytes(self, chunk: int) -> int:
+        return chunk + 4 * (chunk // self.block)
 
     def _encode(self, rows):
         n_rows, chunk = rows.shape
@@ -515,18 +533,22 @@ def bits_per_element(name: str, int8_block: int = 1024) -> float:
 
 
 class AsyncCodecAllReduce:
-    """``codec.all_reduce(tensors, key)`` running on a background thread (its collectives
-    on the codec's own process group), with the interface of
-    :class:`~onebit_bert.distributed.comm.AsyncAllReduce`: ``wait()`` returns the seconds
-    the caller blocked, ``in_flight_seconds`` how long the average took. The codec's
-    communicator keeps its counts apart; ``wait()`` files its bytes in ``stats`` under
-    ``kind``, with the blocked seconds (so they are filed when waited, not at launch)."""
+    """``codec.all_reduce(tensors, key)`` of a :class:`TwoPhaseCodec` running on a
+    background thread (its collectives on the codec's own process group), with the
+    interface of :class:`~onebit_bert.distributed.comm.AsyncAllReduce`: the bytes are
+    filed in ``stats`` under ``kind`` at launch (:meth:`TwoPhaseCodec.wire_bytes`, checked
+    against what the codec's own communicator counted when waited), the seconds when
+    waited (the time the caller blocked); ``in_flight_seconds`` is how long it took."""
 
-    def __init__(self, codec: Codec, tensors: Sequence[torch.Tensor], key: str, kind: str, stats):
+    def __init__(
+        self, codec: TwoPhaseCodec, tensors: Sequence[torch.Tensor], key: str, kind: str, stats
+    ):
         self.codec = codec
         self.kind = kind
         self.stats = stats
         self.before = codec.comm.snapshot()
+        self.nbytes = codec.wire_bytes(sum(t.numel() for t in tensors))
+        stats.add(kind, self.nbytes, 0.0)
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None
         self.error: BaseException | None = None
@@ -547,6 +569,7 @@ class AsyncCodecAllReduce:
         return not self.thread.is_alive()
 
     def wait(self) -> float:
+        """Block until done; the seconds blocked (0 on later calls)."""
         if self.waited:
             return 0.0
         start = time.perf_counter()
@@ -556,7 +579,12 @@ class AsyncCodecAllReduce:
         if self.error is not None:
             raise RuntimeError(f"the background {self.codec.name} average failed") from self.error
         sent = (self.codec.comm.snapshot() - self.before).bytes_sent
-        self.stats.add(self.kind, sent, blocked)
+        if sent != self.nbytes:
+            raise RuntimeError(
+                f"the {self.codec.name} average sent {sent} bytes where {self.nbytes} were "
+                f"counted at launch"
+            )
+        self.stats.add_seconds(self.kind, blocked)
         return blocked
 
     @property

@@ -225,9 +225,11 @@ class HierarchicalCodec(Codec):
         padded = torch.zeros(size, dtype=torch.float32, device=flat.device)
         padded[:numel] = flat
         mine = torch.empty(size // local, dtype=torch.float32, device=flat.device)
-        intra.reduce_scatter(mine, padded)  # the node's mean of this rank's slice
-        self.inner.all_reduce([mine], key, last=last)
-        intra.all_gather(padded, mine)
+        kind = self.comm.kind  # the caller's kind of traffic, on all three communicators
+        with intra.traffic(kind), self.inner.comm.traffic(kind):
+            intra.reduce_scatter(mine, padded)  # the node's mean of this rank's slice
+            self.inner.all_reduce([mine], key, last=last)
+            intra.all_gather(padded, mine)
         self._unflatten(padded[:numel], tensors)
 
     def state_dict(self) -> dict:

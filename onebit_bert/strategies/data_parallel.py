@@ -115,12 +115,17 @@ class SelfSyncingDataParallel(DataParallel):
 
     def step(self) -> None:
         self.optimizer.step()
+        self.last_overlapped = self.overlapping
         self.overlapping = False
+
+    last_overlapped = False
 
     def metrics(self) -> dict:
         """The base figures, and with ``freeze_step: auto`` the detector's last statistic
         (``freeze_statistic``) and, once chosen, the last warmup step (``freeze_step``)."""
         out = super().metrics()
+        if self.last_overlapped:
+            out["overlapped"] = True
         if getattr(self.optimizer, "auto_freeze", False):
             if self.optimizer.freeze_statistic is not None:
                 out["freeze_statistic"] = self.optimizer.freeze_statistic

@@ -303,6 +303,8 @@ class LocalSteps(Strategy):
             "inner_steps": self.inner_steps,
         }
         per_rank = {"optimizer": self.optimizer.state_dict(), "params": self.flat.read()}
+        if self.outer_codec is not None:
+            per_rank["outer_codec"] = self.outer_codec.state_dict()
         return {"strategy": self.identity(), "local_steps": outer}, per_rank
 
     def load_state_dict(self, shared: dict, per_rank: dict | None, same_run: bool = True) -> None:
@@ -343,6 +345,8 @@ class LocalSteps(Strategy):
         if per_rank is not None:
             self.optimizer.load_state_dict(per_rank["optimizer"])
             self.flat.write(per_rank["params"])
+            if self.outer_codec is not None:
+                self.outer_codec.load_state_dict(per_rank.get("outer_codec") or {})
         else:
             log.warning(
                 "another world size wrote this checkpoint: every rank starts from the "
