@@ -32,6 +32,7 @@ def pretrain_config(
     strategy: dict | None = None,
     momentum: float | None = None,
     optimizer_fields: dict | None = None,
+    comm: dict | None = None,
 ) -> dict:
     """The pretraining config every benchmark trains with: fp32, a constant learning rate
     (1e-4 for AdamW, 1-bit Adam and 0/1 Adam, 5e-3 for the others), no checkpoints, no
@@ -39,7 +40,8 @@ def pretrain_config(
     ``stop_after`` stops there without the final validation and export; ``strategy`` is the
     config's ``strategy`` section (e.g. ``{"name": "co2", "outer_every": 8}``; default: the
     optimizer's own); ``momentum``: ``optimizer.betas[0]`` (default: the optimizer's);
-    ``optimizer_fields``: more ``optimizer`` fields (e.g. 0/1 Adam's schedule)."""
+    ``optimizer_fields``: more ``optimizer`` fields (e.g. 0/1 Adam's schedule); ``comm``:
+    the ``comm`` section (codecs per kind of traffic, hierarchy, overlap)."""
     cfg = {
         "run_dir": str(run_dir),
         "model": {"preset": model},
@@ -66,6 +68,8 @@ def pretrain_config(
         cfg["optimizer"]["betas"] = [momentum, 0.999]
     if optimizer_fields:
         cfg["optimizer"].update(optimizer_fields)
+    if comm:
+        cfg["comm"] = comm
     return cfg
 
 

@@ -144,11 +144,13 @@ class Cluster:
             _ip("netns", "del", ns, check=False)  # takes its veth pair with it
         _ip("link", "del", self.bridge, check=False)
 
-    def prefix_for(self, i: int) -> list[str]:
-        """Run in host ``i``'s namespace, pinned to core ``i mod cores`` (ranks of one run
-        then share the cores evenly and do not migrate: steadier step times)."""
+    def prefix_for(self, i: int, core: int | None = None) -> list[str]:
+        """Run in host ``i``'s namespace, pinned to core ``core`` (default ``i``) mod cores
+        (ranks of one run then share the cores evenly and do not migrate: steadier step
+        times)."""
         cores = sorted(os.sched_getaffinity(0))
-        pin = ["taskset", "-c", str(cores[i % len(cores)])] if shutil.which("taskset") else []
+        k = i if core is None else core
+        pin = ["taskset", "-c", str(cores[k % len(cores)])] if shutil.which("taskset") else []
         return ["ip", "netns", "exec", self.namespaces[i], *pin]
 
 
@@ -209,20 +211,31 @@ def _env(threads: int, **extra: str) -> dict:
     return env
 
 
-def run_distributed(cluster: Cluster, cfg_path: Path, logs: Path, threads: int, timeout: float):
-    """One pretraining run of ``cfg_path`` over every host (rank ``i`` in namespace ``i``,
-    rendezvous at host 0, gloo on ``eth0``)."""
-    world = cluster.hosts
+def run_distributed(
+    cluster: Cluster,
+    cfg_path: Path,
+    logs: Path,
+    threads: int,
+    timeout: float,
+    ranks_per_host: int = 1,
+):
+    """One pretraining run of ``cfg_path`` over every host: ``ranks_per_host`` ranks in each
+    namespace (rank ``i`` on host ``i // ranks_per_host``, numbered host by host as torchrun
+    numbers them, with LOCAL_RANK and LOCAL_WORLD_SIZE set), rendezvous at host 0, gloo on
+    ``eth0``. Ranks of one host reach each other over the namespace's loopback, so ``eth0``
+    carries only what crosses hosts."""
+    world = cluster.hosts * ranks_per_host
     cmds, envs = [], []
     for i in range(world):
-        cmds.append([*cluster.prefix_for(i), sys.executable, "-m", "pretrain", "--config",
-                     str(cfg_path)])  # fmt: skip
+        cmds.append([*cluster.prefix_for(i // ranks_per_host, core=i), sys.executable, "-m",
+                     "pretrain", "--config", str(cfg_path)])  # fmt: skip
         envs.append(
             _env(
                 threads,
                 RANK=str(i),
                 WORLD_SIZE=str(world),
-                LOCAL_RANK="0",
+                LOCAL_RANK=str(i % ranks_per_host),
+                LOCAL_WORLD_SIZE=str(ranks_per_host),
                 MASTER_ADDR=cluster.address(0),
                 MASTER_PORT=str(MASTER_PORT),
                 GLOO_SOCKET_IFNAME="eth0",
@@ -231,11 +244,25 @@ def run_distributed(cluster: Cluster, cfg_path: Path, logs: Path, threads: int, 
     _launch(cmds, envs, logs, timeout)
 
 
-def run_compute_only(cluster: Cluster, cfg_paths: list[Path], logs: Path, threads: int, timeout):
-    """Independent single-process pretraining runs, ``cfg_paths[i]`` in namespace ``i``,
-    started together."""
+def run_compute_only(
+    cluster: Cluster,
+    cfg_paths: list[Path],
+    logs: Path,
+    threads: int,
+    timeout,
+    ranks_per_host: int = 1,
+):
+    """Independent single-process pretraining runs, ``cfg_paths[i]`` in namespace
+    ``i // ranks_per_host``, started together."""
     cmds = [
-        [*cluster.prefix_for(i), sys.executable, "-m", "pretrain", "--config", str(path)]
+        [
+            *cluster.prefix_for(i // ranks_per_host, core=i),
+            sys.executable,
+            "-m",
+            "pretrain",
+            "--config",
+            str(path),
+        ]  # fmt: skip
         for i, path in enumerate(cfg_paths)
     ]
     _launch(cmds, [_env(threads) for _ in cmds], logs, timeout)

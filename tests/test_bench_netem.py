@@ -131,6 +131,9 @@ def test_slow_links_send_single_frames_and_fast_ones_whole_gso_packets():
         (["--strategies", ","], "--strategies: unknown (empty list)"),
         (["--strategies", "co2,co2"], "--strategies: each name once"),
         (["--strategies", "co2", "--outer-every", "0"], "--outer-every must be >= 1"),
+        (["--strategies", "lamb_node"], "need --ranks-per-host 2 or more"),
+        (["--world-sizes", "3", "--ranks-per-host", "2"], "must divide every world size"),
+        (["--strategies", "hybrid_onebit_lamb", "--hybrid-codec", "zip"], "--hybrid-codec"),
         (["--strategies", "decentlam", "--topologies", "ring,star"], "--topologies: 'ring,star'"),
         (["--strategies", "dmsgd", "--topologies", "ring,ring"], "a comma list of distinct"),
         (
@@ -181,7 +184,10 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
             "--freeze-step",
             "2",
             "--strategies",
-            "lamb,onebit_lamb,co2,decentlam,onebit_adam,zero_one_adam",
+            "lamb,onebit_lamb,co2,decentlam,onebit_adam,zero_one_adam,hybrid_onebit_lamb,"
+            "onebit_lamb_overlap,powersgd",
+            "--bucket-mb",
+            "0.5",
             "--outer-every",
             "2",
             "--topologies",
@@ -211,7 +217,8 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
         assert 0.95 < row[run]["wire_over_counted"] < 1.25, row[run]
     # CO2: one parameter all-reduce per round of 2 steps, so half LAMB's counted bytes
     assert set(row["runs"]) == {
-        "lamb", "onebit_lamb", "co2", "decentlam/ring", "onebit_adam", "zero_one_adam"
+        "lamb", "onebit_lamb", "co2", "decentlam/ring", "onebit_adam", "zero_one_adam",
+        "hybrid_onebit_lamb", "onebit_lamb_overlap", "powersgd",
     }  # fmt: skip
     co2 = row["runs"]["co2"]
     assert (co2["steps"], co2["rounds"], co2["outer_every"]) == (2, 1, 2)
@@ -241,3 +248,38 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     whole = summary["whole_run"]["2"]
     assert whole["max_steps"] > whole["freeze_step"] > 0 and whole["reduction"] > 1
     assert _netns_names() == before_ns and _links() == before_links
+    # the comm layer's variants: int8 warmup gradients (a quarter of LAMB's bytes, then the
+    # same 1-bit stage), the overlapped 1-bit stage (same bytes), PowerSGD's factors
+    runs = row["runs"]
+    hybrid, onebit = runs["hybrid_onebit_lamb"], runs["onebit_lamb"]
+    assert hybrid["warmup"]["counted_bytes_per_step"] == pytest.approx(lamb_bytes / 4, rel=0.02)
+    assert hybrid["counted_bytes_per_step"] == onebit["counted_bytes_per_step"]
+    assert runs["onebit_lamb_overlap"]["counted_bytes_per_step"] == pytest.approx(
+        onebit["counted_bytes_per_step"], rel=0.05
+    )
+    assert 0 < runs["powersgd"]["counted_bytes_per_step"] < lamb_bytes / 5
+    whole, hybrid_whole = summary["whole_run"]["2"], summary["whole_run_hybrid"]["2"]
+    assert hybrid_whole["strategy"] == "hybrid_onebit_lamb"
+    assert hybrid_whole["reduction"] > 2 * whole["reduction"]
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+def test_two_hosts_of_two_ranks_compare_flat_and_node_hierarchy(tiny_corpus, tmp_path):
+    """4 ranks as 2 hosts x 2: only inter-host traffic crosses eth0; the hierarchy sends a
+    third of the flat ring's counted bytes across hosts (a 2-rank ring of half the
+    gradients, against a 4-rank ring of all of them) and less on the wire."""
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "bench.netem", "--data", str(tiny_corpus), "--model",
+            "bert-tiny", "--batch", "8", "--bandwidths", "200", "--world-sizes", "4",
+            "--ranks-per-host", "2", "--steps", "2", "--warmup-steps", "1", "--strategies",
+            "lamb,lamb_node", "--out", str(out)]  # fmt: skip
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(result.stdout.strip().splitlines()[-1])["results"]
+    assert (row["world_size"], row["hosts"], row["ranks_per_host"]) == (4, 2, 2)
+    flat, node = row["runs"]["lamb"], row["runs"]["lamb_node"]
+    assert flat["counted_bytes_per_step"] == pytest.approx(
+        3 * node["counted_bytes_per_step"], rel=0.01
+    )
+    assert node["wire_bytes_per_step"] < flat["wire_bytes_per_step"]
+    assert node["samples_per_s"] > 0 and row["compute_only_samples_per_s"] > 0
