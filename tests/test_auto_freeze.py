@@ -70,6 +70,24 @@ def test_detector_state_round_trip_decides_the_same():
     assert second.statistic == straight.statistic
 
 
+def test_bias_correction_sees_through_v_filling_up_from_zero():
+    """Gradients of constant size: v = (1 - beta2^t) g^2 grows for thousands of steps at
+    beta2 = 0.999, while v / (1 - beta2^t) stays put. The corrected detector freezes after
+    its patience; the uncorrected one cannot before about step 1,170."""
+
+    def run(corrected):
+        detector = FreezeDetector(100, 0.05, 3, 1, 10_000, bias_corrected=corrected)
+        for step in range(1, 3001):
+            v = [torch.full((4,), (1 - 0.999**step) * 2.5)]
+            if detector.observe(step, v, beta2=0.999):
+                return step
+        return None
+
+    assert run(True) == 400  # checks at 100 (first), 200, 300, 400: three calm ones
+    late = run(False)
+    assert late is not None and late > 1170
+
+
 def test_bounds_are_fractions_of_the_run():
     detector = AutoFreezeConfig().detector(total_steps=7038)
     assert (detector.min_step, detector.max_step) == (352, 1759)
@@ -133,7 +151,6 @@ def test_auto_freeze_equals_the_fixed_step_it_chose_on_every_rank():
     for name in ("OneBitLamb", "OneBitAdam"):
         mine = [r[name] for r in ranks]
         chosen = mine[0]["chosen"]
-        # about 1/(t-1) per step for v growing from zero: calm from step 7 on
         assert 5 <= chosen < 15, (name, chosen)  # chosen by the rule, not by max_fraction
         assert mine[0]["statistic"] < AUTO.threshold
         for r in mine:

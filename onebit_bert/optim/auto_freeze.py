@@ -7,7 +7,10 @@ Sec. 3: the variance becomes stable after a number of steps; Li et al., arXiv 21
 the recipes pick a fixed share of the run (DeepSpeed's tutorial: 15-25 % of the steps).
 :class:`FreezeDetector` decides instead from ``v`` itself:
 
-* every ``window`` steps it takes the L2 norm of every layer's ``v``, and the statistic
+* every ``window`` steps it takes the L2 norm of every layer's bias-corrected second moment
+  ``v / (1 - beta2^t)`` (the optimizers apply no bias correction, but without it ``v``
+  grows from zero like ``1 - beta2^t`` for gradients of constant size, and with beta2 =
+  0.999 no layer could look settled before about step 1,170 of any run), and the statistic
   ``max over layers of |‖v_l‖ - ‖v_l‖ one window earlier| / ‖v_l‖ one window earlier``;
 * a check whose statistic is below ``threshold`` is *calm*; ``patience`` calm checks in a
   row allow the freeze;
@@ -36,11 +39,10 @@ AUTO = "auto"
 class AutoFreezeConfig:
     """When ``freeze_step: auto`` ends the warmup (1-bit LAMB and 1-bit Adam).
 
-    The defaults follow from Adam's second-moment rate beta2 = 0.999 (a time constant of
-    1,000 steps): without bias correction ``v`` grows from zero like 1 - beta2^t, so even
-    for gradients of constant size ``‖v‖`` changes by more than 5 % per 100 steps until
-    about step 1,170 (where ``v`` has reached about 70 % of its limit); the detector waits
-    at least that long, and longer while the gradients' size still moves.
+    The statistic is computed on ``v / (1 - beta2^t)``: it moves when the gradients' size
+    moves, not because ``v`` fills up from zero (``bias_corrected: false`` uses ``v``
+    itself, which with beta2 = 0.999 changes by more than 5 % per 100 steps until about
+    step 1,170 even for gradients of constant size).
     """
 
     window: int = 100
@@ -57,6 +59,8 @@ class AutoFreezeConfig:
     max_fraction: float = 0.25
     """End the warmup at this fraction of ``schedule.max_steps`` at the latest, calm or
     not (the top of the 15-25 % range the recipes use)."""
+    bias_corrected: bool = True
+    """Measure ``v / (1 - beta2^t)`` (true) or ``v`` itself (false)."""
 
     def __post_init__(self):
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
@@ -88,7 +92,9 @@ class AutoFreezeConfig:
             )
         min_step = max(1, math.ceil(self.min_fraction * total_steps))
         max_step = max(min_step, math.floor(self.max_fraction * total_steps))
-        return FreezeDetector(self.window, self.threshold, self.patience, min_step, max_step)
+        return FreezeDetector(
+            self.window, self.threshold, self.patience, min_step, max_step, self.bias_corrected
+        )
 
 
 class FreezeDetector:
@@ -99,7 +105,15 @@ class FreezeDetector:
     (the chosen step, None until chosen).
     """
 
-    def __init__(self, window: int, threshold: float, patience: int, min_step: int, max_step: int):
+    def __init__(
+        self,
+        window: int,
+        threshold: float,
+        patience: int,
+        min_step: int,
+        max_step: int,
+        bias_corrected: bool = False,
+    ):
         if not 1 <= min_step <= max_step:
             raise ValueError(f"need 1 <= min_step <= max_step, got {min_step}, {max_step}")
         self.window = window
@@ -107,18 +121,22 @@ class FreezeDetector:
         self.patience = patience
         self.min_step = min_step
         self.max_step = max_step
+        self.bias_corrected = bias_corrected
         self.previous: torch.Tensor | None = None
         self.statistic: float | None = None
         self.calm = 0
         self.freeze_step: int | None = None
 
-    def observe(self, step: int, exp_avg_sqs: list[torch.Tensor]) -> bool:
-        """Look at ``v`` after warmup step ``step``; True when ``step`` is the last warmup
-        step. Costs one host sync every ``window`` steps."""
+    def observe(self, step: int, exp_avg_sqs: list[torch.Tensor], beta2: float = 0.0) -> bool:
+        """Look at ``v`` after warmup step ``step`` (``beta2``: its rate, for the bias
+        correction); True when ``step`` is the last warmup step. Costs one host sync every
+        ``window`` steps."""
         if self.freeze_step is not None:
             return step == self.freeze_step
         if step % self.window == 0 and exp_avg_sqs:
             norms = torch.stack(torch._foreach_norm(exp_avg_sqs)).float().cpu()
+            if self.bias_corrected and 0.0 < beta2 < 1.0:
+                norms = norms / (1.0 - beta2**step)
             if self.previous is not None and self.previous.numel() == norms.numel():
                 # a layer that stayed at zero did not move; one that left zero moved infinitely
                 from_zero = torch.where(norms > 0, math.inf, 0.0)
@@ -143,6 +161,7 @@ class FreezeDetector:
             "patience": self.patience,
             "min_step": self.min_step,
             "max_step": self.max_step,
+            "bias_corrected": self.bias_corrected,
             "previous": None if self.previous is None else self.previous.clone(),
             "statistic": self.statistic,
             "calm": self.calm,

@@ -492,7 +492,8 @@ class WarmupThenCompress(CompressedOptimizer):
         """After warmup step ``_step``: let the detector decide whether it was the last."""
         if self._detector is None or self.freeze_step is not None:
             return
-        if self._detector.observe(self._step, exp_avg_sqs):
+        beta2 = self.param_groups[0]["betas"][1]
+        if self._detector.observe(self._step, exp_avg_sqs, beta2):
             self.freeze_step = self._step
             if self.comm.rank == 0:
                 log.info(
