@@ -1,0 +1,621 @@
+"""The comparison report: every strategy on the same model, data and schedule, as samples-,
+bytes- and time-to-accuracy, and whether fine-tuning still comes out the same.
+
+Input: runs as ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` (runs sharing a NAME are one strategy's
+pretraining seeds; the first NAME is the reference, LAMB in ``make compare``), and
+optionally a ``bench.netem`` JSON (``--netem``) with measured samples/s of each strategy at
+each bandwidth and world size. Output, in one directory: ``report.md``, ``report.json`` and
+PNG plots (:mod:`pipeline.compare_plots`).
+
+**Target.** The reference's final validation MLM loss, mean over its seeds (or
+``--target-loss``). For each run: the samples it had seen when its validation MLM loss
+first reached the target (linear interpolation between the two validation points around
+the crossing; "not reached" when it never did), and the bytes its rank 0 had sent by then
+(the communicator's counts, interpolated the same way, per kind of traffic as well).
+
+**Modelled time.** The runs here train a small model on CPU workers; the time a strategy
+would take on a network comes from the netem benchmark, which measured each strategy's
+samples/s on emulated links of several bandwidths. The modelled time to the target is
+``sum over the steps up to the crossing of global batch / (samples/s of that strategy, in
+the stage of that step, at that bandwidth, on the same number of ranks)``: a 1-bit
+optimizer's warmup steps at its warmup speed and its compression steps at its compression
+speed, 0/1 Adam's steps at the speed of their kind, every other strategy at its one
+speed. The speeds are the benchmark's model (``model`` in the netem JSON), not this
+report's: the model stands in for the cluster, and the samples come from this report's
+runs. Where the netem JSON has no entry for a strategy, its time is left out and said so.
+
+**Verdicts** (fine-tuning and final pretraining metrics, against the reference): a
+strategy with two or more pretraining seeds by Welch's t-test over per-seed values, as the
+parity report; a strategy with one seed by where its value falls against the reference's
+seeds: outside the two-sided 95 % prediction interval for one more reference seed
+(``mean ± t(0.975, n-1) · s · sqrt(1 + 1/n)``) is *differs*. Both rest on the spread
+between pretraining seeds, not only between fine-tuning seeds of one checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import yaml
+
+from onebit_bert.io import atomic_write_json, atomic_write_text
+from onebit_bert.metrics_log import read_metrics
+from pipeline import report as parity
+from pipeline.stats import mean_std, t_two_sided_p
+from pretrain import outputs as pretrain_outputs
+
+ALPHA = 0.05
+TEST = (
+    f"two or more pretraining seeds: Welch's two-sided t-test on per-seed values, alpha = "
+    f"{ALPHA}; one seed: *differs* when the value lies outside the reference's two-sided "
+    f"95 % prediction interval for one more seed (mean ± t(0.975, n-1)·s·sqrt(1 + 1/n)); "
+    f"the reference needs two or more seeds."
+)
+PLOT_BANDWIDTHS = (25.0, 10_000.0)
+"""Mbit/s of the modelled-time plots (when the netem JSON measured them)."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def strategy_key(config: dict) -> str:
+    """The netem benchmark's name for the strategy a pretraining config runs."""
+    optimizer = config["optimizer"]["name"]
+    strategy = config.get("strategy", {}).get("name", "auto")
+    comm = config.get("comm", {})
+    compression = comm.get("compression", {})
+    if strategy == "auto":
+        strategy = (
+            optimizer
+            if optimizer in ("onebit_lamb", "onebit_adam", "zero_one_adam")
+            else "data_parallel"
+        )
+    if strategy in ("decentlam", "dmsgd"):
+        topology = config["strategy"].get("topology") or (
+            "ring" if strategy == "decentlam" else "exponential"
+        )
+        return f"{strategy}/{topology}"
+    if strategy == "data_parallel":
+        return "powersgd" if compression.get("grad") == "powersgd" else optimizer
+    if strategy == "onebit_lamb":
+        if compression.get("grad", "none") != "none":
+            return "hybrid_onebit_lamb"
+        return "onebit_lamb_overlap" if comm.get("overlap") else "onebit_lamb"
+    return strategy
+
+
+def load_run(spec: str) -> dict:
+    """One pretraining seed: the parity report's fields, plus its strategy, its validation
+    loss against samples and cumulative bytes, and each step's stage."""
+    inputs = parity.parse_run(spec)
+    run = parity.load_run(inputs)
+    config = yaml.safe_load(pretrain_outputs.config_path(inputs.pretrain_dir).read_text())
+    by_step: dict[int, dict] = {}
+    for record in read_metrics(pretrain_outputs.metrics_path(inputs.pretrain_dir)):
+        by_step.setdefault(record["step"], {}).update(record)
+    batch = run["global_batch_size"]
+    cumulative, by_kind, sent, kinds = {}, {}, 0, {}
+    for step in sorted(by_step):
+        record = by_step[step]
+        sent += record.get("comm_bytes", 0)
+        for key, value in record.items():
+            if key.startswith("comm_bytes_") and key != "comm_bytes_intra_node":
+                kinds[key[len("comm_bytes_") :]] = kinds.get(key[len("comm_bytes_") :], 0) + value
+        cumulative[step] = sent
+        by_kind[step] = dict(kinds)
+    run.update(
+        strategy=strategy_key(config),
+        world_size=_world_size(inputs.pretrain_dir),
+        val_loss=[
+            (s * batch, by_step[s]["val_mlm_loss"])
+            for s in sorted(by_step)
+            if "val_mlm_loss" in by_step[s]
+        ],  # fmt: skip
+        bytes_at=cumulative,
+        bytes_by_kind_at=by_kind,
+        stages={s: by_step[s]["stage"] for s in by_step if "stage" in by_step[s]},
+        comm_bytes_by_kind=kinds,
+        freeze_step=config["optimizer"].get("freeze_step")
+        if run["optimizer"] in ("onebit_lamb", "onebit_adam")
+        else None,
+    )
+    return run
+
+
+def _world_size(run_dir: Path) -> int | None:
+    """The number of ranks the run trained on (its status file)."""
+    status = pretrain_outputs.read_status(run_dir)
+    return int(status["world_size"]) if status and status.get("world_size") else None
+
+
+# ----------------------------------------------------------------------------- the target
+
+
+def crossing(points: list[tuple[float, float]], target: float) -> float | None:
+    """The x where the curve ``points`` (x, loss) first reaches ``target`` (linear between
+    the two points around the crossing; the first point if it starts there); None if never."""
+    previous = None
+    for x, y in points:
+        if y <= target:
+            if previous is None or previous[1] == y:
+                return float(x)
+            x0, y0 = previous
+            return x0 + (x - x0) * (y0 - target) / (y0 - y)
+        previous = (x, y)
+    return None
+
+
+def _value_at_step(series: dict[int, float], step: float) -> float:
+    """Linear interpolation of a per-step cumulative series at a fractional step."""
+    lo = math.floor(step)
+    hi = math.ceil(step)
+    a = series.get(lo, series.get(max((s for s in series if s <= lo), default=0), 0))
+    b = series.get(hi, a)
+    return a + (b - a) * (step - lo)
+
+
+def speeds(netem: dict | None, key: str, world: int | None) -> dict[float, dict]:
+    """bandwidth -> {"default": samples/s, stage: samples/s, ...} of strategy ``key`` on
+    ``world`` ranks in a netem JSON (empty when it was not measured)."""
+    if netem is None:
+        return {}
+    out = {}
+    for row in netem.get("results", []):
+        if world is not None and row.get("world_size") != world:
+            continue
+        run = row.get("runs", {}).get(key)
+        if run is None:
+            continue
+        entry = {"default": run["samples_per_s"]}
+        if "warmup" in run:
+            entry["warmup"] = run["warmup"]["samples_per_s"]
+            entry["compression"] = run["samples_per_s"]
+        for kind, summary in run.get("kinds", {}).items():
+            entry[kind] = summary["samples_per_s"]
+        out[float(row["bandwidth_mbit"])] = entry
+    return out
+
+
+def modelled_seconds(run: dict, upto_step: float, speed: dict) -> float:
+    """Seconds to train ``upto_step`` steps (fractional last step) at the measured speed of
+    each step's stage."""
+    batch = run["global_batch_size"]
+    total = 0.0
+    whole = math.floor(upto_step)
+    for step in range(1, whole + 1):
+        total += batch / speed.get(run["stages"].get(step), speed["default"])
+    if upto_step > whole:
+        total += (
+            (upto_step - whole) * batch / speed.get(run["stages"].get(whole + 1), speed["default"])
+        )
+    return total
+
+
+def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
+    """Samples, bytes (total and per kind) and modelled seconds per bandwidth to reach
+    ``target`` (all None when the run never does)."""
+    batch = run["global_batch_size"]
+    samples = crossing(run["val_loss"], target)
+    out = {"target_loss": target, "reached": samples is not None, "samples": samples}
+    measured = speeds(netem, run["strategy"], run["world_size"])
+    if samples is None:
+        out.update(bytes=None, bytes_by_kind=None, seconds={}, measured_bandwidths=sorted(measured))
+        return out
+    step = samples / batch
+    out["steps"] = step
+    out["bytes"] = _value_at_step(run["bytes_at"], step)
+    kinds = {k for v in run["bytes_by_kind_at"].values() for k in v}
+    out["bytes_by_kind"] = {
+        k: _value_at_step({s: v.get(k, 0) for s, v in run["bytes_by_kind_at"].items()}, step)
+        for k in sorted(kinds)
+    }
+    out["seconds"] = {f"{bw:g}": modelled_seconds(run, step, sp) for bw, sp in measured.items()}
+    out["measured_bandwidths"] = sorted(measured)
+    return out
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom (bisection
+    on the two-sided tail)."""
+    lo, hi = 0.0, 1e6
+    tail = 2 * (1 - p)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if t_two_sided_p(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def verdict(reference: list[float], other: list[float]) -> dict:
+    """Welch for two or more seeds on each side; the reference's prediction interval for
+    a single seed."""
+    if len(reference) < 2:
+        return {"verdict": "reference has 1 seed: no verdict", "test": None}
+    if any(math.isnan(v) for v in (*reference, *other)):
+        return {"verdict": "no verdict (NaN)", "test": None}
+    if len(other) >= 2:
+        return {**parity.verdict(reference, other), "test": "welch"}
+    mean, std = mean_std(reference)
+    n = len(reference)
+    half = t_quantile(0.975, n - 1) * std * math.sqrt(1 + 1 / n)
+    (value,) = other
+    inside = abs(value - mean) <= half
+    return {
+        "verdict": "within the reference's seed spread" if inside else "differs",
+        "test": "prediction interval",
+        "interval": [mean - half, mean + half],
+    }
+
+
+def _summary(values: list[float]) -> dict:
+    clean = [v for v in values if v is not None]
+    if not clean:
+        return {"mean": None, "std": None, "n": 0, "values": []}
+    mean, std = mean_std(clean)
+    return {"mean": mean, "std": std, "n": len(clean), "values": clean}
+
+
+def pretraining_table(arms: list[dict]) -> dict:
+    """Final validation MLM loss and accuracy per strategy (mean ± std), with verdicts."""
+    table = {}
+    ref = arms[0]
+    for metric in ("val_mlm_loss", "val_mlm_accuracy"):
+        rows = {a["name"]: _summary([r["final"][metric] for r in a["seeds"]]) for a in arms}
+        for arm in arms[1:]:
+            row = rows[arm["name"]]
+            if row["n"] and rows[ref["name"]]["n"]:
+                row["difference"] = row["mean"] - rows[ref["name"]]["mean"]
+                row.update(verdict(rows[ref["name"]]["values"], row["values"]))
+        table[metric] = rows
+    return table
+
+
+def finetune_table(arms: list[dict]) -> dict:
+    """Per task: the main metric per strategy (mean ± std over pretraining × fine-tuning
+    seeds), each run's value, and the verdict against the reference."""
+    tasks = sorted(set.intersection(*(set(r["finetune"]) for a in arms for r in a["seeds"])))
+    table = {}
+    for task in tasks:
+        main = arms[0]["seeds"][0]["finetune"][task].get("main_metric")
+        per_arm, per_run = {}, {}
+        for arm in arms:
+            seed_means = []
+            flat = []
+            for run in arm["seeds"]:
+                values = parity.finetune_values(run, task, main)
+                per_run[f"{arm['name']}-seed{run['seed']}"] = {
+                    "strategy": arm["name"],
+                    "seed": run["seed"],
+                    main: sum(values) / len(values),
+                    "finetune_seeds": len(values),
+                }
+                seed_means.append(sum(values) / len(values))
+                flat.extend(values)
+            mean, std = mean_std(flat)
+            per_arm[arm["name"]] = {
+                "mean": mean,
+                "std": std,
+                "n": len(flat),
+                "pretrain_seed_means": seed_means,
+            }
+        ref = per_arm[arms[0]["name"]]
+        for arm in arms[1:]:
+            row = per_arm[arm["name"]]
+            row["difference"] = row["mean"] - ref["mean"]
+            row.update(verdict(ref["pretrain_seed_means"], row["pretrain_seed_means"]))
+        table[task] = {"main_metric": main, "strategies": per_arm, "runs": per_run}
+    return table
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def build(run_specs: list[str], netem: dict | None, target_loss: float | None) -> dict:
+    """Everything ``report.json`` holds (and the arms, for the figures and markdown)."""
+    runs = [load_run(spec) for spec in run_specs]
+    arms = parity.group_arms(runs)
+    if len(arms) < 2:
+        raise ValueError("a comparison needs runs of at least two names (NAME=PRETRAIN:FINETUNE)")
+    reference = arms[0]
+    ref_final = [r["final"]["val_mlm_loss"] for r in reference["seeds"]]
+    if target_loss is None:
+        if any(v is None for v in ref_final):
+            raise ValueError(f"reference {reference['name']!r} has no final validation loss")
+        target_loss = sum(ref_final) / len(ref_final)
+    for run in runs:
+        run["time_to_target"] = time_to_target(run, target_loss, netem)
+    return {
+        "arms": arms,
+        "runs": runs,
+        "target": {
+            "val_mlm_loss": target_loss,
+            "from": f"{reference['name']}'s final validation MLM loss, mean over "
+            f"{len(ref_final)} seed(s)",
+        },
+        "pretraining": pretraining_table(arms),
+        "finetune": finetune_table(arms),
+    }
+
+
+def _run_record(run: dict) -> dict:
+    return {
+        "name": run["name"],
+        "strategy": run["strategy"],
+        "seed": run["seed"],
+        "optimizer": run["optimizer"],
+        "pretrain_dir": run["pretrain_dir"],
+        "world_size": run["world_size"],
+        "global_batch_size": run["global_batch_size"],
+        "steps": run["steps"],
+        "final": {
+            "val_mlm_loss": run["final"]["val_mlm_loss"],
+            "val_mlm_accuracy": run["final"]["val_mlm_accuracy"],
+            "val_nsp_accuracy": run["final"].get("val_nsp_accuracy"),
+        },
+        "final_train_loss": run["final"]["final_train_loss"],
+        "comm_bytes_total": run["comm_bytes_total"],
+        "comm_bytes_by_kind": run["comm_bytes_by_kind"],
+        "time_to_target": run["time_to_target"],
+        "val_mlm_loss": run["val_loss"],
+    }
+
+
+def report_json(data: dict, netem_path: str | None, netem: dict | None) -> dict:
+    """``report.json``: the parity report's shape (``runs``, ``finetune``) plus the target,
+    the time model and the comparison tables."""
+    return {
+        "test": TEST,
+        "target": data["target"],
+        "time_model": {
+            "how": "sum over steps up to the crossing of global batch / measured samples/s of "
+            "the strategy in that step's stage, at each bandwidth, on the run's number of ranks",
+            "netem": netem_path,
+            "netem_model": None if netem is None else netem.get("model"),
+            "netem_seq_length": None if netem is None else netem.get("seq_length"),
+        },
+        "runs": [_run_record(r) for r in data["runs"]],
+        "pretraining": data["pretraining"],
+        "finetune": data["finetune"],
+    }
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _human_bytes(value: float | None) -> str:
+    if value is None:
+        return "–"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _human_seconds(value: float | None) -> str:
+    if value is None:
+        return "–"
+    if value >= 3600:
+        return f"{value / 3600:.2f} h"
+    if value >= 60:
+        return f"{value / 60:.1f} min"
+    return f"{value:.1f} s"
+
+
+def _mean_of(runs: list[dict], get) -> float | None:
+    values = [get(r) for r in runs]
+    if not values or any(v is None for v in values):
+        return None
+    return sum(values) / len(values)
+
+
+def strategy_rows(data: dict, bandwidths: list[float]) -> list[dict]:
+    """One row per strategy for the markdown table: means over its seeds; the to-target
+    figures are means over the seeds that reached the target (``reached`` says how many)."""
+    rows = []
+    for arm in data["arms"]:
+        seeds = arm["seeds"]
+        hit = [r for r in seeds if r["time_to_target"]["reached"]]
+        kinds = sorted({k for r in seeds for k in r["comm_bytes_by_kind"]})
+        rows.append(
+            {
+                "name": arm["name"],
+                "strategy": seeds[0]["strategy"],
+                "seeds": [r["seed"] for r in seeds],
+                "loss": data["pretraining"]["val_mlm_loss"][arm["name"]],
+                "accuracy": data["pretraining"]["val_mlm_accuracy"][arm["name"]],
+                "bytes": _mean_of(seeds, lambda r: r["comm_bytes_total"]),
+                "bytes_by_kind": {
+                    k: _mean_of(seeds, lambda r, k=k: r["comm_bytes_by_kind"].get(k, 0))
+                    for k in kinds
+                },
+                "reached": f"{len(hit)}/{len(seeds)}",
+                "samples": _mean_of(hit, lambda r: r["time_to_target"]["samples"]),
+                "bytes_to_target": _mean_of(hit, lambda r: r["time_to_target"]["bytes"]),
+                "seconds": {
+                    bw: _mean_of(
+                        hit, lambda r, bw=bw: r["time_to_target"]["seconds"].get(f"{bw:g}")
+                    )
+                    for bw in bandwidths
+                },
+            }
+        )
+    return rows
+
+
+def _bandwidth_label(mbit: float) -> str:
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+def render_markdown(data: dict, netem_path: str | None, netem: dict | None) -> str:
+    """``report.md``: the target, the strategy table, the plots, the fine-tuning table."""
+    bandwidths = sorted(
+        {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
+    )
+    rows = strategy_rows(data, bandwidths)
+    ref = data["arms"][0]["name"]
+    target = data["target"]
+    lines = [
+        "# Comparison report",
+        "",
+        f"Reference: **{ref}**. Target validation MLM loss **{target['val_mlm_loss']:.4f}** "
+        f"({target['from']}). Verdicts: {TEST}",
+        "",
+        "## Strategies",
+        "",
+    ]
+    head = ["strategy", "seeds", "val MLM loss", "val MLM accuracy", "bytes/rank",
+            "seeds at target", "samples to target", "bytes to target"]  # fmt: skip
+    head += [f"time to target @ {_bandwidth_label(bw)}" for bw in bandwidths]
+    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for row in rows:
+        loss, acc = row["loss"], row["accuracy"]
+        loss_cell = f"{_fmt(loss['mean'])} ± {_fmt(loss['std'])}"
+        if "verdict" in loss:
+            loss_cell += f" ({loss['verdict']})"
+        cells = [
+            f"{row['name']} (`{row['strategy']}`)",
+            ", ".join(map(str, row["seeds"])),
+            loss_cell,
+            f"{_fmt(acc['mean'])} ± {_fmt(acc['std'])}",
+            _human_bytes(row["bytes"]),
+            row["reached"],
+            "–" if row["samples"] is None else f"{row['samples']:,.0f}",
+            _human_bytes(row["bytes_to_target"]),
+            *(_human_seconds(row["seconds"][bw]) for bw in bandwidths),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    kinds = sorted({k for row in rows for k in row["bytes_by_kind"]})
+    lines += [
+        "",
+        "To-target figures are means over the seeds that reached the target. Bytes are what "
+        "rank 0's communicator counted.",
+        "",
+        "Bytes sent per rank over the whole run, by kind of traffic:",
+        "",
+    ]
+    lines += ["| strategy | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+    for row in rows:
+        cells = [_human_bytes(row["bytes_by_kind"].get(k)) for k in kinds]
+        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
+    lines += ["", "### How the time is modelled", ""]
+    if netem is None:
+        lines.append(
+            "No netem benchmark JSON was given (`--netem`): no modelled times. Run "
+            '`make bench-netem ARGS="--strategies ..."` and pass its netem.json.'
+        )
+    else:
+        lines.append(
+            f"Speeds: `{netem_path}` ({netem.get('model')}, sequence length "
+            f"{netem.get('seq_length')}, {netem.get('batch_per_rank')} sequences per rank per "
+            "step, measured on emulated links). Samples and stages: this report's runs. "
+            "Time to target = sum over the steps up to the crossing of global batch / the "
+            "strategy's measured samples/s in that step's stage at that bandwidth on the same "
+            "number of ranks. A strategy the benchmark did not measure has no time."
+        )
+        missing = sorted(
+            {r["strategy"] for r in data["runs"] if not r["time_to_target"]["measured_bandwidths"]}
+        )
+        if missing:
+            lines.append(f"Not in the netem JSON: {', '.join(missing)}.")
+    lines += [
+        "",
+        "![validation loss against samples](val_loss_samples.png)",
+        "![validation loss against bytes](val_loss_bytes.png)",
+    ]
+    for bw in PLOT_BANDWIDTHS:
+        if bw in bandwidths:
+            lines.append(f"![validation loss against modelled time at {_bandwidth_label(bw)}]"
+                         f"(val_loss_time_{bw:g}mbit.png)")  # fmt: skip
+    lines += ["", *_finetune_lines(data), ""]
+    return "\n".join(lines)
+
+
+def _finetune_lines(data: dict) -> list[str]:
+    names = [a["name"] for a in data["arms"]]
+    lines = [
+        "## Fine-tuning",
+        "",
+        "Main metric per task, mean ± std over pretraining × fine-tuning seeds; verdict "
+        f"against {names[0]}.",
+        "",
+        "| task | metric | " + " | ".join(names) + " |",
+        "|---|---|" + "---:|" * len(names),
+    ]
+    for task, info in data["finetune"].items():
+        cells = []
+        for name in names:
+            row = info["strategies"][name]
+            cell = f"{_fmt(row['mean'])} ± {_fmt(row['std'])}"
+            if "verdict" in row:
+                mark = f"**{row['verdict']}**" if row["verdict"] == "differs" else row["verdict"]
+                cell += f" ({mark})"
+            cells.append(cell)
+        lines.append(f"| {task} | {info['main_metric']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(
+    run_specs: list[str],
+    out: str | Path,
+    netem_path: str | None = None,
+    target_loss: float | None = None,
+) -> dict:
+    """Build the comparison and write ``report.md``, ``report.json`` and the figures into
+    ``out``; returns what ``report.json`` holds."""
+    from pipeline.compare_plots import attach_speeds, write_figures
+
+    netem = None
+    if netem_path:
+        path = Path(netem_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--netem {path}: no such file (a bench.netem netem.json)")
+        netem = json.loads(path.read_text())
+        if "results" not in netem:
+            raise ValueError(f"--netem {path}: not a bench.netem JSON (no 'results')")
+    data = build(run_specs, netem, target_loss)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    attach_speeds(data, netem)
+    write_figures(data, out, PLOT_BANDWIDTHS)
+    atomic_write_text(out / "report.md", render_markdown(data, netem_path, netem))
+    result = report_json(data, netem_path, netem)
+    atomic_write_json(out / "report.json", result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.compare --run NAME=PRETRAIN:FINETUNE ... [--netem J] --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.compare",
+        description="Compare strategies by samples-, bytes- and modelled time-to-target, and "
+        "their fine-tuning; runs that share a NAME are seeds of one strategy; the first NAME "
+        "is the reference.",
+    )
+    parser.add_argument("--run", action="append", required=True, help="NAME=PRETRAIN:FINETUNE")
+    parser.add_argument("--netem", help="a bench.netem netem.json with measured speeds")
+    parser.add_argument("--target-loss", type=float, help="default: the reference's final")
+    parser.add_argument("--out", required=True, help="report directory")
+    args = parser.parse_args(argv)
+    try:
+        write_report(args.run, args.out, args.netem, args.target_loss)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"report: {args.out}/report.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""The comparison report on tiny synthetic runs: the target, samples/bytes/time to it
+(interpolated, stage by stage against a netem JSON), verdicts by Welch or by the
+reference's prediction interval, the report.json shape and the markdown."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import compare
+
+BATCH = 100
+
+
+def _pretrain(directory: Path, config: dict, val: list[tuple[int, float]], per_step_bytes: dict,
+              stage=lambda step: "full", seed: int = 1, steps: int = 6) -> Path:  # fmt: skip
+    """A finished pretraining run: config.yaml, status.json (4 ranks), metrics.jsonl with
+    one record per step (loss, bytes by kind, stage) and validation records."""
+    directory.mkdir(parents=True)
+    config = {"seed": seed, "batch": {"global_batch_size": BATCH}, **config}
+    (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    (directory / "status.json").write_text(json.dumps({"state": "complete", "world_size": 4}))
+    records = []
+    for step in range(1, steps + 1):
+        kinds = per_step_bytes(step) if callable(per_step_bytes) else per_step_bytes
+        record = {"step": step, "loss": 6.0 - step * 0.1, "stage": stage(step)}
+        record["comm_bytes"] = sum(kinds.values())
+        record.update({f"comm_bytes_{k}": v for k, v in kinds.items()})
+        records.append(record)
+    for step, loss in val:
+        records.append(
+            {
+                "step": step,
+                "val_mlm_loss": loss,
+                "val_mlm_accuracy": 1 / loss,
+                "val_nsp_accuracy": 0.6,
+            }  # fmt: skip
+        )
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def _finetune(directory: Path, sst2: float) -> Path:
+    directory.mkdir(parents=True)
+    result = {"accuracy": sst2, "main_metric": "accuracy",
+              "per_seed": {"1": {"accuracy": sst2}}}  # fmt: skip
+    (directory / "results.json").write_text(json.dumps({"sst2": result}))
+    return directory
+
+
+LAMB = {"optimizer": {"name": "lamb"}}
+ONEBIT = {"optimizer": {"name": "onebit_lamb", "freeze_step": 2}}
+CO2 = {"optimizer": {"name": "lamb"}, "strategy": {"name": "co2", "outer_every": 2}}
+
+
+@pytest.fixture
+def runs(tmp_path):
+    specs = []
+    # LAMB, 3 seeds: final losses 4.0, 4.2, 4.4 -> target 4.2
+    for seed, final in ((1, 4.0), (2, 4.2), (3, 4.4)):
+        pre = _pretrain(tmp_path / f"lamb{seed}", LAMB, [(2, 5.0), (4, 4.6), (6, final)],
+                        {"gradients": 1000}, seed=seed)  # fmt: skip
+        ft = _finetune(tmp_path / f"ft_lamb{seed}", 0.80 + 0.01 * seed)
+        specs.append(f"lamb={pre}:{ft}")
+    # 1-bit LAMB, 1 seed: crosses 4.2 halfway between steps 4 (4.4) and 6 (4.0): step 5
+    pre = _pretrain(
+        tmp_path / "onebit",
+        ONEBIT,
+        [(2, 5.0), (4, 4.4), (6, 4.0)],
+        lambda step: {"gradients": 1000} if step <= 2 else {"momentum": 40},
+        stage=lambda step: "warmup" if step <= 2 else "compression",
+    )
+    specs.append(f"onebit={pre}:{_finetune(tmp_path / 'ft_onebit', 0.60)}")
+    # CO2, 1 seed: never reaches 4.2; not in the netem JSON
+    pre = _pretrain(tmp_path / "co2", CO2, [(2, 5.2), (4, 5.0), (6, 4.9)],
+                    lambda step: {"parameters": 500 if step % 2 == 0 else 0})  # fmt: skip
+    specs.append(f"co2={pre}:{_finetune(tmp_path / 'ft_co2', 0.82)}")
+    return specs
+
+
+@pytest.fixture
+def netem(tmp_path):
+    rows = [
+        {
+            "bandwidth_mbit": bw,
+            "world_size": 4,
+            "runs": {
+                "lamb": {"samples_per_s": 10.0 * scale},
+                "onebit_lamb": {
+                    "samples_per_s": 50.0 * scale,
+                    "warmup": {"samples_per_s": 10.0 * scale},
+                },
+            },
+        }
+        for bw, scale in ((25, 1.0), (10000, 10.0))
+    ]
+    rows.append({"bandwidth_mbit": 25, "world_size": 2, "runs": {"lamb": {"samples_per_s": 1.0}}})
+    path = tmp_path / "netem.json"
+    path.write_text(json.dumps({"model": "bert-mini", "seq_length": 128, "batch_per_rank": 64,
+                                "results": rows}))  # fmt: skip
+    return path
+
+
+def test_report_content(runs, netem, tmp_path):
+    out = tmp_path / "report"
+    report = compare.write_report(runs, out, str(netem))
+    assert report["target"]["val_mlm_loss"] == pytest.approx(4.2)
+    by = {(r["name"], r["seed"]): r for r in report["runs"]}
+    # the parity report's shape, plus seed, strategy and the time-to-target block
+    for run in report["runs"]:
+        assert {"name", "seed", "strategy", "final", "final_train_loss", "comm_bytes_total",
+                "time_to_target"} <= set(run)  # fmt: skip
+        assert set(run["final"]) >= {"val_mlm_loss", "val_mlm_accuracy"}
+    assert by[("onebit", 1)]["strategy"] == "onebit_lamb"
+    assert by[("co2", 1)]["strategy"] == "co2"
+
+    # LAMB seed 1 crosses 4.2 between steps 4 (4.6) and 6 (4.0): step 4 + 2 * 0.4 / 0.6
+    lamb1 = by[("lamb", 1)]["time_to_target"]
+    step = 4 + 2 * 0.4 / 0.6
+    assert lamb1["samples"] == pytest.approx(step * BATCH)
+    assert lamb1["bytes"] == pytest.approx(1000 * step)
+    assert lamb1["seconds"]["25"] == pytest.approx(step * BATCH / 10.0)
+    assert lamb1["seconds"]["10000"] == pytest.approx(step * BATCH / 100.0)
+    assert not by[("lamb", 3)]["time_to_target"]["reached"]  # ends at 4.4
+
+    # 1-bit LAMB: step 5; two warmup steps at 10 samples/s, three at 50
+    onebit = by[("onebit", 1)]["time_to_target"]
+    assert onebit["samples"] == pytest.approx(500)
+    assert onebit["bytes"] == pytest.approx(2 * 1000 + 3 * 40)
+    assert onebit["bytes_by_kind"] == pytest.approx({"gradients": 2000, "momentum": 120})
+    assert onebit["seconds"]["25"] == pytest.approx(2 * BATCH / 10 + 3 * BATCH / 50)
+    # CO2 never reaches it, and the netem JSON has no co2 entry
+    co2 = by[("co2", 1)]
+    assert not co2["time_to_target"]["reached"] and co2["time_to_target"]["seconds"] == {}
+    assert co2["comm_bytes_by_kind"] == {"parameters": 1500}
+
+    # verdicts: one seed against LAMB's three (prediction interval)
+    sst2 = report["finetune"]["sst2"]
+    assert sst2["main_metric"] == "accuracy"
+    assert sst2["strategies"]["onebit"]["verdict"] == "differs"  # 0.60 against 0.81-0.83
+    assert sst2["strategies"]["co2"]["verdict"] == "within the reference's seed spread"
+    assert sst2["strategies"]["co2"]["test"] == "prediction interval"
+    assert set(sst2["runs"]) == {"lamb-seed1", "lamb-seed2", "lamb-seed3", "onebit-seed1",
+                                 "co2-seed1"}  # fmt: skip
+    loss = report["pretraining"]["val_mlm_loss"]
+    assert loss["lamb"]["mean"] == pytest.approx(4.2)
+
+    text = (out / "report.md").read_text()
+    assert "Target validation MLM loss **4.2000**" in text
+    assert "| onebit (`onebit_lamb`) | 1 |" in text
+    assert "time to target @ 25 Mbit/s" in text and "time to target @ 10 Gbit/s" in text
+    assert "Not in the netem JSON: co2." in text
+    assert "| sst2 | accuracy |" in text and "**differs**" in text
+    for name in ("val_loss_samples.png", "val_loss_bytes.png", "val_loss_time_25mbit.png",
+                 "val_loss_time_10000mbit.png", "report.json"):  # fmt: skip
+        assert (out / name).stat().st_size > 0
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+
+
+def test_without_netem_there_is_no_modelled_time(runs, tmp_path):
+    report = compare.write_report(runs, tmp_path / "r", target_loss=4.5)
+    onebit = next(r for r in report["runs"] if r["name"] == "onebit")
+    assert onebit["time_to_target"]["samples"] == pytest.approx(200 + 200 * 0.5 / 0.6)
+    assert onebit["time_to_target"]["seconds"] == {}
+    assert "No netem benchmark JSON" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_two_seeds_use_welch(tmp_path, runs):
+    extra = _pretrain(tmp_path / "onebit2", ONEBIT, [(6, 4.1)], {"momentum": 40}, seed=2)
+    specs = [*runs, f"onebit={extra}:{_finetune(tmp_path / 'ft_onebit2', 0.62)}"]
+    report = compare.write_report(specs, tmp_path / "r")
+    row = report["finetune"]["sst2"]["strategies"]["onebit"]
+    assert row["test"] == "welch" and row["verdict"] == "differs" and row["p"] < 0.05
+
+
+def test_bad_inputs_say_what_is_wrong(runs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        compare.write_report(runs, tmp_path / "r", str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a bench.netem JSON"):
+        compare.write_report(runs, tmp_path / "r", str(bad))
+    with pytest.raises(ValueError, match="at least two names"):
+        compare.write_report(runs[:3], tmp_path / "r")
+
+
+def test_crossing_and_t_quantile():
+    assert compare.crossing([(0, 5.0), (10, 3.0)], 4.0) == pytest.approx(5.0)
+    assert compare.crossing([(0, 3.0), (10, 2.0)], 4.0) == 0.0
+    assert compare.crossing([(0, 5.0), (10, 4.5)], 4.0) is None
+    assert compare.t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+    assert compare.t_quantile(0.975, 1e6) == pytest.approx(1.96, abs=1e-3)
+    assert math.isfinite(compare.t_quantile(0.975, 1))
+
+
+@pytest.mark.parametrize(
+    ("config", "key"),
+    [
+        ({"optimizer": {"name": "lamb"}}, "lamb"),
+        ({"optimizer": {"name": "adamw"}}, "adamw"),
+        ({"optimizer": {"name": "lamb"}, "comm": {"compression": {"grad": "powersgd"}}},
+         "powersgd"),
+        ({"optimizer": {"name": "onebit_lamb"}}, "onebit_lamb"),
+        ({"optimizer": {"name": "onebit_lamb"}, "comm": {"compression": {"grad": "int8"}}},
+         "hybrid_onebit_lamb"),
+        ({"optimizer": {"name": "onebit_lamb"}, "comm": {"overlap": True}}, "onebit_lamb_overlap"),
+        ({"optimizer": {"name": "zero_one_adam"}}, "zero_one_adam"),
+        ({"optimizer": {"name": "sgd"}, "strategy": {"name": "decentlam", "topology": None}},
+         "decentlam/ring"),
+        ({"optimizer": {"name": "sgd"}, "strategy": {"name": "dmsgd", "topology": "ring"}},
+         "dmsgd/ring"),
+        ({"optimizer": {"name": "lamb"}, "strategy": {"name": "slowmo"}}, "slowmo"),
+    ],
+)  # fmt: skip
+def test_strategy_keys_match_the_netem_benchmark(config, key):
+    assert compare.strategy_key(config) == key
