@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from data_prep import outputs as data_outputs
 from finetune import outputs as finetune_outputs
@@ -98,6 +98,37 @@ class SlurmSpec:
 
 
 @dataclass
+class ReportSpec:
+    """Which report the last stage writes."""
+
+    kind: Literal["parity", "compare"] = "parity"
+    """parity: the parity report (``python -m pipeline.report``: arms side by side, Welch
+    verdicts); compare: the comparison report (``python -m pipeline.compare``: samples-,
+    bytes- and modelled time-to-target per strategy)."""
+    netem: str | None = None
+    """compare: a ``bench.netem`` netem.json with measured samples/s per strategy (the
+    modelled times); null: no modelled times."""
+    target_loss: float | None = None
+    """compare: the target validation MLM loss; null: the first run's final, mean over its
+    seeds."""
+
+    @property
+    def module(self) -> str:
+        return "pipeline.compare" if self.kind == "compare" else "pipeline.report"
+
+    def args(self) -> list[str]:
+        """The report program's arguments besides the runs and the output."""
+        if self.kind != "compare":
+            return []
+        out = []
+        if self.netem:
+            out += ["--netem", self.netem]
+        if self.target_loss is not None:
+            out += ["--target-loss", str(self.target_loss)]
+        return out
+
+
+@dataclass
 class ExperimentConfig:
     """A whole experiment: inputs, data, pretraining runs (x seeds), fine-tuning, report,
     and how to run them locally or on SLURM."""
@@ -116,6 +147,7 @@ class ExperimentConfig:
     ``{python}`` are substituted here and in every override."""
     local: LocalSpec = field(default_factory=LocalSpec)
     slurm: SlurmSpec = field(default_factory=SlurmSpec)
+    report: ReportSpec = field(default_factory=ReportSpec)
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
@@ -291,6 +323,7 @@ class Experiment:
             finetune_names.append(f"finetune/{instance}")
             reports.append(f"{run.name}={previous.output}:{ft_out}")
         runs_args = [arg for r in reports for arg in ("--run", r)]
+        runs_args += [self._expand(a) for a in cfg.report.args()]
         stages.append(
             Stage("report", "report", None, self.path("report"), finetune_names, args=runs_args)
         )
@@ -361,7 +394,7 @@ class Experiment:
             ]
         if stage.kind == "finetune":
             return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
-        return [python, "-m", "pipeline.report", *stage.args, "--out", str(stage.output)]
+        return [python, "-m", self.cfg.report.module, *stage.args, "--out", str(stage.output)]
 
 
 def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:

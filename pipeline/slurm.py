@@ -113,6 +113,7 @@ class SlurmChain:
             values.update(
                 aggregate=aggregate,
                 out=stage.output,
+                report_module=self.exp.cfg.report.module,
                 report_runs=" ".join(shlex.quote(a) for a in stage.args),
             )
             return render(_template("report.sbatch"), values)
