@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test test-gpu lint format smoke repro-mini submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
+.PHONY: setup test test-gpu lint format smoke repro-mini compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,16 @@ repro-mini: setup
 	$(PY) -m pipeline run --config configs/experiments/repro_mini.yaml \
 		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
 		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT)), squad_eval_fraction=0.2]" $(ARGS)
+
+# The comparison: every strategy pretrained in the learning regime on 4 workers (LAMB x3
+# seeds, 1-bit LAMB x2, the others x1), fine-tuned, and the comparison report with
+# time-to-accuracy from docs/compare/netem.json (README, "The comparison"); resumable.
+# QUICK=1: the same chain with short runs and two tasks, to try it out.
+COMPARE_CONFIG = configs/experiments/$(if $(QUICK),compare_quick,compare).yaml
+compare: setup
+	$(PY) -m pipeline run --config $(COMPARE_CONFIG) \
+		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
+		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT))]" $(ARGS)
 
 # Submit an experiment to SLURM: make submit CONFIG=configs/experiments/bert_large.yaml
 submit: setup

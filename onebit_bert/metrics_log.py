@@ -1,8 +1,12 @@
-"""Run metrics: always a local ``metrics.jsonl``, and wandb on the main rank when it works.
+"""Run metrics: always a local ``metrics.jsonl``, and wandb on the main rank when it works;
+optionally TensorBoard event files.
 
 wandb runs offline unless the user configured it (``WANDB_API_KEY`` or ``WANDB_MODE``), is
 grouped by experiment and named by job, and never stops training: if it cannot start or
-a log call fails, a warning is printed and the local file carries on.
+a log call fails, a warning is printed and the local file carries on. TensorBoard
+(``logging.tensorboard: true``) writes every numeric metric as a scalar under
+``<run_dir>/tensorboard``; asking for it without the ``tensorboard`` package installed is an
+error at start-up.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ class LoggingConfig:
     own count (``comm_bytes``). ``auto``: the interface in GLOO_SOCKET_IFNAME or
     NCCL_SOCKET_IFNAME; null: off."""
 
+    tensorboard: bool = False
+    """Also write TensorBoard event files (every numeric metric as a scalar) under
+    ``<run_dir>/tensorboard`` on rank 0; needs ``pip install tensorboard``."""
+
     def __post_init__(self):
         if self.every < 1 or self.progress_every < 1:
             raise ValueError("logging.every and logging.progress_every must be >= 1")
@@ -66,8 +74,11 @@ class MetricsLogger:
         self.path = Path(run_dir) / METRICS_FILE
         self._file = None
         self._wandb = None
+        self._tensorboard = None
         if not is_main:
             return
+        if cfg.tensorboard:
+            self._tensorboard = _tensorboard_writer(Path(run_dir) / "tensorboard")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         if cfg.wandb:
@@ -103,6 +114,10 @@ class MetricsLogger:
             return
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, int | float):
+                    self._tensorboard.add_scalar(key, value, step)
         if self._wandb is not None:
             try:
                 self._wandb.log(
@@ -125,12 +140,26 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._wandb is not None:
             try:
                 self._wandb.finish()
             except Exception as err:
                 warnings.warn(f"wandb finish failed ({err})", stacklevel=2)
             self._wandb = None
+
+
+def _tensorboard_writer(log_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ValueError(
+            "logging.tensorboard needs the tensorboard package: pip install tensorboard "
+            "(or set logging.tensorboard=false)"
+        ) from err
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def read_metrics(path: str | Path) -> list[dict]:

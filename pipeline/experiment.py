@@ -111,6 +111,9 @@ class ReportSpec:
     target_loss: float | None = None
     """compare: the target validation MLM loss; null: the first run's final, mean over its
     seeds."""
+    folder: str = "report"
+    """The report's folder under the workdir (two experiments sharing a workdir, one
+    reusing the other's runs, keep their reports apart)."""
 
     @property
     def module(self) -> str:
@@ -325,7 +328,14 @@ class Experiment:
         runs_args = [arg for r in reports for arg in ("--run", r)]
         runs_args += [self._expand(a) for a in cfg.report.args()]
         stages.append(
-            Stage("report", "report", None, self.path("report"), finetune_names, args=runs_args)
+            Stage(
+                "report",
+                "report",
+                None,
+                self.path(cfg.report.folder),
+                finetune_names,
+                args=runs_args,
+            )
         )
         self.stages = stages
         return stages

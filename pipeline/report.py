@@ -93,6 +93,12 @@ def load_run(run: RunInputs) -> dict:
     ]
     final_val = next((by_step[s] for s in reversed(steps) if "val_mlm_accuracy" in by_step[s]), {})
     comm = [by_step[s]["comm_bytes"] for s in steps if "comm_bytes" in by_step[s]]
+    by_kind: dict[str, list[float]] = {}  # kind -> [bytes, seconds] over the run
+    for s in steps:
+        for key, value in by_step[s].items():
+            for prefix, slot in (("comm_bytes_", 0), ("comm_seconds_", 1)):
+                if key.startswith(prefix) and isinstance(value, int | float):
+                    by_kind.setdefault(key[len(prefix) :], [0, 0.0])[slot] += value
     switch = {
         key: [(s, by_step[s][key]) for s in steps if key in by_step[s]] for key in SWITCH_KEYS
     }
@@ -111,6 +117,7 @@ def load_run(run: RunInputs) -> dict:
         "switch": switch,
         "final": final,
         "comm_bytes_total": sum(comm),
+        "comm_by_kind": {k: {"bytes": b, "seconds": t} for k, (b, t) in sorted(by_kind.items())},
         "finetune": finetune_outputs.read_results(run.finetune_dir),
     }
 
@@ -283,10 +290,37 @@ def _arms_table(arms: list[dict]) -> list[str]:
     return lines
 
 
+def _traffic_table(arms: list[dict]) -> list[str]:
+    """Bytes and seconds per rank by kind of traffic (mean over each arm's seeds)."""
+    kinds = sorted({k for a in arms for r in a["seeds"] for k in r.get("comm_by_kind", {})})
+    if not kinds:
+        return []
+    lines = [
+        "",
+        "Traffic per rank over the run by kind (bytes; seconds spent in those collectives):",
+        "",
+        "| arm | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+    ]
+    for arm in arms:
+        cells = []
+        for kind in kinds:
+            entries = [r.get("comm_by_kind", {}).get(kind) for r in arm["seeds"]]
+            if all(e is None for e in entries):
+                cells.append("–")
+                continue
+            entries = [e or {"bytes": 0, "seconds": 0.0} for e in entries]
+            nbytes = sum(e["bytes"] for e in entries) / len(entries)
+            seconds = sum(e["seconds"] for e in entries) / len(entries)
+            cells.append(f"{nbytes:,.0f} B; {seconds:.1f} s")
+        lines.append(f"| {arm['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _pretraining_section(arms: list[dict], pretraining: dict, has_switch: bool) -> list[str]:
     names = [a["name"] for a in arms]
     others = names[1:]
-    lines = ["## Pretraining", "", *_arms_table(arms)]
+    lines = ["## Pretraining", "", *_arms_table(arms), *_traffic_table(arms)]
     lines += ["", "Final values, mean ± std over pretraining seeds:", ""]
     lines += _table_header(
         ["metric", *names, *(f"{n} vs {names[0]}" for n in others)], len(names), len(others)

@@ -261,7 +261,11 @@ def _fake_pretrain_run(
             }
         )
     )
-    records = [{"step": i + 1, "loss": loss, "comm_bytes": 1000} for i, loss in enumerate(losses)]
+    records = [
+        {"step": i + 1, "loss": loss, "comm_bytes": 1000, "comm_bytes_gradients": 1000,
+         "comm_seconds_gradients": 0.5}
+        for i, loss in enumerate(losses)
+    ]  # fmt: skip
     for r in records:
         r.update(trust_ratio_min=0.5, trust_ratio_mean=1.0, trust_ratio_max=2.0)
         if optimizer == "onebit_lamb" and r["step"] > 2:
@@ -296,6 +300,11 @@ def test_parity_report(finished, tmp_path):
     assert verdicts == {"1 seed: no verdict"}
     text = (tmp_path / "report" / "report.md").read_text()
     assert "| sst2 | accuracy (main) |" in text and "onebit_lamb" in text
+    # traffic per kind: 3 steps x 1,000 bytes and 0.5 s of gradients
+    assert "| lamb | 3,000 B; 1.5 s |" in text
+    assert report["arms"][0]["seeds"][0]["comm_by_kind"] == {
+        "gradients": {"bytes": 3000, "seconds": 1.5}
+    }
     assert "1 seed: no verdict" in text and "Welch" in text
     with pytest.raises(ValueError, match="at least two runs"):
         write_report([f"lamb={lamb}:{cfg.output}"], tmp_path / "r2")

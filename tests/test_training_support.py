@@ -137,6 +137,28 @@ def test_a_failing_wandb_does_not_stop_logging(tmp_path, monkeypatch):
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["step"] == 3
 
 
+def test_tensorboard_writer_logs_every_numeric_metric(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = LoggingConfig(wandb=False, tensorboard=True)
+    logger = MetricsLogger(tmp_path, True, cfg)
+    for step in (1, 2):
+        logger.log(step, {"loss": 3.0 - step, "comm_bytes": 100 * step, "stage": "warmup"})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"loss", "comm_bytes"}  # text is left out
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.0), (2, 1.0)]
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ValueError, match="logging.tensorboard needs the tensorboard package"):
+        MetricsLogger(tmp_path, True, LoggingConfig(wandb=False, tensorboard=True))
+
+
 def test_only_the_main_rank_writes(tmp_path):
     logger = MetricsLogger(tmp_path, False, LoggingConfig(wandb=False))
     logger.log(1, {"loss": 1.0})
