@@ -109,8 +109,10 @@ bench-giant-doc: setup
 # 25, 40, 100 Mbit/s, 1 and 10 Gbit/s x 2 and 4 hosts, about 30 minutes on 2 cores.
 # JSON and a plot in runs/bench_netem/. ARGS: e.g. --bandwidths 100 --world-sizes 2;
 # --strategies lamb,co2 (any of lamb, onebit_lamb, adamw, onebit_adam, zero_one_adam, co2,
-# slowmo, local_sgd, decentlam, dmsgd), --outer-every N (local steps per round of co2, slowmo, local_sgd) and
-# --topologies ring,one_peer_exponential (graphs of decentlam and dmsgd)
+# slowmo, local_sgd, decentlam, dmsgd, hybrid_onebit_lamb, onebit_lamb_overlap, powersgd,
+# lamb_node, onebit_lamb_node, hybrid_onebit_lamb_node), --outer-every N (local steps per
+# round of co2, slowmo, local_sgd), --topologies ring,one_peer_exponential (graphs of
+# decentlam and dmsgd), --ranks-per-host 2 (hosts of 2 ranks; the *_node strategies)
 bench-netem: setup
 	$(PY) -m bench.netem --data-root $(DATA_ROOT) $(ARGS)
 
