@@ -2,7 +2,8 @@
 bytes- and time-to-accuracy, and whether fine-tuning still comes out the same.
 
 Input: runs as ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` (runs sharing a NAME are one strategy's
-pretraining seeds; the first NAME is the reference, LAMB in ``make compare``), and
+pretraining seeds; the first NAME is the reference, LAMB in ``make compare``; a run given as
+``NAME=PRETRAIN_DIR`` has no fine-tuning, and the report then has no fine-tuning table), and
 optionally a ``bench.netem`` JSON (``--netem``) with measured samples/s of each strategy at
 each bandwidth and world size. Output, in one directory: ``report.md``, ``report.json`` and
 PNG plots (:mod:`pipeline.compare_plots`).
@@ -91,7 +92,7 @@ def strategy_key(config: dict) -> str:
 def load_run(spec: str) -> dict:
     """One pretraining seed: the parity report's fields, plus its strategy, its validation
     loss against samples and cumulative bytes, and each step's stage."""
-    inputs = parity.parse_run(spec)
+    inputs = parity.parse_run(spec, finetune_optional=True)
     run = parity.load_run(inputs)
     config = yaml.safe_load(pretrain_outputs.config_path(inputs.pretrain_dir).read_text())
     by_step: dict[int, dict] = {}
@@ -553,6 +554,13 @@ def _finetune_lines(data: dict) -> list[str]:
         "| task | metric | " + " | ".join(names) + " |",
         "|---|---|" + "---:|" * len(names),
     ]
+    if not data["finetune"]:
+        return [
+            "## Fine-tuning",
+            "",
+            "No task was fine-tuned from every run (runs given as NAME=PRETRAIN_DIR have no "
+            "fine-tuning results): no fine-tuning verdicts.",
+        ]
     for task, info in data["finetune"].items():
         cells = []
         for name in names:
@@ -596,14 +604,19 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.compare --run NAME=PRETRAIN:FINETUNE ... [--netem J] --out DIR``."""
+    """``python -m pipeline.compare --run NAME=PRETRAIN[:FINETUNE] ... [--netem J] --out DIR``."""
     parser = argparse.ArgumentParser(
         prog="python -m pipeline.compare",
         description="Compare strategies by samples-, bytes- and modelled time-to-target, and "
         "their fine-tuning; runs that share a NAME are seeds of one strategy; the first NAME "
         "is the reference.",
     )
-    parser.add_argument("--run", action="append", required=True, help="NAME=PRETRAIN:FINETUNE")
+    parser.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        help="NAME=PRETRAIN[:FINETUNE] (without FINETUNE: pretraining only, no fine-tuning table)",
+    )
     parser.add_argument("--netem", help="a bench.netem netem.json with measured speeds")
     parser.add_argument("--target-loss", type=float, help="default: the reference's final")
     parser.add_argument("--out", required=True, help="report directory")

@@ -58,15 +58,19 @@ class RunInputs:
 
     name: str
     pretrain_dir: Path
-    finetune_dir: Path
+    finetune_dir: Path | None
 
 
-def parse_run(spec: str) -> RunInputs:
-    """``NAME=PRETRAIN_DIR:FINETUNE_DIR``."""
+def parse_run(spec: str, finetune_optional: bool = False) -> RunInputs:
+    """``NAME=PRETRAIN_DIR:FINETUNE_DIR`` (or ``NAME=PRETRAIN_DIR`` where fine-tuning is
+    optional: the run then has no fine-tuning results)."""
     name, sep, dirs = spec.partition("=")
     pretrain, sep2, finetune = dirs.partition(":")
+    if finetune_optional and sep and name and pretrain and not sep2:
+        return RunInputs(name, Path(pretrain), None)
     if not (sep and sep2 and name and pretrain and finetune):
-        raise ValueError(f"run {spec!r} is not of the form NAME=PRETRAIN_DIR:FINETUNE_DIR")
+        form = "NAME=PRETRAIN_DIR" + ("[:FINETUNE_DIR]" if finetune_optional else ":FINETUNE_DIR")
+        raise ValueError(f"run {spec!r} is not of the form {form}")
     return RunInputs(name, Path(pretrain), Path(finetune))
 
 
@@ -74,8 +78,10 @@ def load_run(run: RunInputs) -> dict:
     """One pretraining seed: its curves, final metrics and fine-tuning results."""
     metrics_path = pretrain_outputs.metrics_path(run.pretrain_dir)
     config_path = pretrain_outputs.config_path(run.pretrain_dir)
-    results_path = finetune_outputs.results_path(run.finetune_dir)
-    for path in (metrics_path, config_path, results_path):
+    paths = [metrics_path, config_path]
+    if run.finetune_dir is not None:
+        paths.append(finetune_outputs.results_path(run.finetune_dir))
+    for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"run {run.name!r}: {path} is missing")
     config = yaml.safe_load(config_path.read_text())
@@ -118,7 +124,9 @@ def load_run(run: RunInputs) -> dict:
         "final": final,
         "comm_bytes_total": sum(comm),
         "comm_by_kind": {k: {"bytes": b, "seconds": t} for k, (b, t) in sorted(by_kind.items())},
-        "finetune": finetune_outputs.read_results(run.finetune_dir),
+        "finetune": {}
+        if run.finetune_dir is None
+        else finetune_outputs.read_results(run.finetune_dir),
     }
 
 

@@ -169,6 +169,23 @@ def test_without_netem_there_is_no_modelled_time(runs, tmp_path):
     assert "No netem benchmark JSON" in (tmp_path / "r" / "report.md").read_text()
 
 
+def test_pretraining_only_runs_give_the_pretraining_comparison(runs, tmp_path):
+    """``NAME=PRETRAIN_DIR`` (no fine-tuning yet): the same target and time-to-target, and
+    a report that says there is no fine-tuning table instead of failing."""
+    full = compare.write_report(runs, tmp_path / "full", target_loss=4.5)
+    bare = [spec.split(":")[0] for spec in runs]
+    report = compare.write_report(bare, tmp_path / "bare", target_loss=4.5)
+    assert report["finetune"] == {}
+    assert [r["time_to_target"] for r in report["runs"]] == [
+        r["time_to_target"] for r in full["runs"]
+    ]
+    text = (tmp_path / "bare" / "report.md").read_text()
+    assert "no fine-tuning verdicts" in text and "| sst2 |" not in text
+    assert "| sst2 |" in (tmp_path / "full" / "report.md").read_text()
+    with pytest.raises(ValueError, match=r"NAME=PRETRAIN_DIR\[:FINETUNE_DIR\]"):
+        compare.write_report(["lamb", *bare], tmp_path / "r")
+
+
 def test_two_seeds_use_welch(tmp_path, runs):
     extra = _pretrain(tmp_path / "onebit2", ONEBIT, [(6, 4.1)], {"momentum": 40}, seed=2)
     specs = [*runs, f"onebit={extra}:{_finetune(tmp_path / 'ft_onebit2', 0.62)}"]
