@@ -395,6 +395,11 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def _mean_std(mean, std, n: int) -> str:
+    """``mean ± std``, or the mean alone where there is one value (no spread to show)."""
+    return _fmt(mean) if n <= 1 else f"{_fmt(mean)} ± {_fmt(std)}"
+
+
 def _human_bytes(value: float | None) -> str:
     if value is None:
         return "–"
@@ -482,14 +487,14 @@ def render_markdown(data: dict, netem_path: str | None, netem: dict | None) -> s
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for row in rows:
         loss, acc = row["loss"], row["accuracy"]
-        loss_cell = f"{_fmt(loss['mean'])} ± {_fmt(loss['std'])}"
+        loss_cell = _mean_std(loss["mean"], loss["std"], len(row["seeds"]))
         if "verdict" in loss:
             loss_cell += f" ({loss['verdict']})"
         cells = [
             f"{row['name']} (`{row['strategy']}`)",
             ", ".join(map(str, row["seeds"])),
             loss_cell,
-            f"{_fmt(acc['mean'])} ± {_fmt(acc['std'])}",
+            _mean_std(acc["mean"], acc["std"], len(row["seeds"])),
             _human_bytes(row["bytes"]),
             row["reached"],
             "–" if row["samples"] is None else f"{row['samples']:,.0f}",
@@ -565,7 +570,7 @@ def _finetune_lines(data: dict) -> list[str]:
         cells = []
         for name in names:
             row = info["strategies"][name]
-            cell = f"{_fmt(row['mean'])} ± {_fmt(row['std'])}"
+            cell = _mean_std(row["mean"], row["std"], row["n"])
             if "verdict" in row:
                 mark = f"**{row['verdict']}**" if row["verdict"] == "differs" else row["verdict"]
                 cell += f" ({mark})"

@@ -181,6 +181,9 @@ def test_pretraining_only_runs_give_the_pretraining_comparison(runs, tmp_path):
     ]
     text = (tmp_path / "bare" / "report.md").read_text()
     assert "no fine-tuning verdicts" in text and "| sst2 |" not in text
+    # one seed has no spread to show; three do
+    rows = {line.split(" (`")[0]: line for line in text.splitlines() if " (`" in line}
+    assert "±" not in rows["| onebit"] and "±" in rows["| lamb"]
     assert "| sst2 |" in (tmp_path / "full" / "report.md").read_text()
     with pytest.raises(ValueError, match=r"NAME=PRETRAIN_DIR\[:FINETUNE_DIR\]"):
         compare.write_report(["lamb", *bare], tmp_path / "r")
