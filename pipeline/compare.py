@@ -41,10 +41,7 @@ import math
 import sys
 from pathlib import Path
 
-import yaml
-
 from onebit_bert.io import atomic_write_json, atomic_write_text
-from onebit_bert.metrics_log import read_metrics
 from pipeline import report as parity
 from pipeline.stats import mean_std, t_two_sided_p
 from pretrain import outputs as pretrain_outputs
@@ -93,18 +90,15 @@ def load_run(spec: str) -> dict:
     """One pretraining seed: the parity report's fields, plus its strategy, its validation
     loss against samples and cumulative bytes, and each step's stage."""
     inputs = parity.parse_run(spec, finetune_optional=True)
-    run = parity.load_run(inputs)
-    config = yaml.safe_load(pretrain_outputs.config_path(inputs.pretrain_dir).read_text())
-    by_step: dict[int, dict] = {}
-    for record in read_metrics(pretrain_outputs.metrics_path(inputs.pretrain_dir)):
-        by_step.setdefault(record["step"], {}).update(record)
+    config, by_step = parity.read_run(inputs)
+    run = parity.load_run(inputs, (config, by_step))
     batch = run["global_batch_size"]
     cumulative, by_kind, sent, kinds = {}, {}, 0, {}
     for step in sorted(by_step):
         record = by_step[step]
         sent += record.get("comm_bytes", 0)
         for key, value in record.items():
-            if key.startswith("comm_bytes_") and key != "comm_bytes_intra_node":
+            if key.startswith("comm_bytes_") and key != parity.INTRA_NODE_BYTES:
                 kinds[key[len("comm_bytes_") :]] = kinds.get(key[len("comm_bytes_") :], 0) + value
         cumulative[step] = sent
         by_kind[step] = dict(kinds)
@@ -550,6 +544,13 @@ def render_markdown(data: dict, netem_path: str | None, netem: dict | None) -> s
 
 def _finetune_lines(data: dict) -> list[str]:
     names = [a["name"] for a in data["arms"]]
+    if not data["finetune"]:
+        return [
+            "## Fine-tuning",
+            "",
+            "No task was fine-tuned from every run (runs given as NAME=PRETRAIN_DIR have no "
+            "fine-tuning results): no fine-tuning verdicts.",
+        ]
     lines = [
         "## Fine-tuning",
         "",
@@ -559,13 +560,6 @@ def _finetune_lines(data: dict) -> list[str]:
         "| task | metric | " + " | ".join(names) + " |",
         "|---|---|" + "---:|" * len(names),
     ]
-    if not data["finetune"]:
-        return [
-            "## Fine-tuning",
-            "",
-            "No task was fine-tuned from every run (runs given as NAME=PRETRAIN_DIR have no "
-            "fine-tuning results): no fine-tuning verdicts.",
-        ]
     for task, info in data["finetune"].items():
         cells = []
         for name in names:

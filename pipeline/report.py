@@ -74,8 +74,14 @@ def parse_run(spec: str, finetune_optional: bool = False) -> RunInputs:
     return RunInputs(name, Path(pretrain), Path(finetune))
 
 
-def load_run(run: RunInputs) -> dict:
-    """One pretraining seed: its curves, final metrics and fine-tuning results."""
+INTRA_NODE_BYTES = "comm_bytes_intra_node"
+"""Not a kind of traffic: what a node hierarchy's phases kept inside a node (counted apart
+from ``comm_bytes`` and from every kind)."""
+
+
+def read_run(run: RunInputs) -> tuple[dict, dict[int, dict]]:
+    """A run's pretraining config and its metrics merged per step (a resumed run logs some
+    steps twice); a missing input file is one error naming it."""
     metrics_path = pretrain_outputs.metrics_path(run.pretrain_dir)
     config_path = pretrain_outputs.config_path(run.pretrain_dir)
     paths = [metrics_path, config_path]
@@ -84,12 +90,18 @@ def load_run(run: RunInputs) -> dict:
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"run {run.name!r}: {path} is missing")
-    config = yaml.safe_load(config_path.read_text())
+    by_step: dict[int, dict] = {}
+    for record in read_metrics(metrics_path):
+        by_step.setdefault(record["step"], {}).update(record)
+    return yaml.safe_load(config_path.read_text()), by_step
+
+
+def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None) -> dict:
+    """One pretraining seed: its curves, final metrics and fine-tuning results (``records``:
+    what :func:`read_run` returned, when the caller has read it already)."""
+    config, by_step = records or read_run(run)
     batch = config["batch"]["global_batch_size"]
     optimizer = config["optimizer"]["name"]
-    by_step: dict[int, dict] = {}
-    for record in read_metrics(metrics_path):  # a resumed run logs some steps twice
-        by_step.setdefault(record["step"], {}).update(record)
     steps = sorted(by_step)
     train = [(s, by_step[s]["loss"]) for s in steps if "loss" in by_step[s]]
     val = [
@@ -103,7 +115,11 @@ def load_run(run: RunInputs) -> dict:
     for s in steps:
         for key, value in by_step[s].items():
             for prefix, slot in (("comm_bytes_", 0), ("comm_seconds_", 1)):
-                if key.startswith(prefix) and isinstance(value, int | float):
+                if (
+                    key.startswith(prefix)
+                    and key != INTRA_NODE_BYTES
+                    and isinstance(value, int | float)
+                ):
                     by_kind.setdefault(key[len(prefix) :], [0, 0.0])[slot] += value
     switch = {
         key: [(s, by_step[s][key]) for s in steps if key in by_step[s]] for key in SWITCH_KEYS

@@ -263,7 +263,7 @@ def _fake_pretrain_run(
     )
     records = [
         {"step": i + 1, "loss": loss, "comm_bytes": 1000, "comm_bytes_gradients": 1000,
-         "comm_seconds_gradients": 0.5}
+         "comm_seconds_gradients": 0.5, "comm_bytes_intra_node": 200}
         for i, loss in enumerate(losses)
     ]  # fmt: skip
     for r in records:
@@ -300,7 +300,8 @@ def test_parity_report(finished, tmp_path):
     assert verdicts == {"1 seed: no verdict"}
     text = (tmp_path / "report" / "report.md").read_text()
     assert "| sst2 | accuracy (main) |" in text and "onebit_lamb" in text
-    # traffic per kind: 3 steps x 1,000 bytes and 0.5 s of gradients
+    # traffic per kind: 3 steps x 1,000 bytes and 0.5 s of gradients (the intra-node share
+    # of a node hierarchy is not a kind)
     assert "| lamb | 3,000 B; 1.5 s |" in text
     assert report["arms"][0]["seeds"][0]["comm_by_kind"] == {
         "gradients": {"bytes": 3000, "seconds": 1.5}
