@@ -208,6 +208,55 @@ def test_resume_from_either_stage_continues_bit_for_bit():
 # ----------------------------------------------------------------------------- arguments
 
 
+def _unused_rows_run(comm, which, mask_untrained):
+    """An embedding whose rows 8..11 are never looked up, through every stage of 1-bit
+    Adam or 0/1 Adam; returns whether those rows moved and the used rows' values."""
+    from onebit_bert.optim import ZeroOneAdam
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(12, 4)
+    head = torch.nn.Linear(4, 1)
+    params = list(emb.parameters()) + list(head.parameters())
+    if which == "onebit_adam":
+        opt = OneBitAdam(params, lr=0.01, freeze_step=3, comm=comm)
+    else:
+        opt = ZeroOneAdam(
+            params,
+            lr=0.01,
+            var_freeze_step=6,
+            var_update_scaler=1,
+            local_step_scaler=2,
+            comm=comm,
+        )
+    opt.mask_untrained = mask_untrained
+    start = emb.weight.detach()[8:].clone()
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(12):
+        idx = torch.randint(0, 8, (16,), generator=g)
+        opt.zero_grad()
+        head(emb(idx)).pow(2).mean().backward()
+        if not opt.syncs_internally:
+            comm.all_reduce_coalesced([p.grad for p in params], op="avg")
+        opt.step()
+    return {
+        "moved": float((emb.weight.detach()[8:] - start).abs().max()),
+        "used": emb.weight.detach()[:8].clone(),
+    }
+
+
+@pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
+def test_rows_without_gradient_stay_put_under_compression(which):
+    # v = 0 there, so DeepSpeed's update m/(sqrt(v)+eps) turns the 1-bit noise into
+    # scale/eps; the default masks those elements, and the trained rows still train.
+    masked = run_ranks(_unused_rows_run, 2, which, True)
+    for res in masked:
+        assert res["moved"] == 0.0
+    assert torch.equal(masked[0]["used"], masked[1]["used"])
+    unmasked = run_ranks(_unused_rows_run, 2, which, False)[0]
+    assert unmasked["moved"] > 1.0  # thrown far from their initial values (about 1)
+    assert not torch.equal(masked[0]["used"], unmasked["used"])
+
+
 def test_deepspeed_config_maps_one_to_one():
     params = [torch.nn.Parameter(torch.ones(3))]
     config = {  # DeepSpeedExamples' 1-bit Adam BERT seq-128 settings

@@ -310,12 +310,13 @@ def test_state_of_a_different_model_is_refused():
 # ----------------------------------------------------------------------------- masks, zeros
 
 
-def _masked_embedding_run(comm, use_mask):
+def _masked_embedding_run(comm, use_mask, mask_untrained=False):
     torch.manual_seed(0)
     emb = torch.nn.Embedding(12, 4)
     head = torch.nn.Linear(4, 1)
     params = list(emb.parameters()) + list(head.parameters())
     opt = OneBitLamb(params, lr=0.05, freeze_step=3, comm=comm)
+    opt.mask_untrained = mask_untrained
     mask = torch.ones(12, 1)
     mask[8:] = 0.0  # rows 8..11 are never looked up
     if use_mask:
@@ -331,7 +332,11 @@ def _masked_embedding_run(comm, use_mask):
             comm.all_reduce_coalesced([p.grad for p in params], op="avg")
         opt.step()
         masked_rows.append(opt.state[emb.weight]["exp_avg"][8:].clone())
-    return {"rows": masked_rows, "weights_moved": not torch.equal(emb.weight.detach()[8:], start)}
+    return {
+        "rows": masked_rows,
+        "weights_moved": not torch.equal(emb.weight.detach()[8:], start),
+        "params": [p.detach().clone() for p in params],
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -343,6 +348,18 @@ def test_masked_rows_stay_exactly_zero(world_size):
     unmasked = run_ranks(_masked_embedding_run, world_size, False)[0]
     assert any(torch.any(r != 0) for r in unmasked["rows"])
     assert unmasked["weights_moved"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_rows_without_gradient_are_masked_by_default(world_size):
+    # Rows 8..11 never had a gradient, so their second moment is 0: the default masks them
+    # without an explicit mask, and the rest of the model trains as with the explicit one.
+    auto = run_ranks(_masked_embedding_run, world_size, False, True)
+    explicit = run_ranks(_masked_embedding_run, world_size, True, True)
+    for res, ref in zip(auto, explicit, strict=True):
+        assert all(torch.all(r == 0) for r in res["rows"])
+        assert not res["weights_moved"]
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"], strict=True))
 
 
 def _zero_layer_run(comm):

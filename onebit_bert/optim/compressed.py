@@ -80,6 +80,13 @@ class CompressedOptimizer(Optimizer):
         # Masks describe this run (e.g. the phase's sequence length), not its history, so
         # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.
         self._masks: dict[torch.Tensor, torch.Tensor] = {}
+        self.mask_untrained = True
+        """Zero the compressed result where the second moment ``exp_avg_sq`` is exactly 0
+        (no gradient has reached that element in full precision; the same on every rank).
+        The 1-bit all-reduce turns a zero into ``±scale``, and ``m/(sqrt(v)+eps)`` with
+        ``v = 0`` makes that ``scale/eps``: unused rows (a token type, the NSP head and the
+        pooler when training without NSP) would be thrown to magnitudes of 1e4 by noise.
+        DeepSpeed leaves this to a hand-made ``exp_avg_mask``. False: its behaviour."""
         self._feedback: ErrorFeedback | None = None
         self.codec = None
         """A codec (:mod:`onebit_bert.distributed.codecs`) that replaces the built-in 1-bit
@@ -120,7 +127,8 @@ class CompressedOptimizer(Optimizer):
     def set_momentum_mask(self, param: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Zero what the compressed all-reduce returns for ``param`` where ``mask`` is 0
         (rows that never train, such as position embeddings beyond the current sequence
-        length, would otherwise pick up compression noise). ``mask`` broadcasts to the
+        length, would otherwise pick up compression noise; elements whose second moment is
+        still 0 are zeroed anyway, see :attr:`mask_untrained`). ``mask`` broadcasts to the
         parameter's shape; ``None`` removes it. Masks are not part of :meth:`state_dict`:
         set them again after building the optimizer."""
         if not any(param is p for g in self.param_groups for p in g["params"]):
@@ -152,10 +160,15 @@ class CompressedOptimizer(Optimizer):
         ]
 
     def _apply_masks(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """The momentum masks, then (with :attr:`mask_untrained`) zero where ``v`` is 0."""
         for p, t in zip(params, tensors, strict=True):
             mask = self._masks.get(p)
             if mask is not None:
                 t.mul_(mask)
+            if self.mask_untrained:
+                second = self.state[p].get("exp_avg_sq")
+                if second is not None:
+                    t.masked_fill_(second == 0, 0.0)
 
     # ------------------------------------------------------------------ the fused buffer
     def _layout(self, key: str, when: str) -> list[tuple[dict, list[torch.Tensor]]]:
