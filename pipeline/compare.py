@@ -61,7 +61,9 @@ PLOT_BANDWIDTHS = (25.0, 10_000.0)
 
 
 def strategy_key(config: dict) -> str:
-    """The netem benchmark's name for the strategy a pretraining config runs."""
+    """The netem benchmark's name for the strategy a pretraining config runs; 1-bit LAMB
+    with compressed warmup gradients is ``hybrid_onebit_lamb:<codec>`` (the benchmark's
+    hybrid entry stands for the codec its JSON names in ``hybrid_codec``)."""
     optimizer = config["optimizer"]["name"]
     strategy = config.get("strategy", {}).get("name", "auto")
     comm = config.get("comm", {})
@@ -81,7 +83,7 @@ def strategy_key(config: dict) -> str:
         return "powersgd" if compression.get("grad") == "powersgd" else optimizer
     if strategy == "onebit_lamb":
         if compression.get("grad", "none") != "none":
-            return "hybrid_onebit_lamb"
+            return f"hybrid_onebit_lamb:{compression['grad']}"
         return "onebit_lamb_overlap" if comm.get("overlap") else "onebit_lamb"
     return strategy
 
@@ -158,6 +160,9 @@ def speeds(netem: dict | None, key: str, world: int | None) -> dict[float, dict]
     ``world`` ranks in a netem JSON (empty when it was not measured)."""
     if netem is None:
         return {}
+    key, _, codec = key.partition(":")
+    if codec and netem.get("hybrid_codec", "int8") != codec:
+        return {}  # the benchmark's hybrid ran another codec
     out = {}
     for row in netem.get("results", []):
         if world is not None and row.get("world_size") != world:

@@ -226,7 +226,9 @@ def test_crossing_and_t_quantile():
          "powersgd"),
         ({"optimizer": {"name": "onebit_lamb"}}, "onebit_lamb"),
         ({"optimizer": {"name": "onebit_lamb"}, "comm": {"compression": {"grad": "int8"}}},
-         "hybrid_onebit_lamb"),
+         "hybrid_onebit_lamb:int8"),
+        ({"optimizer": {"name": "onebit_lamb"}, "comm": {"compression": {"grad": "onebit"}}},
+         "hybrid_onebit_lamb:onebit"),
         ({"optimizer": {"name": "onebit_lamb"}, "comm": {"overlap": True}}, "onebit_lamb_overlap"),
         ({"optimizer": {"name": "zero_one_adam"}}, "zero_one_adam"),
         ({"optimizer": {"name": "sgd"}, "strategy": {"name": "decentlam", "topology": None}},
@@ -238,3 +240,18 @@ def test_crossing_and_t_quantile():
 )  # fmt: skip
 def test_strategy_keys_match_the_netem_benchmark(config, key):
     assert compare.strategy_key(config) == key
+
+
+def test_hybrid_speeds_only_for_the_benchmarked_codec():
+    netem = {
+        "hybrid_codec": "int8",
+        "results": [
+            {"world_size": 4, "bandwidth_mbit": 25, "runs": {"hybrid_onebit_lamb": {
+                "samples_per_s": 20.0, "warmup": {"samples_per_s": 14.0}}}}
+        ],
+    }  # fmt: skip
+    assert compare.speeds(netem, "hybrid_onebit_lamb:int8", 4) == {
+        25.0: {"default": 20.0, "warmup": 14.0, "compression": 20.0}
+    }
+    assert compare.speeds(netem, "hybrid_onebit_lamb:onebit", 4) == {}
+    assert compare.speeds(netem, "hybrid_onebit_lamb:int8", 2) == {}
