@@ -20,7 +20,14 @@ from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
 from tests.test_compressed_allreduce import simulate
 from tests.test_local_steps import _checkpoint, _equal
-from tests.test_onebit_lamb import FLAT_ORDER, _groups, _init_params, _local_grads, _mean_grads
+from tests.test_onebit_lamb import (
+    FLAT_ORDER,
+    _groups,
+    _init_params,
+    _local_grads,
+    _mean_grads,
+    embedding_steps,
+)
 from tests.test_onebit_lamb import _mask as _row_mask
 from tests.test_pretrain import _kill_all, _torchrun, _write_cfg, tiny_config
 
@@ -230,14 +237,7 @@ def _unused_rows_run(comm, which, mask_untrained):
         )
     opt.mask_untrained = mask_untrained
     start = emb.weight.detach()[8:].clone()
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(12):
-        idx = torch.randint(0, 8, (16,), generator=g)
-        opt.zero_grad()
-        head(emb(idx)).pow(2).mean().backward()
-        if not opt.syncs_internally:
-            comm.all_reduce_coalesced([p.grad for p in params], op="avg")
-        opt.step()
+    embedding_steps(comm, opt, emb, head, 12)
     return {
         "moved": float((emb.weight.detach()[8:] - start).abs().max()),
         "used": emb.weight.detach()[:8].clone(),

@@ -310,6 +310,22 @@ def test_state_of_a_different_model_is_refused():
 # ----------------------------------------------------------------------------- masks, zeros
 
 
+def embedding_steps(comm, opt, emb, head, steps, after_step=None):
+    """``steps`` optimizer steps of ``head(emb(idx))**2`` with lookups of rows 0..7 only
+    (rows 8.. never get a gradient), gradients averaged whenever the optimizer asks."""
+    params = list(emb.parameters()) + list(head.parameters())
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(steps):
+        idx = torch.randint(0, 8, (16,), generator=g)
+        opt.zero_grad()
+        head(emb(idx)).pow(2).mean().backward()
+        if not opt.syncs_internally:
+            comm.all_reduce_coalesced([p.grad for p in params], op="avg")
+        opt.step()
+        if after_step is not None:
+            after_step()
+
+
 def _masked_embedding_run(comm, use_mask, mask_untrained=False):
     torch.manual_seed(0)
     emb = torch.nn.Embedding(12, 4)
@@ -322,16 +338,9 @@ def _masked_embedding_run(comm, use_mask, mask_untrained=False):
     if use_mask:
         opt.set_momentum_mask(emb.weight, mask)
     start = emb.weight.detach()[8:].clone()
-    g = torch.Generator().manual_seed(comm.rank)
     masked_rows = []
-    for _ in range(10):
-        idx = torch.randint(0, 8, (16,), generator=g)
-        opt.zero_grad()
-        head(emb(idx)).pow(2).mean().backward()
-        if not opt.syncs_internally:
-            comm.all_reduce_coalesced([p.grad for p in params], op="avg")
-        opt.step()
-        masked_rows.append(opt.state[emb.weight]["exp_avg"][8:].clone())
+    embedding_steps(comm, opt, emb, head, 10, lambda: masked_rows.append(
+        opt.state[emb.weight]["exp_avg"][8:].clone()))  # fmt: skip
     return {
         "rows": masked_rows,
         "weights_moved": not torch.equal(emb.weight.detach()[8:], start),
