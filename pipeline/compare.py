@@ -4,8 +4,10 @@ bytes- and time-to-accuracy, and whether fine-tuning still comes out the same.
 Input: runs as ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` (runs sharing a NAME are one strategy's
 pretraining seeds; the first NAME is the reference, LAMB in ``make compare``; a run given as
 ``NAME=PRETRAIN_DIR`` has no fine-tuning, and the report then has no fine-tuning table), and
-optionally a ``bench.netem`` JSON (``--netem``) with measured samples/s of each strategy at
-each bandwidth and world size. Output, in one directory: ``report.md``, ``report.json`` and
+optionally ``bench.netem`` JSONs (``--netem``, once or more) with measured samples/s of
+each strategy at each bandwidth and world size: several files (say, one sweep at 25 Mbit/s
+and a later one at 10 Gbit/s) are one table when they measured the same model, batch and
+settings (:func:`load_netem`). Output, in one directory: ``report.md``, ``report.json`` and
 PNG plots (:mod:`pipeline.compare_plots`).
 
 **Target.** The reference's final validation MLM loss, mean over its seeds (or
@@ -153,6 +155,56 @@ def _value_at_step(series: dict[int, float], step: float) -> float:
     a = series.get(lo, series.get(max((s for s in series if s <= lo), default=0), 0))
     b = series.get(hi, a)
     return a + (b - a) * (step - lo)
+
+
+NETEM_MUST_AGREE = (
+    "model",
+    "seq_length",
+    "batch_per_rank",
+    "micro_batch",
+    "ranks_per_host",
+    "hybrid_codec",
+    "outer_every",
+)
+"""Settings of a bench.netem JSON that decide what its speeds mean: files merged into one
+table must agree on them."""
+
+
+def load_netem(paths: list[str]) -> dict | None:
+    """One netem table from one or more ``bench.netem`` JSONs (None for none): the first
+    file's settings, every file's result rows. Files must agree on :data:`NETEM_MUST_AGREE`
+    and measure each (bandwidth, world size) point once."""
+    merged = None
+    points: dict[tuple[float, int], str] = {}
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"--netem {path}: no such file (a bench.netem netem.json)")
+        netem = json.loads(path.read_text())
+        if not isinstance(netem, dict) or "results" not in netem:
+            raise ValueError(f"--netem {path}: not a bench.netem JSON (no 'results')")
+        if merged is None:
+            merged = {**netem, "results": [], "strategies": []}
+        for field in NETEM_MUST_AGREE:
+            if netem.get(field) != merged.get(field):
+                raise ValueError(
+                    f"--netem {path}: {field} is {netem.get(field)!r} but {paths[0]} has "
+                    f"{merged.get(field)!r}; merge only sweeps of the same settings (rerun "
+                    f"bench.netem with those of {paths[0]})"
+                )
+        for row in netem["results"]:
+            point = (float(row["bandwidth_mbit"]), int(row["world_size"]))
+            if point in points:
+                raise ValueError(
+                    f"--netem {path}: {point[0]:g} Mbit/s on {point[1]} ranks is measured in "
+                    f"{points[point]} as well; pass one measurement of each point"
+                )
+            points[point] = str(path)
+            merged["results"].append(row)
+        for strategy in netem.get("strategies", []):
+            if strategy not in merged["strategies"]:
+                merged["strategies"].append(strategy)
+    return merged
 
 
 def speeds(netem: dict | None, key: str, world: int | None) -> dict[float, dict]:
@@ -369,7 +421,7 @@ def _run_record(run: dict) -> dict:
     }
 
 
-def report_json(data: dict, netem_path: str | None, netem: dict | None) -> dict:
+def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
     """``report.json``: the parity report's shape (``runs``, ``finetune``) plus the target,
     the time model and the comparison tables."""
     return {
@@ -378,7 +430,7 @@ def report_json(data: dict, netem_path: str | None, netem: dict | None) -> dict:
         "time_model": {
             "how": "sum over steps up to the crossing of global batch / measured samples/s of "
             "the strategy in that step's stage, at each bandwidth, on the run's number of ranks",
-            "netem": netem_path,
+            "netem": netem_paths,
             "netem_model": None if netem is None else netem.get("model"),
             "netem_seq_length": None if netem is None else netem.get("seq_length"),
         },
@@ -463,7 +515,7 @@ def _bandwidth_label(mbit: float) -> str:
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
 
 
-def render_markdown(data: dict, netem_path: str | None, netem: dict | None) -> str:
+def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> str:
     """``report.md``: the target, the strategy table, the plots, the fine-tuning table."""
     bandwidths = sorted(
         {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
@@ -522,7 +574,8 @@ def render_markdown(data: dict, netem_path: str | None, netem: dict | None) -> s
         )
     else:
         lines.append(
-            f"Speeds: `{netem_path}` ({netem.get('model')}, sequence length "
+            f"Speeds: {' + '.join(f'`{p}`' for p in netem_paths)} ({netem.get('model')}, "
+            f"sequence length "
             f"{netem.get('seq_length')}, {netem.get('batch_per_rank')} sequences per rank per "
             "step, measured on emulated links). Samples and stages: this report's runs. "
             "Time to target = sum over the steps up to the crossing of global batch / the "
@@ -581,28 +634,24 @@ def _finetune_lines(data: dict) -> list[str]:
 def write_report(
     run_specs: list[str],
     out: str | Path,
-    netem_path: str | None = None,
+    netem_paths: str | list[str] | None = None,
     target_loss: float | None = None,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds."""
     from pipeline.compare_plots import attach_speeds, write_figures
 
-    netem = None
-    if netem_path:
-        path = Path(netem_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"--netem {path}: no such file (a bench.netem netem.json)")
-        netem = json.loads(path.read_text())
-        if "results" not in netem:
-            raise ValueError(f"--netem {path}: not a bench.netem JSON (no 'results')")
+    if isinstance(netem_paths, str):
+        netem_paths = [netem_paths]
+    netem_paths = list(netem_paths or [])
+    netem = load_netem(netem_paths)
     data = build(run_specs, netem, target_loss)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     attach_speeds(data, netem)
     write_figures(data, out, PLOT_BANDWIDTHS)
-    atomic_write_text(out / "report.md", render_markdown(data, netem_path, netem))
-    result = report_json(data, netem_path, netem)
+    atomic_write_text(out / "report.md", render_markdown(data, netem_paths, netem))
+    result = report_json(data, netem_paths, netem)
     atomic_write_json(out / "report.json", result)
     return result
 
@@ -621,7 +670,12 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="NAME=PRETRAIN[:FINETUNE] (without FINETUNE: pretraining only, no fine-tuning table)",
     )
-    parser.add_argument("--netem", help="a bench.netem netem.json with measured speeds")
+    parser.add_argument(
+        "--netem",
+        action="append",
+        help="a bench.netem netem.json with measured speeds; repeat to merge sweeps of the "
+        "same settings at other bandwidths or world sizes",
+    )
     parser.add_argument("--target-loss", type=float, help="default: the reference's final")
     parser.add_argument("--out", required=True, help="report directory")
     args = parser.parse_args(argv)

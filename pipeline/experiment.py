@@ -105,9 +105,10 @@ class ReportSpec:
     """parity: the parity report (``python -m pipeline.report``: arms side by side, Welch
     verdicts); compare: the comparison report (``python -m pipeline.compare``: samples-,
     bytes- and modelled time-to-target per strategy)."""
-    netem: str | None = None
+    netem: str | list[str] | None = None
     """compare: a ``bench.netem`` netem.json with measured samples/s per strategy (the
-    modelled times); null: no modelled times."""
+    modelled times), or a list of them (sweeps of the same settings at other bandwidths or
+    world sizes, merged); null: no modelled times."""
     target_loss: float | None = None
     """compare: the target validation MLM loss; null: the first run's final, mean over its
     seeds."""
@@ -124,8 +125,8 @@ class ReportSpec:
         if self.kind != "compare":
             return []
         out = []
-        if self.netem:
-            out += ["--netem", self.netem]
+        for path in [self.netem] if isinstance(self.netem, str) else self.netem or []:
+            out += ["--netem", path]
         if self.target_loss is not None:
             out += ["--target-loss", str(self.target_loss)]
         return out

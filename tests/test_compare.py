@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from pipeline import compare
+from pipeline.experiment import ReportSpec
 
 BATCH = 100
 
@@ -206,6 +207,35 @@ def test_bad_inputs_say_what_is_wrong(runs, tmp_path):
         compare.write_report(runs, tmp_path / "r", str(bad))
     with pytest.raises(ValueError, match="at least two names"):
         compare.write_report(runs[:3], tmp_path / "r")
+
+
+def test_sweeps_at_other_bandwidths_merge_into_one_table(runs, netem, tmp_path):
+    """Two bench.netem files of the same settings (one per bandwidth) give the same times as
+    one file with both; files of other settings, or measuring a point twice, are refused."""
+    whole = json.loads(netem.read_text())
+    parts = []
+    for bandwidth in (25, 10000):
+        part = {**whole, "results": [r for r in whole["results"]
+                                     if r["bandwidth_mbit"] == bandwidth]}  # fmt: skip
+        path = tmp_path / f"netem_{bandwidth}.json"
+        path.write_text(json.dumps(part))
+        parts.append(str(path))
+    one = compare.write_report(runs, tmp_path / "one", str(netem))
+    two = compare.write_report(runs, tmp_path / "two", parts)
+    assert [r["time_to_target"] for r in two["runs"]] == [r["time_to_target"] for r in one["runs"]]
+    assert two["time_model"]["netem"] == parts
+    assert "time to target @ 10 Gbit/s" in (tmp_path / "two" / "report.md").read_text()
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(Path(parts[1]).read_text()), "batch_per_rank": 32}))
+    with pytest.raises(ValueError, match="batch_per_rank is 32 but .* has 64"):
+        compare.load_netem([parts[0], str(other)])
+    with pytest.raises(ValueError, match="25 Mbit/s on 4 ranks is measured in"):
+        compare.load_netem([str(netem), parts[0]])
+    # the experiment's report stage passes each file
+    spec = ReportSpec(kind="compare", netem=parts)
+    assert spec.args() == ["--netem", parts[0], "--netem", parts[1]]
+    assert ReportSpec(kind="compare", netem=parts[0]).args() == ["--netem", parts[0]]
 
 
 def test_crossing_and_t_quantile():
