@@ -402,6 +402,39 @@ def test_co2_pretraining_counts_parameter_bytes_and_exports_the_average(tiny_cor
     assert not torch.equal(average, shared["local_steps"]["anchor"])
 
 
+@pytest.mark.slow
+def test_nodes_as_workers_equal_one_rank_per_node(tiny_corpus, tmp_path):
+    """comm.hierarchy node: 2 nodes x 2 ranks average gradients inside each node and step
+    identical copies, so the run is CO2 over 2 workers: the trajectory of 2 ranks that each
+    take the node's two micro-batches (up to summation order)."""
+    from tests.test_comm_policy import _train_on_nodes
+
+    common = {"schedule.max_steps": 5, "data.validation_every": 0, "model.dropout": 0.0,
+              "checkpoint.every": 5}  # fmt: skip
+    two = _pretrain_cfg(tiny_corpus, tmp_path / "two", **common)
+    run_ranks(_train_and_average, 2, two)
+    nodes = _pretrain_cfg(tiny_corpus, tmp_path / "nodes", **common, **{"comm.hierarchy": "node"})
+    run_ranks(_train_on_nodes, 4, nodes, 2)
+    flat, node = ([r for r in read_metrics(tmp_path / d / "metrics.jsonl") if "loss" in r]
+                  for d in ("two", "nodes"))  # fmt: skip
+    assert [r["grad_sync"] for r in node] == ["node"] * 5
+    for a, b in zip(flat, node, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["comm_bytes_intra_node"] > 0 and "comm_bytes_intra_node" not in a
+    shared_two, _ = _checkpoint(tmp_path / "two", 5)
+    shared_nodes, per_rank = _checkpoint(tmp_path / "nodes", 5)
+    for key in ("anchor", "momentum", "average"):
+        torch.testing.assert_close(
+            shared_nodes["local_steps"][key], shared_two["local_steps"][key], rtol=1e-4, atol=1e-6
+        )
+    # node-mates hold the same model and inner state (their random streams differ); the
+    # two nodes do not
+    for a, b in ((0, 1), (2, 3)):
+        _equal(per_rank[a]["params"], per_rank[b]["params"])
+        _equal(per_rank[a]["optimizer"], per_rank[b]["optimizer"])
+    assert not torch.equal(per_rank[0]["params"], per_rank[2]["params"])
+
+
 def _eval_mid_round(comm) -> dict:
     torch.set_num_threads(1)
     model = build_model(TOY)

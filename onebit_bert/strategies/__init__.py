@@ -123,9 +123,10 @@ def check_comm_config(comm: CommConfig, name: str) -> None:
         ),
         (
             comm.hierarchy == "node",
-            ("data_parallel", *MOMENTUM_COMPRESSING),
+            ("data_parallel", *MOMENTUM_COMPRESSING, *LOCAL_STEP_STRATEGIES),
             "comm.hierarchy node",
-            "runs no gradient or momentum all-reduce it applies to",
+            "runs no gradient or momentum all-reduce it applies to and has no local steps "
+            "to take per node",
         ),
         (
             comm.overlap,

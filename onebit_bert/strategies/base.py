@@ -26,7 +26,7 @@ from torch import nn
 
 from onebit_bert.distributed.env import DistContext
 
-GradientSync = Literal["allreduce", "optimizer", "none"]
+GradientSync = Literal["allreduce", "node", "optimizer", "none"]
 """What happens to a step's gradients before the optimizer step
 (:meth:`Strategy.gradient_sync`)."""
 
@@ -158,6 +158,8 @@ class Strategy:
 
         - ``allreduce``: averaged over ranks in full precision (by :meth:`after_backward`,
           or by DDP's hooks during the last micro-batch's backward);
+        - ``node``: averaged over the ranks of this node in full precision (by
+          :meth:`after_backward`): the node is one worker of a local-step strategy;
         - ``optimizer``: left local; the optimizer's step communicates what it needs
           (compressed momentum or gradients), or nothing on a local step;
         - ``none``: left local; the strategy communicates something else, or nothing.

@@ -38,6 +38,13 @@ step: at a round's end, the average the outer step computed (nothing more is sen
 within a round, one all-reduce of the parameters. The outer update itself is where the
 next round starts, not a model anyone trained.
 
+**Nodes as workers** (``comm.hierarchy: node``): the ranks of one node average their
+gradients every step in full precision (inside the node, counted as intra-node traffic) and
+step identical copies, so each node is one worker of the method, as in CO2's and SlowMo's
+experiments (fairseq averages gradients within a node, and the outer step runs between
+nodes). The outer average still runs over all ranks: node-mates hold the same parameters,
+so it equals the average over nodes.
+
 Checkpoints: the anchors, the outer momentum, the round's average (drained first: waiting
 early changes no value), the round count and the last inner learning rate are shared
 state; each rank's parameters and inner optimizer state are per-rank state, so a resume
@@ -147,6 +154,8 @@ class LocalSteps(Strategy):
             # filed when waited (AsyncCodecAllReduce)
             codec_comm = self.comm.side_channel(shared_stats=False) if self.asynchronous else None
             self.outer_codec = policy.codec("outer", comm=codec_comm)
+        # comm.hierarchy node: the node's ranks average gradients every step
+        self.node_comm = policy.groups.intra if policy is not None and policy.groups else None
         self.flat = _FlatParams(self.params)
         self.anchor: torch.Tensor | None = None  # x0_t; taken before the first step
         self.previous_anchor: torch.Tensor | None = None  # x0_{t-1} (co2)
@@ -168,6 +177,15 @@ class LocalSteps(Strategy):
         self.last_clip_scale: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ one step
+    def gradient_sync(self):
+        return "node" if self.node_comm is not None else "none"
+
+    def after_backward(self) -> None:
+        if self.node_comm is not None and self.node_comm.world_size > 1:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            with self.node_comm.traffic("gradients"):
+                self.node_comm.all_reduce_coalesced(grads)
+
     def step(self) -> None:
         if self.anchor is None:
             self.anchor = self.flat.read()
