@@ -108,7 +108,8 @@ class CommConfig:
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     hierarchy: Literal["flat", "node"] = "flat"
     """flat: every collective spans all ranks; node: full precision inside a node,
-    the kind's codec between nodes (module docstring)."""
+    the kind's codec between nodes (module docstring); with co2, slowmo and local_sgd,
+    each node is one worker (its ranks average gradients every step)."""
     int8_block: int = 1024
     """int8: elements per fp32 scale."""
     powersgd_rank: int = 4
