@@ -154,8 +154,10 @@ class LocalSteps(Strategy):
             # filed when waited (AsyncCodecAllReduce)
             codec_comm = self.comm.side_channel(shared_stats=False) if self.asynchronous else None
             self.outer_codec = policy.codec("outer", comm=codec_comm)
-        # comm.hierarchy node: the node's ranks average gradients every step
-        self.node_comm = policy.groups.intra if policy is not None and policy.groups else None
+        # comm.hierarchy node: the node's ranks average gradients every step (a node of one
+        # rank has nothing to average)
+        groups = policy.groups if policy is not None else None
+        self.node_comm = groups.intra if groups and groups.local_world_size > 1 else None
         self.flat = _FlatParams(self.params)
         self.anchor: torch.Tensor | None = None  # x0_t; taken before the first step
         self.previous_anchor: torch.Tensor | None = None  # x0_{t-1} (co2)
@@ -181,7 +183,7 @@ class LocalSteps(Strategy):
         return "node" if self.node_comm is not None else "none"
 
     def after_backward(self) -> None:
-        if self.node_comm is not None and self.node_comm.world_size > 1:
+        if self.node_comm is not None:
             grads = [p.grad for p in self.params if p.grad is not None]
             with self.node_comm.traffic("gradients"):
                 self.node_comm.all_reduce_coalesced(grads)
