@@ -113,5 +113,8 @@ def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 30
         "sequences_per_shard=1024",
         max_documents=max_documents,
     )
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:  # the data stage's own one-line error, not a traceback
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
+        raise SystemExit(f"preparing the Wikipedia sample failed: {lines[-1]}")
     return seq_dir(out, 128)

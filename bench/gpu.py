@@ -10,16 +10,22 @@ one run on the same GPU, model, micro-batch and precision:
   measured in its compression stage: ``freeze_step=1`` and compression forced at world
   size 1 (``strategy.force_compression``), so every timed step packs, "exchanges" and
   unpacks the momentum — the compressor's cost on one GPU, with no network in it;
-- HF ``Trainer`` (``bench/hf_trainer.py``) with ``torch.optim.AdamW`` (``adamw_torch``,
-  the optimizer our AdamW row uses), so ``ratio_vs_hf_trainer`` compares the loops; its
-  MLM head runs on every position, ours on the masked ones only.
+- HF ``Trainer`` (``bench/hf_trainer.py``) with torch's fused AdamW
+  (``adamw_torch_fused``, the kernel our AdamW row runs on CUDA), so ``ratio_vs_hf_trainer``
+  compares the loops; its MLM head runs on every position, ours on the masked ones only.
 
 Each configuration runs ``--warmup-steps`` untimed steps (compilation, the 1-bit switch,
 the fp16 loss scale settling), then ``--steps`` timed ones, the GPU synchronised after
 each; ``samples_per_s`` is the micro-batch over the median step, ``peak_memory_gib``
-``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). A
-configuration that fails (out of memory, a compile error) is recorded with its error and
-the others go on; the exit status is 1 when an eager configuration failed.
+``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). One
+more, untimed step of our loop runs under torch's CUDA sync debug mode:
+``host_syncs_per_step`` counts the times it made the host wait for the GPU
+(``bench/host_syncs.py``). A configuration that fails (out of memory, a compile error) is
+recorded with its error and the others go on; the exit status is 1 when an eager
+configuration failed.
+
+``--device cpu`` runs the same code on the CPU, in fp32, as a dry run of the benchmark's
+plumbing (a small ``--model`` makes it quick): its figures measure nothing about a GPU.
 
 The data: the Wikipedia sample of ``--data-root`` prepared at sequence length 128 with
 BERT's uncased vocabulary, as bench/train.py uses it. One JSON object is the last line of
@@ -48,9 +54,9 @@ if __package__ in (None, ""):  # run as a file (python bench/gpu.py): make bench
 NO_CUDA = "bench-gpu needs a CUDA GPU; none found (torch.cuda.is_available() is False)"
 OPTIMIZERS = ("lamb", "onebit_lamb", "adamw")
 PRECISIONS = ("bf16", "fp16", "fp32")
-MODEL = "bert-large"
+MODELS = ("bert-large", "bert-base", "bert-small", "bert-mini", "bert-tiny")
 SEQ_LENGTH = 128
-HF_OPTIMIZER = "adamw_torch"
+HF_OPTIMIZER = "adamw_torch_fused"
 ADAMW_LR = 1e-4  # what bench.common.pretrain_config gives our AdamW
 
 NVIDIA_REFERENCE = {
@@ -141,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also train with HF Trainer for the ratios (default: on)",
     )
     parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="bert-large",
+        help="the model preset (default: bert-large)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda (default), or cpu: a dry run of the plumbing in fp32, no GPU figure",
+    )
+    parser.add_argument(
         "--max-documents",
         type=int,
         default=3000,
@@ -157,6 +175,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             "--warmup-steps must be >= 2: the first steps compile, switch 1-bit LAMB to its "
             "compression stage and settle the fp16 loss scale"
         )
+    if args.device == "cpu" and args.precisions != ["fp32"]:
+        parser.error("--device cpu runs in fp32 only: add --precisions fp32")
 
 
 def pin_one_gpu() -> None:
@@ -166,30 +186,51 @@ def pin_one_gpu() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[0] if visible else "0"
 
 
-def release_gpu_memory() -> None:
-    """Free what the previous configuration left, so each one's peak is its own."""
-    import torch
+class Device:
+    """What the benchmark asks of its device: waiting for it, and its peak memory."""
 
-    gc.collect()
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
+    def __init__(self, kind: str):
+        import torch
+
+        self.torch = torch
+        self.type = kind
+        self.cuda = kind == "cuda"
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Free what the previous configuration left, so each one's peak is its own."""
+        gc.collect()
+        self.torch._dynamo.reset()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        """Peak memory allocated since ``reset_peak`` (None on the CPU)."""
+        if not self.cuda:
+            return None
+        return round(self.torch.cuda.max_memory_allocated() / 2**30, 3)
 
 
-def measure(name: str, run) -> dict:
+def measure(name: str, run, device: Device) -> dict:
     """``run()`` (a dict of results) with the peak-memory counter reset before it; a
     failure is recorded under ``error`` (its traceback on stderr) instead of raised."""
-    import torch
-
-    release_gpu_memory()
-    torch.cuda.reset_peak_memory_stats()
+    device.release()
+    device.reset_peak()
     print(f"bench-gpu: {name}", file=sys.stderr, flush=True)
     try:
         result = run()
-        result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        result["peak_memory_gib"] = device.peak_gib()
     except Exception as err:  # a configuration's failure is a result, not the end
         traceback.print_exc()
         result = {"error": f"{type(err).__name__}: {err}"[:500]}
-    release_gpu_memory()
+    device.release()
     return result
 
 
@@ -202,11 +243,12 @@ def rate(step_seconds: list[float], batch: int) -> dict:
     }
 
 
-def our_loop(data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, args):
-    """Samples/s of the project's loop on this GPU (see the module docstring)."""
-    import torch
-
+def our_loop(
+    data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, args, device
+) -> dict:
+    """Samples/s of the project's loop on the device (see the module docstring)."""
     from bench.common import pretrain_config
+    from bench.host_syncs import count_host_syncs
     from onebit_bert.config import from_dict
     from onebit_bert.distributed import init_distributed
     from pretrain.config import PretrainConfig
@@ -217,29 +259,32 @@ def our_loop(data: Path, run_dir: Path, optimizer: str, precision: str, compiled
         data,
         run_dir,
         optimizer,
-        steps=total,
+        steps=total + 1,
         batch=args.batch_size,
         micro=args.batch_size,
         freeze_step=1,
-        model=MODEL,
+        model=args.model,
         strategy={"force_compression": True} if optimizer == "onebit_lamb" else None,
     )
     settings["precision"] = precision
-    trainer = Trainer(from_dict(PretrainConfig, settings), init_distributed(env={}))
+    ctx = init_distributed(backend=None if device.cuda else "gloo", env={})
+    trainer = Trainer(from_dict(PretrainConfig, settings), ctx)
     try:
         if compiled:
             # The encoder, where the time goes; the MLM head on masked positions has a
             # shape that changes with every batch and stays eager.
             trainer.model.bert.compile()
         seconds = []
-        torch.cuda.synchronize()
+        device.synchronize()
         for step in range(total):
             start = time.perf_counter()
             trainer.train_step(step)
-            torch.cuda.synchronize()
+            device.synchronize()
             seconds.append(time.perf_counter() - start)
+        _, syncs = count_host_syncs(lambda: trainer.train_step(total), ctx.device)
         return {
             **rate(seconds[args.warmup_steps :], args.batch_size),
+            "host_syncs_per_step": syncs,
             "stage": getattr(trainer.strategy.optimizer, "stage", None),
             "skipped_steps": trainer.scaler.skipped_steps,
         }
@@ -247,14 +292,14 @@ def our_loop(data: Path, run_dir: Path, optimizer: str, precision: str, compiled
         trainer.logger.close()
 
 
-def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args) -> dict:
-    """Samples/s of HF Trainer with AdamW on this GPU."""
+def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args, device) -> dict:
+    """Samples/s of HF Trainer with AdamW on the device."""
     from bench.hf_trainer import hf_trainer_step_seconds
 
     seconds = hf_trainer_step_seconds(
         data,
         out_dir,
-        preset=MODEL,
+        preset=args.model,
         steps=args.warmup_steps + args.steps,
         batch=args.batch_size,
         learning_rate=ADAMW_LR,
@@ -264,12 +309,13 @@ def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args) -> 
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         torch_compile=compiled,
+        use_cpu=not device.cuda,
     )
     # seconds[i] is step i + 2's: the first timed step is warmup_steps + 1
     return rate(seconds[args.warmup_steps - 1 :], args.batch_size)
 
 
-def run_all(data: Path, tmp: Path, args) -> list[dict]:
+def run_all(data: Path, tmp: Path, args, device: Device) -> list[dict]:
     compile_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     runs = []
     for compiled in compile_settings:
@@ -278,7 +324,8 @@ def run_all(data: Path, tmp: Path, args) -> list[dict]:
             hf = None
             if args.hf_baseline:
                 name = f"hf_trainer_{precision}_{mode}"
-                hf = measure(name, partial(hf_loop, data, tmp / name, precision, compiled, args))
+                run = partial(hf_loop, data, tmp / name, precision, compiled, args, device)
+                hf = measure(name, run, device)
                 runs.append(
                     {
                         "loop": "hf_trainer",
@@ -290,9 +337,10 @@ def run_all(data: Path, tmp: Path, args) -> list[dict]:
                 )
             for optimizer in args.optimizers:
                 name = f"ours_{optimizer}_{precision}_{mode}"
-                result = measure(
-                    name, partial(our_loop, data, tmp / name, optimizer, precision, compiled, args)
+                run = partial(
+                    our_loop, data, tmp / name, optimizer, precision, compiled, args, device
                 )
+                result = measure(name, run, device)
                 if hf and "samples_per_s" in hf and "samples_per_s" in result:
                     result["ratio_vs_hf_trainer"] = round(
                         result["samples_per_s"] / hf["samples_per_s"], 3
@@ -316,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     pin_one_gpu()
     import torch  # the one import needed to know whether there is anything to measure
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 1
     from bench.common import prepare_wikipedia_seq128, shared_data_error
@@ -327,20 +375,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(error)
     import transformers
 
+    device = Device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = prepare_wikipedia_seq128(data_root, tmp / "data", args.max_documents)
-        runs = run_all(data, tmp, args)
+        runs = run_all(data, tmp, args, device)
     eager_failures = [r for r in runs if "error" in r and not r["compile"]]
-    properties = torch.cuda.get_device_properties(0)
+    if device.cuda:
+        properties = torch.cuda.get_device_properties(0)
+        gpu = {"gpu": properties.name, "gpu_memory_gib": round(properties.total_memory / 2**30, 1)}
+    else:
+        gpu = {"gpu": None, "dry_run": "on the CPU: the plumbing checked, no GPU measured"}
     summary = {
         "benchmark": "gpu",
-        "gpu": properties.name,
-        "gpu_memory_gib": round(properties.total_memory / 2**30, 1),
+        "device": device.type,
+        **gpu,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
-        "model": MODEL,
+        "model": args.model,
         "seq_length": SEQ_LENGTH,
         "batch_size": args.batch_size,
         "steps": args.steps,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,38 @@ def test_giant_document_benchmark_runs_small():
     result = main(["--mb", "0.3"])
     assert result["megabytes"] == 0.3 and result["train_rows"] > 0
     assert result["peak_rss_main_mb"] > 0 and result["seconds"] >= 0
+
+
+def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
+    """bench/gpu.py's loops, timing, host-sync count and HF Trainer baseline, on the CPU
+    (its --device cpu dry run): every configuration yields its figures, 1-bit LAMB in its
+    compression stage. A GPU is needed for the benchmark's real figures."""
+    from bench import gpu
+
+    parser = gpu.build_parser()
+    args = parser.parse_args(
+        shlex.split(
+            "--device cpu --model bert-tiny --precisions fp32 --compile off "
+            "--steps 1 --warmup-steps 2 --batch-size 8"
+        )
+    )
+    gpu.check_arguments(parser, args)
+    runs = gpu.run_all(tiny_corpus, tmp_path, args, gpu.Device("cpu"))
+    assert [(r["loop"], r["optimizer"]) for r in runs] == [
+        ("hf_trainer", "adamw"),
+        ("ours", "lamb"),
+        ("ours", "onebit_lamb"),
+        ("ours", "adamw"),
+    ]
+    for run in runs:
+        assert "error" not in run, run
+        assert run["samples_per_s"] > 0 and run["steps_timed"] == 1, run
+        assert run["precision"] == "fp32" and run["compile"] is False
+        assert run["peak_memory_gib"] is None  # no device memory counter on the CPU
+    ours = {r["optimizer"]: r for r in runs if r["loop"] == "ours"}
+    assert ours["onebit_lamb"]["stage"] == "compression"
+    for run in ours.values():
+        assert run["ratio_vs_hf_trainer"] > 0
+        assert run["host_syncs_per_step"] > 0  # the masked positions' indexing, at least
+    with pytest.raises(SystemExit):  # half precision is the GPU's
+        gpu.check_arguments(parser, parser.parse_args(["--device", "cpu"]))

@@ -21,8 +21,11 @@ import torch
 from onebit_bert.distributed import packing
 from onebit_bert.distributed.packing import pack_signs, unpack_signs
 from onebit_bert.metrics_log import read_metrics
+from pretrain.config import ModelConfig
+from pretrain.model import PretrainingLoss, build_model
 from tests.distributed_harness import run_ranks
 from tests.test_compressed_allreduce import _compressed_calls
+from tests.test_host_syncs import OURS, optimizer_step_syncs, training_step_syncs
 from tests.test_onebit_lamb import _run_real
 from tests.test_pretrain import _losses, _train, tiny_config
 from tests.test_training_support import _overflow_on_rank_one
@@ -143,7 +146,12 @@ def test_half_precision_training_steps_track_fp32_on_the_cpu(tiny_corpus, tmp_pa
 # ----------------------------------------------------------------------------- the loop
 
 
-@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
+# AdamW at its own learning rate; on CUDA it runs torch's fused kernel, on the CPU the
+# default one.
+LR = {"adamw": 1e-3}
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb", "adamw"])
 def test_short_pretraining_with_ddp_and_accumulation_matches_the_cpu(
     tiny_corpus, tmp_path, optimizer
 ):
@@ -152,6 +160,7 @@ def test_short_pretraining_with_ddp_and_accumulation_matches_the_cpu(
         "model.dropout": 0.0,
         "schedule.max_steps": 8,
         "optimizer.name": optimizer,
+        "optimizer.lr": LR.get(optimizer, 0.02),
         "strategy.grad_sync": "ddp",
         "precision": "fp32",
     }
@@ -162,7 +171,7 @@ def test_short_pretraining_with_ddp_and_accumulation_matches_the_cpu(
     np.testing.assert_allclose(_losses(tmp_path / "gpu"), _losses(tmp_path / "cpu"), rtol=1e-4)
     for name, tensor in on_gpu[0]["model"].items():
         assert torch.equal(tensor, on_gpu[1]["model"][name]), f"replicas diverged: {name}"
-    if optimizer == "lamb":
+    if optimizer != "onebit_lamb":
         # 1-bit LAMB is left at the losses: a momentum element within rounding of zero may
         # take the other sign on the other device, moving that one weight by a whole step.
         assert_states_close(on_gpu[0]["model"], on_cpu[0]["model"], rtol=1e-4, atol=1e-5)
@@ -171,12 +180,13 @@ def test_short_pretraining_with_ddp_and_accumulation_matches_the_cpu(
         assert stages == ["warmup"] * 4 + ["compression"] * 4
 
 
-@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
+@pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb", "adamw"])
 def test_checkpoint_saved_on_cuda_resumes_on_cuda_and_on_the_cpu(tiny_corpus, tmp_path, optimizer):
     common = {
         "model.dropout": 0.0,
         "schedule.max_steps": 8,
         "optimizer.name": optimizer,
+        "optimizer.lr": LR.get(optimizer, 0.02),
         "optimizer.freeze_step": 2,
         "strategy.force_compression": True,  # 1-bit LAMB compresses at world size 1
         "precision": "fp32",
@@ -200,8 +210,83 @@ def test_checkpoint_saved_on_cuda_resumes_on_cuda_and_on_the_cpu(tiny_corpus, tm
         records = read_metrics(tmp_path / name / "metrics.jsonl")
         assert [r["step"] for r in records if "loss" in r] == list(range(1, 9)), name
         np.testing.assert_allclose(_losses(tmp_path / name), want_losses, rtol=1e-4, err_msg=name)
-        if optimizer == "lamb":  # see the DDP test for why 1-bit LAMB stops at the losses
+        if optimizer != "onebit_lamb":  # see the DDP test for why 1-bit LAMB stops there
             assert_states_close(result["model"], straight["model"], rtol=1e-4, atol=1e-5)
         else:
             stages = [r["stage"] for r in records if "stage" in r]
             assert stages == ["warmup"] * 2 + ["compression"] * 6, name
+
+
+# ----------------------------------------------------------------------------- fast path
+
+
+@pytest.mark.parametrize("name", [*OURS, "adamw"])
+def test_optimizer_steps_make_no_host_sync_on_cuda(name):
+    """torch's sync debug mode sees no wait in any optimizer's step, in any stage; AdamW
+    runs torch's fused kernel."""
+    counts, stages, optimizer = optimizer_step_syncs(name, GPU)
+    assert counts == [0] * 8, counts
+    if name == "adamw":
+        assert optimizer.defaults["fused"] is True
+    if name in ("onebit_lamb", "onebit_adam"):
+        assert stages == ["warmup"] * 2 + ["compression"] * 6
+
+
+def test_a_training_step_on_cuda_syncs_as_often_at_any_depth(tiny_corpus, tmp_path):
+    """As on the CPU (tests/test_host_syncs.py): a few waits per micro-batch and per
+    step, the same for 2 and 4 layers, none per parameter."""
+    tiny = training_step_syncs(tiny_corpus, tmp_path / "tiny", "bert-tiny", GPU)
+    mini = training_step_syncs(tiny_corpus, tmp_path / "mini", "bert-mini", GPU)
+    assert tiny == mini, (tiny, mini)
+    micro_batches = 2
+    assert all(0 < n <= 16 * micro_batches + 4 for n in tiny), tiny
+
+
+def _mlm_batch(padded: bool) -> dict:
+    gen = torch.Generator().manual_seed(3)
+    rows, length = 4, 64
+    input_ids = torch.randint(5, 100, (rows, length), generator=gen)
+    attention_mask = torch.ones(rows, length, dtype=torch.long)
+    if padded:
+        attention_mask[:2, 48:] = 0
+        input_ids[:2, 48:] = 0
+    mlm_labels = torch.full((rows, length), -100)
+    mlm_labels[:, 3:40:5] = input_ids[:, 3:40:5]
+    batch = {
+        "input_ids": input_ids,
+        "token_type_ids": torch.zeros(rows, length, dtype=torch.long),
+        "attention_mask": attention_mask,
+        "mlm_labels": mlm_labels,
+        "nsp_labels": torch.tensor([0, 1, 0, 1]),
+    }
+    return {k: v.to(GPU) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_runs_on_a_fused_sdpa_kernel(padded):
+    """In bf16, a batch without padding runs flash attention (HF drops the all-ones mask)
+    and a padded one flash or memory-efficient attention: never the unfused math kernel
+    (sdpa_kernel raises when none of the kernels allowed can run). Losses and gradients
+    equal the math kernel's."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("flash attention needs compute capability 8.0 (A100) or later")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    config = ModelConfig(preset="bert-tiny", max_position_embeddings=64, dropout=0.0)
+    model = PretrainingLoss(build_model(config, vocab_size=100).to(GPU))
+    batch = _mlm_batch(padded)
+    fused = [SDPBackend.FLASH_ATTENTION]
+    if padded:
+        fused.append(SDPBackend.EFFICIENT_ATTENTION)
+    results = {}
+    for name, kernels in (("fused", fused), ("math", [SDPBackend.MATH])):
+        model.zero_grad(set_to_none=True)
+        with sdpa_kernel(kernels), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = model(**batch)
+        loss.backward()
+        grad = model.model.bert.encoder.layer[0].attention.self.query.weight.grad.clone()
+        results[name] = (loss.detach().float(), grad)
+    assert torch.isfinite(results["fused"][0])
+    torch.testing.assert_close(results["fused"][0], results["math"][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(results["fused"][1], results["math"][1], rtol=5e-2, atol=5e-3)
