@@ -122,7 +122,12 @@ def make_batch(
     micro: int,
 ) -> dict[str, np.ndarray]:
     """Model inputs for micro-batch ``micro`` of ``step`` (-1: validation), masked as
-    ``data`` says, deterministically for (seed, step, micro)."""
+    ``data`` says, deterministically for (seed, step, micro).
+
+    ``mlm_positions`` (the masked tokens' flat indices, row by row) and ``nsp_rows`` (the
+    rows with an NSP label) are found here, on the host, so the model selects them by index
+    on the device instead of by a boolean mask, which would make the host wait for the
+    GPU to learn how many there are."""
     features = shards.batch(rows)
     rng = np.random.default_rng([seed, step + 1, micro])  # step -1 marks validation
     masked, labels = mask_tokens(
@@ -135,12 +140,13 @@ def make_batch(
         data.mask_prob,
         data.random_prob,
     )
+    nsp_labels = np.where(features["next_sentence_label"] < 0, -1, features["next_sentence_label"])
     return {
         "input_ids": masked,
         "token_type_ids": features["token_type_ids"],
         "attention_mask": features["attention_mask"],
         "mlm_labels": labels,
-        "nsp_labels": np.where(
-            features["next_sentence_label"] < 0, -1, features["next_sentence_label"]
-        ),
+        "nsp_labels": nsp_labels,
+        "mlm_positions": np.flatnonzero(labels != -100),
+        "nsp_rows": np.flatnonzero(nsp_labels >= 0),
     }

@@ -66,14 +66,31 @@ class PretrainingLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, token_type_ids, attention_mask, mlm_labels, nsp_labels):
+    def forward(
+        self,
+        input_ids,
+        token_type_ids,
+        attention_mask,
+        mlm_labels,
+        nsp_labels,
+        mlm_positions=None,
+        nsp_rows=None,
+    ):
+        """``mlm_positions`` (flat indices of the labelled tokens, in row order) and
+        ``nsp_rows`` (rows with an NSP label), when given, select by index, with no wait
+        for the device (``make_batch`` gives both); without them boolean masks select the
+        same elements in the same order, so either way the results are the same bits."""
         bert = self.model.bert(
             input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask
         )
         sequence, pooled = bert[0], bert[1]
-        where = mlm_labels != -100
-        targets = mlm_labels[where]
-        logits = self.model.cls.predictions(sequence[where])
+        if mlm_positions is None:
+            mlm_positions = (mlm_labels.reshape(-1) != -100).nonzero().squeeze(1)
+        if nsp_rows is None:
+            nsp_rows = (nsp_labels >= 0).nonzero().squeeze(1)
+        targets = mlm_labels.reshape(-1).index_select(0, mlm_positions)
+        hidden = sequence.reshape(-1, sequence.shape[-1]).index_select(0, mlm_positions)
+        logits = self.model.cls.predictions(hidden)
         mlm_loss = nn.functional.cross_entropy(logits.float(), targets)
         stats = {
             "mlm_loss_sum": mlm_loss.detach() * targets.numel(),
@@ -81,10 +98,12 @@ class PretrainingLoss(nn.Module):
             "mlm_correct": (logits.argmax(-1) == targets).sum().float(),
         }
         loss = mlm_loss
-        has_nsp = nsp_labels >= 0
-        if bool(has_nsp.any()):
-            nsp_logits = self.model.cls.seq_relationship(pooled[has_nsp]).float()
-            nsp_targets = nsp_labels[has_nsp]
+        if nsp_rows.numel() > 0:  # a shape: known on the host
+            if nsp_rows.numel() < pooled.shape[0]:
+                pooled = pooled.index_select(0, nsp_rows)
+                nsp_labels = nsp_labels.index_select(0, nsp_rows)
+            nsp_logits = self.model.cls.seq_relationship(pooled).float()
+            nsp_targets = nsp_labels
             nsp_loss = nn.functional.cross_entropy(nsp_logits, nsp_targets)
             loss = loss + nsp_loss
             stats["nsp_loss_sum"] = nsp_loss.detach() * nsp_targets.numel()
