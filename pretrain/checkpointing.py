@@ -35,7 +35,9 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own GPU (the current device) only: it draws on no other, and a
+        # resume may see another number of GPUs per node.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -44,8 +46,13 @@ def set_rng_state(state: dict) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, list | tuple):  # older checkpoints: every visible GPU's state
+            index = torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def save(checkpoints: CheckpointManager, step: int, strategy: Strategy, scheduler, scaler) -> None:

@@ -291,3 +291,17 @@ def test_attention_runs_on_a_fused_sdpa_kernel(padded):
     assert torch.isfinite(results["fused"][0])
     torch.testing.assert_close(results["fused"][0], results["math"][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(results["fused"][1], results["math"][1], rtol=5e-2, atol=5e-3)
+
+
+def test_a_resumed_rank_draws_the_same_dropout_masks_on_its_gpu():
+    from pretrain import checkpointing
+
+    torch.cuda.manual_seed(5)
+    state = checkpointing.rng_state()
+    assert isinstance(state["cuda"], torch.Tensor)  # this GPU's generator only
+    expected = torch.rand(4, device=GPU)
+    checkpointing.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device=GPU), expected)
+    older = {**state, "cuda": [state["cuda"]] * torch.cuda.device_count()}  # older files
+    checkpointing.set_rng_state(older)
+    assert torch.equal(torch.rand(4, device=GPU), expected)

@@ -185,3 +185,24 @@ def test_config_bases_and_overrides(tmp_path):
     assert parse_overrides(["--a.b=[1, 2]"]) == {"a": {"b": [1, 2]}}
     saved = json.loads(json.dumps(parse_overrides(["x=null"])))
     assert saved == {"x": None}
+
+
+def test_a_gpu_generator_state_is_saved_for_this_rank_s_gpu_only(monkeypatch):
+    """The CUDA generator saved is the current device's; a checkpoint holding every
+    visible GPU's (older files) restores this rank's entry, and one from a node with fewer
+    GPUs than this rank's index restores none, rather than failing. (A fake torch.cuda:
+    the real one is exercised by make test-gpu.)"""
+    from pretrain import checkpointing
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: torch.tensor([11], dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    state = checkpointing.rng_state()
+    assert torch.equal(state["cuda"], torch.tensor([11], dtype=torch.uint8))
+    checkpointing.set_rng_state(state)
+    older = {**state, "cuda": [torch.tensor([k], dtype=torch.uint8) for k in (20, 21, 22)]}
+    checkpointing.set_rng_state(older)
+    checkpointing.set_rng_state({**state, "cuda": [torch.tensor([30], dtype=torch.uint8)]})
+    assert [int(t[0]) for t in restored] == [11, 21]
