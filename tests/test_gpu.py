@@ -290,7 +290,8 @@ def test_attention_runs_on_a_fused_sdpa_kernel(padded):
         results[name] = (loss.detach().float(), grad)
     assert torch.isfinite(results["fused"][0])
     torch.testing.assert_close(results["fused"][0], results["math"][0], rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(results["fused"][1], results["math"][1], rtol=5e-2, atol=5e-3)
+    fused_grad, math_grad = results["fused"][1].float(), results["math"][1].float()
+    assert (fused_grad - math_grad).norm() <= 0.05 * math_grad.norm()  # bf16: ~3 digits
 
 
 def test_a_resumed_rank_draws_the_same_dropout_masks_on_its_gpu():
