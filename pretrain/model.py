@@ -77,9 +77,9 @@ class PretrainingLoss(nn.Module):
         nsp_rows=None,
     ):
         """``mlm_positions`` (flat indices of the labelled tokens, in row order) and
-        ``nsp_rows`` (rows with an NSP label), when given, select by index, with no wait
-        for the device (``make_batch`` gives both); without them boolean masks select the
-        same elements in the same order, so either way the results are the same bits."""
+        ``nsp_rows`` (rows with an NSP label) are found on the host by ``make_batch``;
+        without them they are found here from the labels, which makes the host wait for
+        the device. Either way the same elements are selected in the same order."""
         bert = self.model.bert(
             input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask
         )
@@ -99,11 +99,9 @@ class PretrainingLoss(nn.Module):
         }
         loss = mlm_loss
         if nsp_rows.numel() > 0:  # a shape: known on the host
-            if nsp_rows.numel() < pooled.shape[0]:
-                pooled = pooled.index_select(0, nsp_rows)
-                nsp_labels = nsp_labels.index_select(0, nsp_rows)
-            nsp_logits = self.model.cls.seq_relationship(pooled).float()
-            nsp_targets = nsp_labels
+            nsp_targets = nsp_labels.index_select(0, nsp_rows)
+            nsp_logits = self.model.cls.seq_relationship(pooled.index_select(0, nsp_rows))
+            nsp_logits = nsp_logits.float()
             nsp_loss = nn.functional.cross_entropy(nsp_logits, nsp_targets)
             loss = loss + nsp_loss
             stats["nsp_loss_sum"] = nsp_loss.detach() * nsp_targets.numel()

@@ -28,16 +28,16 @@ STAGES = {
 OURS = ["lamb", "onebit_lamb", "onebit_adam", "zero_one_adam", "sgd"]
 
 
-def _model(layers: int, device: str) -> nn.Module:
+def _model(device: str) -> nn.Module:
+    """Three linear + LayerNorm blocks: weights, biases and no-decay tensors."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(layers)]
-    ).to(device)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3)]
+    return nn.Sequential(*blocks).to(device)
 
 
 def optimizer_step_syncs(name: str, device: str) -> tuple[list[int], list, torch.optim.Optimizer]:
     """Host syncs of 8 steps of optimizer ``name`` on ``device``, and its stage at each."""
-    model = _model(3, device)
+    model = _model(device)
     cfg = from_dict(OptimizerConfig, {"name": name, **STAGES})
     comm = Communicator(None, device=device)
     optimizer = build_optimizer(cfg, model, comm, force_compression=True)
