@@ -45,7 +45,7 @@ from pathlib import Path
 
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from pipeline import report as parity
-from pipeline.stats import mean_std, t_two_sided_p
+from pipeline.stats import mean_std, t_quantile
 from pretrain import outputs as pretrain_outputs
 
 ALPHA = 0.05
@@ -271,20 +271,6 @@ def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
 
 
 # ----------------------------------------------------------------------------- verdicts
-
-
-def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom (bisection
-    on the two-sided tail)."""
-    lo, hi = 0.0, 1e6
-    tail = 2 * (1 - p)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if t_two_sided_p(mid, df) > tail:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def verdict(reference: list[float], other: list[float]) -> dict:

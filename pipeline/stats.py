@@ -98,3 +98,27 @@ def welch_t_test(a: list[float], b: list[float]) -> WelchResult:
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
     t = difference / se
     return WelchResult(difference, se, t, df, t_two_sided_p(t, df))
+
+
+def t_cdf(t: float, df: float) -> float:
+    """P(T <= t) for Student's t with ``df`` degrees of freedom."""
+    tail = t_two_sided_p(t, df) / 2.0
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile (0 < p < 1) of Student's t with ``df`` degrees of freedom
+    (bisection on the two-sided tail)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must lie in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1e6
+    tail = 2 * (1 - p)
+    for _ in range(80):  # 1e6 / 2^80: far below float precision at any quantile used
+        mid = (lo + hi) / 2
+        if t_two_sided_p(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
