@@ -34,6 +34,10 @@ class FinetuneConfig:
     checkpoint: str
     """An HF-format model directory with its tokenizer (a pretraining run's ``final/``),
     or a hub model name when online."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained: start from the checkpoint's weights; random: the checkpoint's architecture
+    and tokenizer with freshly initialised weights (seeded per fine-tuning seed), the
+    baseline that shows how much the pretraining adds on each task."""
     tasks: list[str] = field(default_factory=lambda: ["sst2", "mrpc"])
     """Any of cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (GLUE) and squad (v1.1)."""
     data_root: str | None = None

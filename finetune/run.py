@@ -76,6 +76,17 @@ def check_finite_weights(path: Path) -> None:
         )
 
 
+def load_model(auto_class, checkpoint: str, random_init: bool, **config_kwargs):
+    """``auto_class`` (an ``AutoModelFor...``) from ``checkpoint``; with ``random_init`` the
+    same architecture with freshly initialised weights (seeded by the caller), the baseline
+    that shows what pretraining adds."""
+    if not random_init:
+        return auto_class.from_pretrained(checkpoint, **config_kwargs)
+    from transformers import AutoConfig
+
+    return auto_class.from_config(AutoConfig.from_pretrained(checkpoint, **config_kwargs))
+
+
 def _tensors(encoded: dict, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(np.asarray(encoded[k])) for k in keys}
 
@@ -124,11 +135,13 @@ class GlueRunner:
     def train_features(self, tokenizer) -> dict[str, torch.Tensor]:
         return self._encode(tokenizer, self.train)
 
-    def build_model(self, checkpoint: str):
+    def build_model(self, checkpoint: str, random_init: bool = False):
         from transformers import AutoModelForSequenceClassification
 
-        return AutoModelForSequenceClassification.from_pretrained(
+        return load_model(
+            AutoModelForSequenceClassification,
             checkpoint,
+            random_init,
             num_labels=self.task.num_labels,
             problem_type="regression" if self.task.is_regression else "single_label_classification",
         )
@@ -186,10 +199,10 @@ class SquadRunner:
             ("input_ids", "token_type_ids", "attention_mask", "start_positions", "end_positions"),
         )
 
-    def build_model(self, checkpoint: str):
+    def build_model(self, checkpoint: str, random_init: bool = False):
         from transformers import AutoModelForQuestionAnswering
 
-        return AutoModelForQuestionAnswering.from_pretrained(checkpoint)
+        return load_model(AutoModelForQuestionAnswering, checkpoint, random_init)
 
     def evaluate(self, model, tokenizer, device, precision, batch_size) -> dict[str, float]:
         from finetune import squad
@@ -249,7 +262,7 @@ def run(cfg: FinetuneConfig) -> dict:
                 if features is None:
                     features = runner.train_features(tokenizer)
                 seed_everything(seed)
-                model = runner.build_model(cfg.checkpoint).to(device)
+                model = runner.build_model(cfg.checkpoint, cfg.init == "random").to(device)
                 start = time.perf_counter()
                 losses = fit(
                     model,

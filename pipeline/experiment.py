@@ -22,6 +22,10 @@ from finetune import outputs as finetune_outputs
 from onebit_bert.config import load_config, save_config
 from pretrain import outputs as pretrain_outputs
 
+TARGET_FILE = "target.json"
+"""The parity gate's target under the workdir (:mod:`pipeline.target`)."""
+BASELINE = "random-init"
+"""The fine-tuning stage of the randomly initialised baseline (``finetune/random-init``)."""
 INPUTS_COMPLETE = ".complete"
 """Marker the orchestrator writes in ``<workdir>/inputs`` once the generator succeeded."""
 
@@ -51,6 +55,11 @@ class RunSpec:
     """Phase 2 starts from phase 1 (``model.init_from``), and so on."""
     seeds: list[int] | None = None
     """Pretraining seeds of this run; null: the experiment's ``seeds``."""
+    finetune: bool = True
+    """Fine-tune this run's checkpoints (false: pretraining only, e.g. a sensitivity run)."""
+    sensitivity: bool = False
+    """Parity report: a sensitivity run (e.g. another freeze step), shown in its own table
+    and figure and never gated or used for a verdict."""
 
     def __post_init__(self):
         if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
@@ -115,6 +124,34 @@ class ReportSpec:
     folder: str = "report"
     """The report's folder under the workdir (two experiments sharing a workdir, one
     reusing the other's runs, keep their reports apart)."""
+    gate: bool = False
+    """parity: fix a target from the reference arm (the first run) in a ``target`` stage
+    that every other arm's pretraining waits for (``<workdir>/target.json``), and gate each
+    arm's samples to that target (:mod:`pipeline.gate`)."""
+    target_fraction: float = 0.8
+    """parity gate: the target is the worst reference seed's validation MLM loss at this
+    fraction of the run (unless target_loss fixes it)."""
+    margin: float = 0.05
+    """parity gate: an arm passes when its mean samples to target is at most this fraction
+    above the reference's (one-sided test at ``alpha``)."""
+    alpha: float = 0.05
+    min_seeds: int = 5
+    """parity gate: fewer pretraining seeds per arm give no pass or fail."""
+    finetune_baseline: bool = False
+    """parity: also fine-tune a randomly initialised model of the reference's architecture
+    (stage ``finetune/random-init``): tasks where pretraining does not beat it by several
+    fine-tuning seed spreads carry no signal and get no verdict."""
+
+    def __post_init__(self):
+        if not 0 < self.target_fraction <= 1:
+            raise ValueError(
+                f"report.target_fraction must lie in (0, 1], got {self.target_fraction}"
+            )
+        if not 0 <= self.margin < 1 or not 0 < self.alpha < 0.5 or self.min_seeds < 2:
+            raise ValueError(
+                "report.margin must lie in [0, 1), report.alpha in (0, 0.5) and "
+                "report.min_seeds be >= 2"
+            )
 
     @property
     def module(self) -> str:
@@ -123,7 +160,10 @@ class ReportSpec:
     def args(self) -> list[str]:
         """The report program's arguments besides the runs and the output."""
         if self.kind != "compare":
-            return []
+            if not self.gate:
+                return []
+            return ["--margin", str(self.margin), "--alpha", str(self.alpha),
+                    "--min-seeds", str(self.min_seeds)]  # fmt: skip
         out = []
         for path in [self.netem] if isinstance(self.netem, str) else self.netem or []:
             out += ["--netem", path]
@@ -176,12 +216,14 @@ class Stage:
     """One step of the chain: what it runs, where its config and outputs are."""
 
     name: str  # e.g. "pretrain/lamb/phase1"
-    kind: str  # inputs | data | pretrain | finetune | report
+    kind: str  # inputs | data | pretrain | target | finetune | report
     config_path: Path | None
     output: Path
     depends: list[str]
     args: list[str] = field(default_factory=list)
     """Extra arguments (the report's NAME=PRETRAIN:FINETUNE runs)."""
+    expected: float | None = None
+    """target stages: the value the experiment config fixes (None: the rule decides)."""
     config: Any = None
     """The resolved stage config (a DataPrepConfig, PretrainConfig or FinetuneConfig);
     loaded from ``config_path`` on first use when not given."""
@@ -230,6 +272,21 @@ def _finetune_done(stage: Stage) -> bool:
     return finetune_outputs.is_complete(stage.output, cfg.tasks, cfg.seeds)
 
 
+def _target_done(stage: Stage) -> bool:
+    from pipeline.gate import read_target
+
+    target = read_target(stage.output)
+    if target is None:
+        return False
+    if stage.expected is not None and target["value"] != stage.expected:
+        raise ValueError(
+            f"{stage.output} holds target {target['value']} but the experiment config fixes "
+            f"report.target_loss={stage.expected}: a target is fixed once; remove the file to "
+            f"fix it anew only if no other arm has run yet"
+        )
+    return True
+
+
 def _report_done(stage: Stage) -> bool:
     return (stage.output / "report.md").is_file()
 
@@ -240,6 +297,7 @@ _DONE = {
     "pretrain": _pretrain_done,
     "finetune": _finetune_done,
     "report": _report_done,
+    "target": _target_done,
 }
 
 
@@ -251,6 +309,7 @@ class Experiment:
         self.workdir = Path(cfg.workdir)
         self.config_path = config_path
         self.stages: list[Stage] = []
+        self._write = False
 
     def path(self, *parts: str) -> Path:
         return self.workdir.joinpath(*parts)
@@ -259,12 +318,13 @@ class Experiment:
         """Check every stage config and, with ``write``, save it under ``<workdir>/configs``
         with the experiment config (nothing runs). ``write=False`` touches no file."""
         from data_prep.config import DataPrepConfig
-        from finetune.config import FinetuneConfig
         from pretrain.config import PretrainConfig
 
         cfg = self.cfg
         stages: list[Stage] = []
         configs = self.path("configs")
+
+        self._write = write
 
         def save(config, path: Path) -> None:
             if write:
@@ -287,8 +347,9 @@ class Experiment:
         stages.append(
             Stage("data", "data", configs / "data.yaml", data_out, data_depends, config=data_cfg)
         )
-        reports = []
-        finetune_names = []
+        reports, report_depends = [], []
+        first_phases: dict[str, Stage] = {}  # instance -> its first pretraining stage
+        reference = cfg.runs[0].name
         for run, instance, seed in cfg.instances():
             previous: Stage | None = None
             for i, phase in enumerate(run.phases, start=1):
@@ -310,36 +371,87 @@ class Experiment:
                 depends = [previous.name] if previous else ["data"]
                 stage = Stage(name, "pretrain", path, run_dir, depends, config=pcfg)
                 stages.append(stage)
+                first_phases.setdefault(instance, stage)
                 previous = stage
+            if run.sensitivity:
+                reports += ["--sensitivity", f"{run.name}={previous.output}"]
+                report_depends.append(previous.name)
+            if not run.finetune:
+                if not run.sensitivity:
+                    reports += ["--run", f"{run.name}={previous.output}"]
+                    report_depends.append(previous.name)
+                continue
             ft_out = self.path("finetune", instance)
-            fcfg = self._stage_config(
-                FinetuneConfig,
-                cfg.finetune,
-                [f"checkpoint={pretrain_outputs.final_dir(previous.output)}", f"output={ft_out}"],
-            )
-            path = configs / f"finetune_{instance}.yaml"
-            save(fcfg, path)
+            stages.append(self._finetune_stage(f"finetune/{instance}", previous, ft_out, []))
+            report_depends.append(f"finetune/{instance}")
+            if not run.sensitivity:
+                reports += ["--run", f"{run.name}={previous.output}:{ft_out}"]
+        if cfg.report.finetune_baseline:
+            first = cfg.instances()[0][1]
+            source = [s for s in stages if s.name.startswith(f"pretrain/{first}/")][-1]
+            ft_out = self.path("finetune", BASELINE)
             stages.append(
-                Stage(
-                    f"finetune/{instance}", "finetune", path, ft_out, [previous.name], config=fcfg
-                )
+                self._finetune_stage(f"finetune/{BASELINE}", source, ft_out, ["init=random"])
             )
-            finetune_names.append(f"finetune/{instance}")
-            reports.append(f"{run.name}={previous.output}:{ft_out}")
-        runs_args = [arg for r in reports for arg in ("--run", r)]
-        runs_args += [self._expand(a) for a in cfg.report.args()]
+            report_depends.append(f"finetune/{BASELINE}")
+            reports += ["--baseline", f"{BASELINE}={ft_out}"]
+        if cfg.report.gate and cfg.report.kind == "parity":
+            stages = self._insert_target_stage(stages, first_phases, reference)
+            reports += ["--target", str(self.path(TARGET_FILE))]
+        runs_args = reports + [self._expand(a) for a in cfg.report.args()]
         stages.append(
             Stage(
                 "report",
                 "report",
                 None,
                 self.path(cfg.report.folder),
-                finetune_names,
+                report_depends,
                 args=runs_args,
             )
         )
         self.stages = stages
         return stages
+
+    def _finetune_stage(self, name: str, source: Stage, out: Path, extra: list[str]) -> Stage:
+        """Fine-tuning of ``source``'s final checkpoint into ``out``."""
+        from finetune.config import FinetuneConfig
+
+        links = [f"checkpoint={pretrain_outputs.final_dir(source.output)}", f"output={out}"]
+        fcfg = self._stage_config(FinetuneConfig, self.cfg.finetune, [*extra, *links])
+        path = self.path("configs", f"finetune_{name.split('/', 1)[1]}.yaml")
+        if self._write:
+            save_config(fcfg, path)
+        return Stage(name, "finetune", path, out, [source.name], config=fcfg)
+
+    def _insert_target_stage(
+        self, stages: list[Stage], first_phases: dict[str, Stage], reference: str
+    ) -> list[Stage]:
+        """The ``target`` stage after the reference arm's last pretraining stage and before
+        any other arm's first one, which waits for it."""
+        cfg = self.cfg
+        ref_instances = [inst for run, inst, _ in cfg.instances() if run.name == reference]
+        ref_finals = [
+            [s for s in stages if s.name.startswith(f"pretrain/{inst}/")][-1]
+            for inst in ref_instances
+        ]
+        args = [arg for s in ref_finals for arg in ("--run", f"{reference}={s.output}")]
+        args += ["--fraction", str(cfg.report.target_fraction)]
+        if cfg.report.target_loss is not None:
+            args += ["--value", str(cfg.report.target_loss)]
+        target = Stage(
+            "target",
+            "target",
+            None,
+            self.path(TARGET_FILE),
+            [s.name for s in ref_finals],
+            args=args,
+        )
+        target.expected = cfg.report.target_loss
+        others = [s for inst, s in first_phases.items() if inst not in ref_instances]
+        for stage in others:
+            stage.depends.append("target")
+        position = min((stages.index(s) for s in others), default=len(stages))
+        return [*stages[:position], target, *stages[position:]]
 
     def _expand(self, text: str) -> str:
         return text.replace("{workdir}", str(self.workdir)).replace("{python}", sys.executable)
@@ -405,6 +517,8 @@ class Experiment:
             ]
         if stage.kind == "finetune":
             return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
+        if stage.kind == "target":
+            return [python, "-m", "pipeline.target", *stage.args, "--out", str(stage.output)]
         return [python, "-m", self.cfg.report.module, *stage.args, "--out", str(stage.output)]
 
 

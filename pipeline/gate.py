@@ -33,12 +33,20 @@ approximation): ``Phi(margin * mean(ref) / se - z(1 - alpha))``.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from statistics import NormalDist
 
 from pipeline.stats import mean_std, t_cdf, t_quantile
 
+TEST = (
+    "one-sided Welch t-test of non-inferiority on per-seed samples to target: pass when the "
+    "upper 1 - alpha confidence bound of mean(candidate) - (1 + margin) mean(reference) is "
+    "below 0, fail when the lower bound is above 0 or a candidate seed never reaches the "
+    "target, otherwise undecided with the seeds per arm needed (power 80 %)"
+)
 ALPHA = 0.05
 MARGIN = 0.05
 POWER = 0.8
@@ -57,7 +65,9 @@ def value_at(points: list[tuple[float, float]], x: float) -> float:
     if not points:
         raise ValueError("value_at of an empty curve")
     if not points[0][0] <= x <= points[-1][0]:
-        raise ValueError(f"x = {x} lies outside the curve's range [{points[0][0]}, {points[-1][0]}]")
+        raise ValueError(
+            f"x = {x} lies outside the curve's range [{points[0][0]}, {points[-1][0]}]"
+        )
     for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
         if x0 <= x <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -98,6 +108,16 @@ def select_target(
         values[label] = value_at(points, at)
     worst = max(values, key=values.get)
     return {"value": values[worst], "at": at, "worst": worst, "values_at": values}
+
+
+def read_target(path: str | Path) -> dict | None:
+    """A target file (:mod:`pipeline.target`); None when it is absent, damaged or has no
+    value."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("value"), int | float) else None
 
 
 # ---------------------------------------------------------------------------- the gate

@@ -27,7 +27,8 @@ import yaml
 from finetune import outputs as finetune_outputs
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.metrics_log import read_metrics
-from pipeline.report_plots import write_figures
+from pipeline import gate as gating
+from pipeline.report_plots import plot_samples_to_target, plot_val_loss_target, write_figures
 from pipeline.stats import mean_std, welch_t_test
 from pretrain import outputs as pretrain_outputs
 
@@ -39,6 +40,13 @@ TEST = (
     "*1 seed: no verdict*."
 )
 NO_VERDICT = "1 seed: no verdict"
+NO_SIGNAL = "no signal at this scale"
+SIGNAL_FACTOR = 3.0
+"""A task carries signal when the reference's pretrained score beats the randomly
+initialised baseline's by at least this many fine-tuning seed spreads."""
+SPREAD_LIMIT = 0.02
+"""The regime is tight enough when the reference's final validation loss spreads by at
+most this fraction of its mean over its seeds."""
 PRETRAIN_METRICS = ("val_mlm_accuracy", "val_mlm_loss", "val_nsp_accuracy", "final_train_loss")
 SWITCH_KEYS = (
     "trust_ratio_min",
@@ -109,8 +117,12 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         for s in steps
         if "val_mlm_accuracy" in by_step[s]
     ]
+    val_loss = [
+        (s * batch, by_step[s]["val_mlm_loss"]) for s in steps if "val_mlm_loss" in by_step[s]
+    ]
     final_val = next((by_step[s] for s in reversed(steps) if "val_mlm_accuracy" in by_step[s]), {})
     comm = [by_step[s]["comm_bytes"] for s in steps if "comm_bytes" in by_step[s]]
+    times = [by_step[s]["time"] for s in steps if "time" in by_step[s]]
     by_kind: dict[str, list[float]] = {}  # kind -> [bytes, seconds] over the run
     for s in steps:
         for key, value in by_step[s].items():
@@ -136,6 +148,10 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         "steps": steps[-1] if steps else 0,
         "train_loss": train,
         "val_mlm_accuracy": val,
+        "val_mlm_loss": val_loss,
+        "started": min(times) if times else None,
+        "max_samples": config.get("schedule", {}).get("max_steps", steps[-1] if steps else 0)
+        * batch,
         "switch": switch,
         "final": final,
         "comm_bytes_total": sum(comm),
@@ -217,10 +233,43 @@ def compare_pretraining(arms: list[dict]) -> dict:
     return table
 
 
-def compare_finetuning(arms: list[dict]) -> dict:
+def finetune_spread(arm: dict, task: str, metric: str) -> float | None:
+    """The fine-tuning seed spread of one arm: the root mean square over its pretraining
+    seeds of the std between fine-tuning seeds of one checkpoint (None with one
+    fine-tuning seed)."""
+    variances = []
+    for run in arm["seeds"]:
+        values = finetune_values(run, task, metric)
+        if len(values) > 1:
+            variances.append(mean_std(values)[1] ** 2)
+    return math.sqrt(sum(variances) / len(variances)) if variances else None
+
+
+def task_signal(reference: dict, baseline: dict, task: str, metric: str) -> dict:
+    """Does pretraining beat random initialisation on ``task`` by ``SIGNAL_FACTOR``
+    fine-tuning seed spreads (the larger of the two arms' spreads)?"""
+    ref = [v for r in reference["seeds"] for v in finetune_values(r, task, metric)]
+    base = [v for r in baseline["seeds"] for v in finetune_values(r, task, metric)]
+    spreads = [s for s in (finetune_spread(reference, task, metric),
+                           finetune_spread(baseline, task, metric)) if s is not None]  # fmt: skip
+    gap = mean_std(ref)[0] - mean_std(base)[0]
+    spread = max(spreads) if spreads else None
+    if spread is None:
+        signal, why = False, "one fine-tuning seed: the spread is unknown"
+    else:
+        signal = gap >= SIGNAL_FACTOR * spread and gap > 0
+        why = f"gap {gap:+.4f} vs {SIGNAL_FACTOR:g} x spread {spread:.4f}"
+    return {"metric": metric, "gap": gap, "spread": spread, "signal": signal, "why": why}
+
+
+def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:
     """Per task and metric: each arm's mean ± std over pretraining × fine-tuning seeds, its
-    per-pretraining-seed means, and the verdict against the first arm."""
-    tasks = sorted(set.intersection(*(set(r["finetune"]) for a in arms for r in a["seeds"])))
+    per-pretraining-seed means, and the verdict against the first arm. With a randomly
+    initialised ``baseline`` (an arm-shaped dict), each task also gets the baseline's score
+    and whether it carries signal (:func:`task_signal`); tasks without signal get no
+    verdict."""
+    holders = [r for a in arms for r in a["seeds"]] + (baseline["seeds"] if baseline else [])
+    tasks = sorted(set.intersection(*(set(r["finetune"]) for r in holders)))
     reference = arms[0]
     table = {}
     for task in tasks:
@@ -246,9 +295,125 @@ def compare_finetuning(arms: list[dict]) -> dict:
                 row = per_arm[arm["name"]]
                 row["difference"] = row["mean"] - ref["mean"]
                 row.update(verdict(ref["pretrain_seed_means"], row["pretrain_seed_means"]))
+            if baseline is not None:
+                flat = [v for r in baseline["seeds"] for v in finetune_values(r, task, metric)]
+                mean, std = mean_std(flat)
+                per_arm[baseline["name"]] = {"mean": mean, "std": std, "n": len(flat)}
             rows[metric] = per_arm
-        table[task] = {"main_metric": first.get("main_metric"), "metrics": rows}
+        entry = {"main_metric": first.get("main_metric"), "metrics": rows}
+        if baseline is not None:
+            main = first.get("main_metric") or next(iter(rows))
+            entry["signal"] = task_signal(reference, baseline, task, main)
+            if not entry["signal"]["signal"]:
+                for per_arm in rows.values():
+                    for arm in arms[1:]:
+                        per_arm[arm["name"]].update(_no_verdict(NO_SIGNAL))
+        table[task] = entry
     return table
+
+
+def gate_table(
+    arms: list[dict],
+    target: dict,
+    margin: float = gating.MARGIN,
+    alpha: float = gating.ALPHA,
+    min_seeds: int = gating.MIN_SEEDS,
+) -> dict:
+    """Samples to ``target`` per seed, the gate for every arm against the first, the final
+    validation loss difference with its 95 % interval, and the reference's seed spread."""
+    value = target["value"]
+    per_seed = {
+        arm["name"]: [
+            {
+                "seed": r["seed"],
+                "samples_to_target": gating.samples_to_target(r["val_mlm_loss"], value),
+                "max_samples": r["max_samples"],
+                "final_val_mlm_loss": r["final"]["val_mlm_loss"],
+            }
+            for r in arm["seeds"]
+        ]
+        for arm in arms
+    }
+    reference = arms[0]["name"]
+    ref_samples = [row["samples_to_target"] for row in per_seed[reference]]
+    ref_final = [row["final_val_mlm_loss"] for row in per_seed[reference]]
+    gates, losses = {}, {}
+    for arm in arms[1:]:
+        rows = per_seed[arm["name"]]
+        try:
+            gates[arm["name"]] = gating.gate(
+                ref_samples, [r["samples_to_target"] for r in rows], margin, alpha, min_seeds
+            ).as_dict()
+        except ValueError as err:
+            gates[arm["name"]] = {"verdict": "no verdict", "reason": str(err)}
+        losses[arm["name"]] = gating.difference_interval(
+            ref_final, [r["final_val_mlm_loss"] for r in rows]
+        )
+    mean, std = mean_std(ref_final)
+    return {
+        "target": target,
+        "fixed_before": fixed_before(arms[1:], target),
+        "margin": margin,
+        "alpha": alpha,
+        "min_seeds": min_seeds,
+        "per_seed": per_seed,
+        "gates": gates,
+        "final_loss_difference": losses,
+        "reference_spread": {
+            "arm": reference,
+            "seeds": len(ref_final),
+            "mean": mean,
+            "std": std,
+            "relative": std / mean,
+            "limit": SPREAD_LIMIT,
+            "within_limit": std / mean <= SPREAD_LIMIT,
+        },
+    }
+
+
+def fixed_before(arms: list[dict], target: dict) -> str:
+    """Whether the target was fixed before every run of ``arms`` logged its first step
+    (the runs' own clocks: metrics records carry a Unix time)."""
+    import calendar
+    import time
+
+    stamp = target.get("fixed_at")
+    starts = {
+        f"{a['name']} seed {r['seed']}": r["started"]
+        for a in arms
+        for r in a["seeds"]
+        if r.get("started") is not None
+    }
+    if not stamp or not starts:
+        return "not checked: no times recorded"
+    fixed = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    early = sorted(name for name, start in starts.items() if start < fixed)
+    if early:
+        return f"**after** {', '.join(early)} had started"
+    return f"before any of the other arms' {len(starts)} runs started"
+
+
+def sensitivity_rows(runs: list[dict], target: dict | None) -> list[dict]:
+    """One row per sensitivity run: its freeze step (and share of the run), final
+    validation loss and samples to target."""
+    rows = []
+    for run in runs:
+        steps = run["max_samples"] // run["global_batch_size"]
+        freeze = run["freeze_step"]
+        rows.append(
+            {
+                "name": run["name"],
+                "seed": run["seed"],
+                "freeze_step": freeze,
+                "freeze_fraction": freeze / steps if isinstance(freeze, int) else None,
+                "final_val_mlm_loss": run["final"]["val_mlm_loss"],
+                "samples_to_target": None
+                if target is None
+                else gating.samples_to_target(run["val_mlm_loss"], target["value"]),
+                "max_samples": run["max_samples"],
+            }
+        )
+    return rows
 
 
 # ----------------------------------------------------------------------------- report
@@ -278,7 +443,7 @@ def _verdict_cell(row: dict) -> str:
 def load_arms(run_specs: list[str]) -> list[dict]:
     """Load every ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` run and group them into arms (two or
     more)."""
-    arms = group_arms([load_run(parse_run(spec)) for spec in run_specs])
+    arms = group_arms([load_run(parse_run(spec, finetune_optional=True)) for spec in run_specs])
     if len(arms) < 2:
         raise ValueError(
             "a parity report needs at least two runs with different names "
@@ -363,21 +528,21 @@ def _pretraining_section(arms: list[dict], pretraining: dict, has_switch: bool) 
     return lines
 
 
-def _finetuning_section(arms: list[dict], finetuning: dict) -> list[str]:
-    names = [a["name"] for a in arms]
-    others = names[1:]
+def _finetuning_section(arms: list[dict], finetuning: dict, names: list[str]) -> list[str]:
+    others = [a["name"] for a in arms[1:]]
+    ref = arms[0]["name"]
     lines = ["## Fine-tuning", "", "Mean ± std over pretraining × fine-tuning seeds.", ""]
     columns = [
         "task",
         "metric",
         *names,
-        *(f"{n} − {names[0]}" for n in others),
-        *(f"{n} vs {names[0]}" for n in others),
+        *(f"{n} − {ref}" for n in others),
+        *(f"{n} vs {ref}" for n in others),
     ]
     lines += _table_header(columns, len(names) + len(others), len(others))
     for task, info in finetuning.items():
         for metric, rows in info["metrics"].items():
-            cells = " | ".join(_cell(rows[n]) for n in names)
+            cells = " | ".join(_cell(rows.get(n, {})) for n in names)
             diffs = " | ".join(f"{rows[n]['difference']:+.4f}" for n in others)
             verdicts = " | ".join(_verdict_cell(rows[n]) for n in others)
             main = " (main)" if metric == info["main_metric"] else ""
@@ -386,19 +551,144 @@ def _finetuning_section(arms: list[dict], finetuning: dict) -> list[str]:
     return lines
 
 
-def render_markdown(arms: list[dict], pretraining: dict, finetuning: dict, has_switch: bool) -> str:
-    """``report.md``: the arms, the pretraining and fine-tuning tables and the figures."""
-    head = ["# Parity report", "", f"Reference arm: **{arms[0]['name']}**. Verdicts: {TEST}", ""]
+def _samples(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:,.0f}"
+
+
+def _gate_section(gate: dict) -> list[str]:
+    target, spread = gate["target"], gate["reference_spread"]
+    ref = spread["arm"]
     lines = [
-        *head,
-        *_pretraining_section(arms, pretraining, has_switch),
+        "## Gate",
         "",
-        *_finetuning_section(arms, finetuning),
+        f"Target: validation MLM loss **{target['value']:.4f}**, fixed "
+        f"{target.get('fixed_at', '(time not recorded)')} ({gate['fixed_before']}), from "
+        f"{target.get('source', 'rule')}: {target.get('rule', '')} (at "
+        f"{target.get('at_samples', 0):,.0f} samples; worst: {target.get('worst', '?')}).",
+        "",
+        f"Test: {gating.TEST}; margin {gate['margin']:.0%}, alpha {gate['alpha']}, at least "
+        f"{gate['min_seeds']} seeds per arm.",
+        "",
+        f"Reference spread: {ref}'s final validation MLM loss {spread['mean']:.4f} ± "
+        f"{spread['std']:.4f} over {spread['seeds']} seeds = {spread['relative']:.2%} of its "
+        f"mean ({'within' if spread['within_limit'] else '**above**'} the "
+        f"{spread['limit']:.0%} the regime asks for).",
+        "",
+        "| arm | seed | samples to target | final val MLM loss |",
+        "|---|---:|---:|---:|",
     ]
+    for name, rows in gate["per_seed"].items():
+        for row in rows:
+            lines.append(
+                f"| {name} | {row['seed']} | {_samples(row['samples_to_target'])} | "
+                f"{_fmt(row['final_val_mlm_loss'])} |"
+            )
+    lines += [
+        "",
+        "| arm | verdict | mean samples to target vs " + ref + " | power | why | "
+        "final loss − " + ref + " (95 % CI) |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    for name, result in gate["gates"].items():
+        diff = gate["final_loss_difference"][name]
+        interval = (
+            f"{diff['difference']:+.4f} [{diff['low']:+.4f}, {diff['high']:+.4f}]"
+            if diff["low"] is not None
+            else f"{diff['difference']:+.4f}"
+        )
+        ratio = result.get("ratio")
+        power = result.get("power")
+        lines.append(
+            f"| {name} | **{result['verdict']}** | "
+            f"{'–' if ratio is None else f'{ratio - 1:+.2%}'} | "
+            f"{'–' if power is None else f'{power:.0%}'} | {result['reason']} | {interval} |"
+        )
+    lines += [
+        "",
+        "Power: the chance to pass with these seeds if the arm truly needed the reference's "
+        "samples, at the observed spreads (normal approximation).",
+        "",
+        "![validation loss and the target](val_loss_target.png)",
+        "![samples to target per seed](samples_to_target.png)",
+        "",
+    ]
+    return lines
+
+
+def _sensitivity_section(rows: list[dict], reference_mean: float | None) -> list[str]:
+    lines = [
+        "## Sensitivity (not gated)",
+        "",
+        "One seed per setting; not used to choose the headline setting.",
+        "",
+        "| run | seed | freeze step | share of the run | final val MLM loss | samples to target |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        share = row["freeze_fraction"]
+        lines.append(
+            f"| {row['name']} | {row['seed']} | {row['freeze_step']} | "
+            f"{'–' if share is None else f'{share:.0%}'} | {_fmt(row['final_val_mlm_loss'])} | "
+            f"{_samples(row['samples_to_target'])} |"
+        )
+    if reference_mean is not None:
+        lines += ["", f"Reference mean final val MLM loss: {reference_mean:.4f}."]
+    lines += ["", "![sensitivity runs](sensitivity.png)", ""]
+    return lines
+
+
+def _signal_lines(finetuning: dict, baseline: str) -> list[str]:
+    rows = [(t, i["signal"]) for t, i in finetuning.items() if "signal" in i]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Signal: the reference's pretrained score against a randomly initialised model "
+        f"({baseline}) on the main metric; a task carries signal when the gap is at least "
+        f"{SIGNAL_FACTOR:g} fine-tuning seed spreads. Tasks without it get no verdict.",
+        "",
+        "| task | metric | gap | spread | signal |",
+        "|---|---|---:|---:|---|",
+    ]
+    for task, sig in rows:
+        spread = "–" if sig["spread"] is None else f"{sig['spread']:.4f}"
+        word = "yes" if sig["signal"] else f"**{NO_SIGNAL}**"
+        lines.append(f"| {task} | {sig['metric']} | {sig['gap']:+.4f} | {spread} | {word} |")
+    return lines
+
+
+def render_markdown(
+    arms: list[dict],
+    pretraining: dict,
+    finetuning: dict,
+    has_switch: bool,
+    gate: dict | None = None,
+    sensitivity: list[dict] | None = None,
+    baseline: str | None = None,
+) -> str:
+    """``report.md``: the gate (when a target is given), the arms, the pretraining and
+    fine-tuning tables, the sensitivity runs and the figures."""
+    head = ["# Parity report", "", f"Reference arm: **{arms[0]['name']}**. Verdicts: {TEST}", ""]
+    lines = [*head, *(_gate_section(gate) if gate else [])]
+    lines += [*_pretraining_section(arms, pretraining, has_switch), ""]
+    if finetuning:
+        names = [a["name"] for a in arms] + ([baseline] if baseline else [])
+        lines += _finetuning_section(arms, finetuning, names)
+        lines += _signal_lines(finetuning, baseline) if baseline else []
+        lines.append("")
+    if sensitivity:
+        ref_mean = gate["reference_spread"]["mean"] if gate else None
+        lines += _sensitivity_section(sensitivity, ref_mean)
     return "\n".join(lines)
 
 
-def report_data(arms: list[dict], pretraining: dict, finetuning: dict) -> dict:
+def report_data(
+    arms: list[dict],
+    pretraining: dict,
+    finetuning: dict,
+    gate: dict | None = None,
+    sensitivity: list[dict] | None = None,
+) -> dict:
     """``report.json``: the test, each arm's seeds (without curves and fine-tuning results)
     and both comparison tables."""
     return {
@@ -416,20 +706,66 @@ def report_data(arms: list[dict], pretraining: dict, finetuning: dict) -> dict:
         ],
         "pretraining": pretraining,
         "finetune": finetuning,
+        "gate": gate,
+        "sensitivity": sensitivity or [],
     }
 
 
-def write_report(run_specs: list[str], out: str | Path) -> dict:
+def load_baseline(spec: str) -> dict:
+    """``NAME=FINETUNE_DIR`` of the randomly initialised baseline, as an arm-shaped dict."""
+    name, sep, directory = spec.partition("=")
+    if not (sep and name and directory):
+        raise ValueError(f"baseline {spec!r} is not of the form NAME=FINETUNE_DIR")
+    path = finetune_outputs.results_path(Path(directory))
+    if not path.is_file():
+        raise FileNotFoundError(f"baseline {name!r}: {path} is missing")
+    return {"name": name, "seeds": [{"finetune": finetune_outputs.read_results(directory)}]}
+
+
+def write_report(
+    run_specs: list[str],
+    out: str | Path,
+    target: dict | None = None,
+    sensitivity_specs: list[str] = (),
+    baseline_spec: str | None = None,
+    margin: float = gating.MARGIN,
+    alpha: float = gating.ALPHA,
+    min_seeds: int = gating.MIN_SEEDS,
+) -> dict:
     """Compare the runs and write ``report.md``, ``report.json`` and the figures into
-    ``out``; returns what ``report.json`` holds."""
+    ``out``; returns what ``report.json`` holds. With a ``target`` (:mod:`pipeline.target`)
+    the report opens with the gate; ``sensitivity_specs`` (``NAME=PRETRAIN_DIR``) are shown
+    apart; ``baseline_spec`` (``NAME=FINETUNE_DIR``) is the randomly initialised
+    fine-tuning baseline that decides which tasks carry signal."""
     arms = load_arms(run_specs)
+    baseline = load_baseline(baseline_spec) if baseline_spec else None
+    sensitivity_runs = [load_run(parse_run(s, finetune_optional=True)) for s in sensitivity_specs]
     pretraining = compare_pretraining(arms)
-    finetuning = compare_finetuning(arms)
+    with_finetune = all(r["finetune"] for a in arms for r in a["seeds"])
+    finetuning = compare_finetuning(arms, baseline) if with_finetune else {}
+    gate = gate_table(arms, target, margin, alpha, min_seeds) if target else None
+    sensitivity = sensitivity_rows(sensitivity_runs, target) if sensitivity_runs else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     has_switch = write_figures(arms, finetuning, out)
-    atomic_write_text(out / "report.md", render_markdown(arms, pretraining, finetuning, has_switch))
-    report = report_data(arms, pretraining, finetuning)
+    if gate:
+        plot_val_loss_target(arms, target["value"], out / "val_loss_target.png")
+        plot_samples_to_target(gate, out / "samples_to_target.png")
+    if sensitivity_runs:
+        groups = group_arms(sensitivity_runs)
+        value = target["value"] if target else groups[0]["seeds"][0]["final"]["val_mlm_loss"]
+        plot_val_loss_target(groups, value, out / "sensitivity.png", "sensitivity runs")
+    markdown = render_markdown(
+        arms,
+        pretraining,
+        finetuning,
+        has_switch,
+        gate,
+        sensitivity,
+        baseline["name"] if baseline else None,
+    )
+    atomic_write_text(out / "report.md", markdown)
+    report = report_data(arms, pretraining, finetuning, gate, sensitivity)
     atomic_write_json(out / "report.json", report)
     return report
 
@@ -451,9 +787,31 @@ def main(argv: list[str] | None = None) -> int:
         help="NAME=PRETRAIN_RUN_DIR:FINETUNE_OUTPUT_DIR (two or more)",
     )
     parser.add_argument("--out", required=True, help="report directory")
+    parser.add_argument("--target", help="target.json (python -m pipeline.target): the gate")
+    parser.add_argument("--margin", type=float, default=gating.MARGIN)
+    parser.add_argument("--alpha", type=float, default=gating.ALPHA)
+    parser.add_argument("--min-seeds", type=int, default=gating.MIN_SEEDS)
+    parser.add_argument(
+        "--sensitivity", action="append", default=[], help="NAME=PRETRAIN_RUN_DIR (not gated)"
+    )
+    parser.add_argument("--baseline", help="NAME=FINETUNE_DIR of a randomly initialised model")
     args = parser.parse_args(argv)
     try:
-        write_report(args.run, args.out)
+        target = None
+        if args.target:
+            target = gating.read_target(args.target)
+            if target is None:
+                raise ValueError(f"{args.target} is missing or unreadable: fix the target first")
+        write_report(
+            args.run,
+            args.out,
+            target,
+            args.sensitivity,
+            args.baseline,
+            args.margin,
+            args.alpha,
+            args.min_seeds,
+        )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -176,3 +176,52 @@ def plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_val_loss_target(arms: list[dict], target: float, path: Path, title: str = "") -> None:
+    """Validation MLM loss against samples, one line per seed, with the target line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(arm["seeds"]):
+            if run["val_mlm_loss"]:
+                xs, ys = zip(*run["val_mlm_loss"], strict=True)
+                label = f"{arm['name']} ({len(arm['seeds'])} seeds)" if j == 0 else None
+                ax.plot(xs, ys, color=f"C{i}", lw=1, alpha=0.7, label=label)
+    ax.axhline(target, color="black", ls=":", lw=1.2, label=f"target {target:.3f}")
+    low = min((y for a in arms for r in a["seeds"] for _, y in r["val_mlm_loss"]), default=target)
+    ax.set_ylim(low - 0.1, target + 2.0)
+    if title:
+        ax.set_title(title, fontsize=9)
+    batch = arms[0]["seeds"][0]["global_batch_size"]
+    _mark_freeze(ax, arms, scale=batch)
+    _finish(plt, fig, ax, "samples seen", "validation MLM loss", path)
+
+
+def plot_samples_to_target(gate: dict, path: Path) -> None:
+    """Samples to target per seed (dots) and each arm's mean (bar), unreached seeds marked
+    at the end of the run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = list(gate["per_seed"])
+    for i, name in enumerate(names):
+        rows = gate["per_seed"][name]
+        reached = [r["samples_to_target"] for r in rows if r["samples_to_target"] is not None]
+        missed = [r["max_samples"] for r in rows if r["samples_to_target"] is None]
+        if reached:
+            ax.bar(i, sum(reached) / len(reached), color=f"C{i}", alpha=0.3, width=0.6)
+            ax.scatter([i] * len(reached), reached, color=f"C{i}", zorder=3, label=name)
+        if missed:
+            ax.scatter([i] * len(missed), missed, color=f"C{i}", marker="x", zorder=3,
+                       label=f"{name}: not reached")  # fmt: skip
+    ax.set_xticks(range(len(names)), names)
+    reached_all = [
+        r["samples_to_target"]
+        for rows in gate["per_seed"].values()
+        for r in rows
+        if r["samples_to_target"] is not None
+    ]
+    if reached_all:
+        ax.set_ylim(min(reached_all) * 0.9, max(r["max_samples"] for rows in
+                    gate["per_seed"].values() for r in rows) * 1.02)  # fmt: skip
+    _finish(plt, fig, ax, "arm", "samples to target", path)

@@ -104,6 +104,11 @@ class SlurmChain:
                 sbatch_gpus_one="#SBATCH --gpus=1" if spec.gpus_per_node else "",
             )
             return render(_template("finetune.sbatch"), values)
+        if stage.kind == "target":
+            values.update(
+                target_args=" ".join(shlex.quote(a) for a in stage.args), out=stage.output
+            )
+            return render(_template("target.sbatch"), values)
         if stage.kind == "report":
             aggregate = "\n".join(
                 f'"{self.python}" -m finetune run --config "{s.config_path}"'

@@ -372,3 +372,38 @@ def test_report_statistics_on_synthetic_numbers(tmp_path):
     assert "| sst2 | accuracy (main) | 2.0000 ± 1.0488 |" in text
     with pytest.raises(ValueError, match="mixes optimizers"):
         write_report([*lamb, lamb[0].replace("lamb=", "far=", 1), *far], tmp_path / "r2")
+
+
+def test_random_init_keeps_the_architecture_and_drops_the_weights(setup):
+    from transformers import AutoModelForSequenceClassification
+
+    from finetune.run import load_model
+
+    checkpoint, _ = setup
+    pretrained = load_model(AutoModelForSequenceClassification, str(checkpoint), False)
+    import torch
+
+    torch.manual_seed(3)
+    first = load_model(AutoModelForSequenceClassification, str(checkpoint), True)
+    torch.manual_seed(3)
+    second = load_model(AutoModelForSequenceClassification, str(checkpoint), True)
+    embeddings = "bert.embeddings.word_embeddings.weight"
+    weights = {
+        name: dict(m.named_parameters())[embeddings]
+        for name, m in (("pretrained", pretrained), ("first", first), ("second", second))
+    }
+    assert weights["first"].shape == weights["pretrained"].shape
+    assert not torch.equal(weights["first"], weights["pretrained"])
+    assert torch.equal(weights["first"], weights["second"])  # seeded by the caller
+    assert first.config.num_hidden_layers == pretrained.config.num_hidden_layers
+
+
+def test_random_init_fine_tunes_end_to_end(setup, tmp_path):
+    checkpoint, data = setup
+    cfg = finetune_config(
+        checkpoint, data, tmp_path / "out", tasks=["sst2"], seeds=[1], init="random"
+    )
+    results = run(cfg)
+    assert 0.0 <= results["sst2"]["accuracy"] <= 1.0
+    saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
+    assert saved["init"] == "random"

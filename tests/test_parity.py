@@ -1,0 +1,209 @@
+"""The parity experiment's chain (target stage, random-init baseline, sensitivity runs) and
+the parity report's gate, signal and sensitivity sections on synthetic runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.experiment import load_experiment
+from pipeline.report import write_report
+from pipeline.target import fix_target
+from pipeline.target import main as target_main
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 100
+STEPS = 50
+START = 1_790_000_000  # the runs' clock (Unix seconds): 2026-09-21
+
+
+def _pretrain(directory: Path, optimizer: str, seed: int, delay: float, end: float = 3.0,
+              freeze_step: int = 10) -> Path:  # fmt: skip
+    """A finished run whose validation loss falls linearly from 8 to ``end``, shifted later
+    by ``delay`` steps (a slower run reaches any loss later)."""
+    directory.mkdir(parents=True)
+    config = {
+        "seed": seed,
+        "batch": {"global_batch_size": BATCH},
+        "optimizer": {"name": optimizer, "freeze_step": freeze_step},
+        "schedule": {"max_steps": STEPS},
+    }
+    (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    records = [
+        {"step": s, "loss": 6.0, "comm_bytes": 10, "time": START + s} for s in range(1, STEPS + 1)
+    ]
+    for step in range(5, STEPS + 1, 5):
+        progress = min(1.0, max(0.0, (step - delay) / STEPS))
+        loss = 8.0 - (8.0 - end) * progress
+        records.append({"step": step, "val_mlm_loss": loss, "val_mlm_accuracy": 1 / loss})
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+def _finetune(directory: Path, scores: dict[str, list[float]]) -> Path:
+    directory.mkdir(parents=True)
+    results = {
+        task: {
+            "accuracy": sum(values) / len(values),
+            "main_metric": "accuracy",
+            "per_seed": {str(i + 1): {"accuracy": v} for i, v in enumerate(values)},
+        }
+        for task, values in scores.items()
+    }
+    (directory / "results.json").write_text(json.dumps(results))
+    return directory
+
+
+def test_the_target_stage_comes_between_the_reference_and_every_other_arm(tmp_path):
+    exp = load_experiment(ROOT / "configs/experiments/parity.yaml", [f"workdir={tmp_path}"])
+    stages = exp.resolve(write=False)
+    names = [s.name for s in stages]
+    target = names.index("target")
+    lamb = [i for i, n in enumerate(names) if n.startswith("pretrain/lamb-")]
+    others = [i for i, n in enumerate(names) if n.startswith("pretrain/onebit")]
+    assert len(lamb) == 5 and len(others) == 5 + 3
+    assert max(lamb) < target < min(others)
+    assert sorted(exp.stage("target").depends) == sorted(names[i] for i in lamb)
+    assert all("target" in stages[i].depends for i in others)
+    assert "--fraction" in exp.stage("target").args
+    # the random-init baseline fine-tunes LAMB seed 1's architecture from fresh weights
+    baseline = exp.stage("finetune/random-init")
+    assert baseline.stage_config().init == "random"
+    assert "lamb-seed1" in baseline.stage_config().checkpoint
+    assert baseline.depends == ["pretrain/lamb-seed1/phase1"]
+    # sensitivity runs: pretraining only, reported apart, and their freeze steps
+    assert not any(n.startswith("finetune/onebit_freeze") for n in names)
+    report = exp.stage("report")
+    sensitivity = [a for a in report.args if a.startswith("onebit_freeze")]
+    assert len(sensitivity) == 3
+    freeze = {
+        n: exp.stage(n).stage_config().optimizer.freeze_step
+        for n in names
+        if n.startswith("pretrain/onebit_freeze")
+    }
+    assert sorted(freeze.values()) == [300, 600, 1200]
+    for flag in ("--target", "--baseline", "--margin", "--min-seeds"):
+        assert flag in report.args
+    assert "pretrain/onebit_freeze10-seed1/phase1" in report.depends
+
+
+def test_the_target_stage_refuses_a_file_that_disagrees_with_the_config(tmp_path):
+    exp = load_experiment(
+        ROOT / "configs/experiments/parity.yaml",
+        [f"workdir={tmp_path}", "report.target_loss=3.5"],
+    )
+    exp.resolve(write=False)
+    stage = exp.stage("target")
+    assert stage.args[-2:] == ["--value", "3.5"]
+    assert not stage.done()
+    stage.output.write_text(json.dumps({"value": 3.4}))
+    with pytest.raises(ValueError, match="a target is fixed once"):
+        stage.done()
+    stage.output.write_text(json.dumps({"value": 3.5}))
+    assert stage.done()
+
+
+def _arms(tmp_path: Path, onebit_delays: list[float]) -> tuple[list[str], list[str]]:
+    lamb = [
+        f"lamb={_pretrain(tmp_path / f'lamb{s}', 'lamb', s, d)}"
+        for s, d in zip(range(1, 6), [0, 0.5, 1.0, 0.25, 0.75], strict=True)
+    ]
+    onebit = [
+        f"onebit={_pretrain(tmp_path / f'onebit{s}', 'onebit_lamb', s, d)}"
+        for s, d in enumerate(onebit_delays, start=1)
+    ]
+    return lamb, onebit
+
+
+def test_target_is_fixed_from_the_reference_runs(tmp_path):
+    lamb, _ = _arms(tmp_path, [])
+    target = fix_target(lamb, 0.8)
+    # the worst (latest) seed, delay 1 step: at step 40 its loss is 8 - 5 * 39 / 50
+    assert target["value"] == pytest.approx(8.0 - 5.0 * 39 / 50)
+    assert target["worst"] == "seed 3" and target["at_samples"] == 0.8 * STEPS * BATCH
+    out = tmp_path / "target.json"
+    assert target_main([*(a for spec in lamb for a in ("--run", spec)), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["value"] == pytest.approx(target["value"])
+    fixed = fix_target(lamb, 0.8, value=4.2)
+    assert fixed["value"] == 4.2 and fixed["source"] == "experiment config"
+    assert fixed["rule_value"] == pytest.approx(target["value"])
+    with pytest.raises(ValueError, match="one reference arm"):
+        fix_target([*lamb, lamb[0].replace("lamb=", "other=")], 0.8)
+
+
+@pytest.mark.parametrize(
+    "delays, verdict",
+    [([0.1, 0.6, 0.2, 0.9, 0.4], "pass"), ([9.0, 9.5, 9.2, 9.8, 9.1], "fail")],
+)
+def test_report_gates_samples_to_target(tmp_path, delays, verdict):
+    lamb, onebit = _arms(tmp_path, delays)
+    target = fix_target(lamb, 0.8)
+    report = write_report([*lamb, *onebit], tmp_path / "report", target)
+    gate = report["gate"]
+    assert gate["gates"]["onebit"]["verdict"] == verdict
+    assert all(r["samples_to_target"] is not None for r in gate["per_seed"]["lamb"])
+    assert gate["reference_spread"]["seeds"] == 5
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "## Gate" in markdown and f"**{verdict}**" in markdown
+    gate_section = markdown.split("## Gate")[1].split("## Pretraining")[0]
+    assert "no significant difference" not in gate_section
+    # fixed now, after the synthetic runs "started" in September: the report says so
+    assert "**after** onebit seed 1" in gate["fixed_before"]
+    target["fixed_at"] = "2026-01-01T00:00:00Z"
+    early = write_report([*lamb, *onebit], tmp_path / "report2", target)["gate"]
+    assert early["fixed_before"] == "before any of the other arms' 5 runs started"
+    for name in ("val_loss_target.png", "samples_to_target.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+
+
+def test_a_run_that_never_reaches_the_target_is_reported_as_such(tmp_path):
+    lamb, _ = _arms(tmp_path, [])
+    slow = _pretrain(tmp_path / "slow", "onebit_lamb", 1, 0.0, end=6.0)
+    onebit = [f"onebit={slow}"] + [
+        f"onebit={_pretrain(tmp_path / f'ob{s}', 'onebit_lamb', s, 0.2)}" for s in range(2, 6)
+    ]
+    target = fix_target(lamb, 0.8)
+    report = write_report([*lamb, *onebit], tmp_path / "report", target)
+    rows = report["gate"]["per_seed"]["onebit"]
+    assert rows[0]["samples_to_target"] is None
+    assert report["gate"]["gates"]["onebit"]["verdict"] == "fail"
+    assert "never reached the target" in report["gate"]["gates"]["onebit"]["reason"]
+    assert "| onebit | 1 | not reached |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_tasks_without_signal_get_no_verdict(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 0.2, 0.9, 0.4])
+    scores = {"sst2": [0.80, 0.81], "mrpc": [0.70, 0.72]}
+    runs = []
+    for i, spec in enumerate([*lamb, *onebit]):
+        ft = _finetune(tmp_path / f"ft{i}", scores)
+        runs.append(f"{spec}:{ft}")
+    baseline = _finetune(tmp_path / "random", {"sst2": [0.60, 0.61], "mrpc": [0.71, 0.70]})
+    report = write_report(runs, tmp_path / "report", baseline_spec=f"random-init={baseline}")
+    sst2, mrpc = report["finetune"]["sst2"], report["finetune"]["mrpc"]
+    assert sst2["signal"]["signal"] and not mrpc["signal"]["signal"]
+    assert sst2["metrics"]["accuracy"]["random-init"]["mean"] == pytest.approx(0.605)
+    assert mrpc["metrics"]["accuracy"]["onebit"]["verdict"] == "no signal at this scale"
+    assert sst2["metrics"]["accuracy"]["onebit"]["verdict"] != "no signal at this scale"
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "| mrpc | accuracy |" in markdown and "**no signal at this scale**" in markdown
+
+
+def test_sensitivity_runs_are_shown_apart(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 0.2, 0.9, 0.4])
+    sens = [
+        f"freeze{f}={_pretrain(tmp_path / f'f{f}', 'onebit_lamb', 1, 0.3, freeze_step=f)}"
+        for f in (5, 20)
+    ]
+    target = fix_target(lamb, 0.8)
+    report = write_report([*lamb, *onebit], tmp_path / "report", target, sens)
+    rows = report["sensitivity"]
+    assert [r["freeze_fraction"] for r in rows] == [0.1, 0.4]
+    assert all(r["samples_to_target"] is not None for r in rows)
+    assert "freeze5" not in report["gate"]["gates"]
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "## Sensitivity (not gated)" in markdown
+    assert (tmp_path / "report" / "sensitivity.png").stat().st_size > 0
