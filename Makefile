@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test test-gpu lint format smoke repro-mini compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
+.PHONY: setup test test-gpu lint format smoke repro-mini parity compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,16 @@ repro-mini: setup
 	$(PY) -m pipeline run --config configs/experiments/repro_mini.yaml \
 		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
 		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT)), squad_eval_fraction=0.2]" $(ARGS)
+
+# Parity: LAMB vs 1-bit LAMB in the scale-matched regime, 5 pretraining seeds per arm, a
+# target fixed from LAMB before 1-bit LAMB runs, the gate on samples to target, fine-tuning
+# against a randomly initialised baseline, freeze-step sensitivity (docs/guide/parity.md).
+# Hours on 2 cores; every stage resumes, so run the same command again after any stop.
+# ARGS: e.g. workdir=/scratch/parity, or --stages pretrain/lamb-seed1 target
+parity: setup
+	$(PY) -m pipeline run --config configs/experiments/parity.yaml \
+		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
+		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT))]" $(ARGS)
 
 # The comparison: every strategy pretrained in the learning regime on 4 workers (LAMB x3
 # seeds, 1-bit LAMB x2, the others x1), fine-tuned, and the comparison report with

@@ -68,6 +68,11 @@ class FinetuneConfig:
     """LOCAL RUNS ONLY, where SQuAD's train file is missing: split the dev file by article,
     this share of articles for evaluation and the rest for training. The scores are then not
     comparable with published SQuAD dev results."""
+    glue_eval_fraction: float | None = None
+    """LOCAL RUNS ONLY, for a GLUE task whose train file is missing (QNLI in the shared data
+    folder): split its dev file, this share of the rows (a seeded shuffle) for evaluation
+    and the rest for training. The scores are then not comparable with published GLUE dev
+    results."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     n_best_size: int = 20
     max_answer_length: int = 30
@@ -81,8 +86,10 @@ class FinetuneConfig:
             raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(ALL_TASKS)}")
         if not self.seeds:
             raise ValueError("seeds is empty")
-        if self.squad_eval_fraction is not None and not 0 < self.squad_eval_fraction < 1:
-            raise ValueError("squad_eval_fraction must be in (0, 1)")
+        for name in ("squad_eval_fraction", "glue_eval_fraction"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {value}")
         self.max_train_samples_per_task = {
             k.lower().replace("-", ""): v for k, v in self.max_train_samples_per_task.items()
         }

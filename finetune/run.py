@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import statistics
 import time
 from pathlib import Path
@@ -112,11 +113,24 @@ class GlueRunner:
 
     def load(self) -> None:
         root = self._glue_root()
-        self.train = self.task.load("train", root)[: self.cfg.train_cap(self.name)]
-        self.evals = {
-            split: self.task.load(split, root)[: self.cfg.max_eval_samples]
-            for split in self.task.eval_splits
-        }
+        try:
+            train = self.task.load("train", root)
+        except FileNotFoundError:
+            if self.cfg.glue_eval_fraction is None or len(self.task.eval_splits) != 1:
+                raise
+            train = None
+        if train is None:  # no train file: split the dev file (glue_eval_fraction)
+            (split,) = self.task.eval_splits
+            rows = self.task.load(split, root)
+            random.Random(0).shuffle(rows)
+            cut = round(len(rows) * self.cfg.glue_eval_fraction)
+            train, self.evals = rows[cut:], {split: rows[:cut][: self.cfg.max_eval_samples]}
+        else:
+            self.evals = {
+                split: self.task.load(split, root)[: self.cfg.max_eval_samples]
+                for split in self.task.eval_splits
+            }
+        self.train = train[: self.cfg.train_cap(self.name)]
 
     def _encode(self, tokenizer, examples) -> dict[str, torch.Tensor]:
         pairs = examples[0].text_b is not None if examples else False

@@ -407,3 +407,33 @@ def test_random_init_fine_tunes_end_to_end(setup, tmp_path):
     assert 0.0 <= results["sst2"]["accuracy"] <= 1.0
     saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
     assert saved["init"] == "random"
+
+
+def test_a_dev_only_glue_task_splits_its_dev_file(setup, tmp_path):
+    """QNLI ships without train.tsv in the shared folder: glue_eval_fraction splits dev
+    (disjoint, seeded); without it the missing file is named."""
+    from finetune.run import make_runner
+
+    checkpoint, _ = setup
+    folder = tmp_path / "data" / "QNLI"
+    folder.mkdir(parents=True)
+    rng = random.Random(1)
+    rows = ["index\tquestion\tsentence\tlabel"] + [
+        f"{i}\twhere is it {i}?\t{sentence(rng)}\t{'entailment' if i % 2 else 'not_entailment'}"
+        for i in range(50)
+    ]
+    (folder / "dev.tsv").write_text("\n".join(rows) + "\n")
+    cfg = finetune_config(checkpoint, tmp_path / "data", tmp_path / "out", tasks=["qnli"])
+    with pytest.raises(FileNotFoundError, match="train.tsv"):
+        make_runner("qnli", cfg).load()
+    cfg = finetune_config(
+        checkpoint, tmp_path / "data", tmp_path / "out", tasks=["qnli"], glue_eval_fraction=0.2
+    )
+    runner = make_runner("qnli", cfg)
+    runner.load()
+    (evals,) = runner.evals.values()
+    assert len(evals) == 10 and len(runner.train) == 40
+    assert not {e.guid for e in evals} & {e.guid for e in runner.train}
+    again = make_runner("qnli", cfg)
+    again.load()
+    assert [e.guid for e in again.train] == [e.guid for e in runner.train]
