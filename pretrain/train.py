@@ -58,6 +58,22 @@ class Preemption:
             signal.signal(sig, handler)
 
 
+COMPRESSING_OPTIMIZERS = ("onebit_lamb", "onebit_adam", "zero_one_adam")
+
+
+def single_process_notes(cfg: PretrainConfig, world_size: int) -> list[str]:
+    """What a compressing optimizer does differently on one process (nothing to compress):
+    warned at start and kept in ``status.json``'s ``notes``."""
+    name = cfg.optimizer.name
+    if world_size > 1 or name not in COMPRESSING_OPTIMIZERS or cfg.strategy.force_compression:
+        return []
+    what = "exact LAMB without bias correction" if name == "onebit_lamb" else "uncompressed"
+    return [
+        f"optimizer {name} on one process runs {what}: nothing is compressed, so this run "
+        f"measures no compression; use 2+ processes, or strategy.force_compression=true"
+    ]
+
+
 def _token_ids(shards: PretrainingShards) -> TokenIds:
     from transformers import AutoTokenizer
 
@@ -121,10 +137,14 @@ class Trainer:
         if ctx.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, outputs.config_path(self.run_dir))
+        notes = single_process_notes(cfg, ctx.world_size)
+        for note in notes:
+            warnings.warn(note, stacklevel=2)
         self.status.start(
             self.start_step,
             last_checkpoint=self.start_step if self.resumed else None,
             world_size=ctx.world_size,
+            **({"notes": notes} if notes else {}),
         )
         self.logger = MetricsLogger(self.run_dir, ctx.is_main, cfg.logging, config=to_dict(cfg))
 

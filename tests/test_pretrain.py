@@ -413,3 +413,22 @@ def test_masking_follows_bert():
     assert np.array_equal(masked, again)
     capped, labels = mask_tokens(tokens, attention, ids, np.random.default_rng(2), 0.5, 5)
     assert np.all((labels != -100).sum(1) == 5)
+
+
+def test_a_compressing_optimizer_on_one_process_says_it_compresses_nothing():
+    from onebit_bert.config import from_dict
+    from pretrain.config import PretrainConfig
+    from pretrain.train import single_process_notes
+
+    def cfg(**optimizer_and_strategy):
+        strategy = optimizer_and_strategy.pop("strategy", {})
+        return from_dict(PretrainConfig, {"optimizer": optimizer_and_strategy,
+                                          "strategy": strategy})  # fmt: skip
+
+    (note,) = single_process_notes(cfg(name="onebit_lamb"), world_size=1)
+    assert "exact LAMB without bias correction" in note and "force_compression" in note
+    assert "uncompressed" in single_process_notes(cfg(name="onebit_adam"), 1)[0]
+    assert single_process_notes(cfg(name="onebit_lamb"), world_size=2) == []
+    assert single_process_notes(cfg(name="lamb"), world_size=1) == []
+    forced = cfg(name="onebit_lamb", strategy={"force_compression": True})
+    assert single_process_notes(forced, world_size=1) == []
