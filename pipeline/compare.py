@@ -38,14 +38,17 @@ between pretraining seeds, not only between fine-tuning seeds of one checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from pipeline import report as parity
+from pipeline.gate import samples_to_target
 from pipeline.stats import mean_std, t_quantile
+from pipeline.tables import mean_std_cell as _mean_std
+from pipeline.tables import summary as _summary
+from pipeline.timing import load_netem, modelled_seconds, speeds
 from pretrain import outputs as pretrain_outputs
 
 ALPHA = 0.05
@@ -134,20 +137,6 @@ def _world_size(run_dir: Path) -> int | None:
 # ----------------------------------------------------------------------------- the target
 
 
-def crossing(points: list[tuple[float, float]], target: float) -> float | None:
-    """The x where the curve ``points`` (x, loss) first reaches ``target`` (linear between
-    the two points around the crossing; the first point if it starts there); None if never."""
-    previous = None
-    for x, y in points:
-        if y <= target:
-            if previous is None or previous[1] == y:
-                return float(x)
-            x0, y0 = previous
-            return x0 + (x - x0) * (y0 - target) / (y0 - y)
-        previous = (x, y)
-    return None
-
-
 def _value_at_step(series: dict[int, float], step: float) -> float:
     """Linear interpolation of a per-step cumulative series at a fractional step."""
     lo = math.floor(step)
@@ -157,101 +146,11 @@ def _value_at_step(series: dict[int, float], step: float) -> float:
     return a + (b - a) * (step - lo)
 
 
-NETEM_MUST_AGREE = (
-    "model",
-    "seq_length",
-    "batch_per_rank",
-    "micro_batch",
-    "ranks_per_host",
-    "hybrid_codec",
-    "outer_every",
-)
-"""Settings of a bench.netem JSON that decide what its speeds mean: files merged into one
-table must agree on them."""
-
-
-def load_netem(paths: list[str]) -> dict | None:
-    """One netem table from one or more ``bench.netem`` JSONs (None for none): the first
-    file's settings, every file's result rows. Files must agree on :data:`NETEM_MUST_AGREE`
-    and measure each (bandwidth, world size) point once."""
-    merged = None
-    points: dict[tuple[float, int], str] = {}
-    for name in paths:
-        path = Path(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"--netem {path}: no such file (a bench.netem netem.json)")
-        netem = json.loads(path.read_text())
-        if not isinstance(netem, dict) or "results" not in netem:
-            raise ValueError(f"--netem {path}: not a bench.netem JSON (no 'results')")
-        if merged is None:
-            merged = {**netem, "results": [], "strategies": []}
-        for field in NETEM_MUST_AGREE:
-            if netem.get(field) != merged.get(field):
-                raise ValueError(
-                    f"--netem {path}: {field} is {netem.get(field)!r} but {paths[0]} has "
-                    f"{merged.get(field)!r}; merge only sweeps of the same settings (rerun "
-                    f"bench.netem with those of {paths[0]})"
-                )
-        for row in netem["results"]:
-            point = (float(row["bandwidth_mbit"]), int(row["world_size"]))
-            if point in points:
-                raise ValueError(
-                    f"--netem {path}: {point[0]:g} Mbit/s on {point[1]} ranks is measured in "
-                    f"{points[point]} as well; pass one measurement of each point"
-                )
-            points[point] = str(path)
-            merged["results"].append(row)
-        for strategy in netem.get("strategies", []):
-            if strategy not in merged["strategies"]:
-                merged["strategies"].append(strategy)
-    return merged
-
-
-def speeds(netem: dict | None, key: str, world: int | None) -> dict[float, dict]:
-    """bandwidth -> {"default": samples/s, stage: samples/s, ...} of strategy ``key`` on
-    ``world`` ranks in a netem JSON (empty when it was not measured)."""
-    if netem is None:
-        return {}
-    key, _, codec = key.partition(":")
-    if codec and netem.get("hybrid_codec", "int8") != codec:
-        return {}  # the benchmark's hybrid ran another codec
-    out = {}
-    for row in netem.get("results", []):
-        if world is not None and row.get("world_size") != world:
-            continue
-        run = row.get("runs", {}).get(key)
-        if run is None:
-            continue
-        entry = {"default": run["samples_per_s"]}
-        if "warmup" in run:
-            entry["warmup"] = run["warmup"]["samples_per_s"]
-            entry["compression"] = run["samples_per_s"]
-        for kind, summary in run.get("kinds", {}).items():
-            entry[kind] = summary["samples_per_s"]
-        out[float(row["bandwidth_mbit"])] = entry
-    return out
-
-
-def modelled_seconds(run: dict, upto_step: float, speed: dict) -> float:
-    """Seconds to train ``upto_step`` steps (fractional last step) at the measured speed of
-    each step's stage."""
-    batch = run["global_batch_size"]
-    total = 0.0
-    whole = math.floor(upto_step)
-    for step in range(1, whole + 1):
-        total += batch / speed.get(run["stages"].get(step), speed["default"])
-    if upto_step > whole:
-        total += (
-            (upto_step - whole) * batch / speed.get(run["stages"].get(whole + 1), speed["default"])
-        )
-    return total
-
-
 def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
     """Samples, bytes (total and per kind) and modelled seconds per bandwidth to reach
     ``target`` (all None when the run never does)."""
     batch = run["global_batch_size"]
-    samples = crossing(run["val_loss"], target)
+    samples = samples_to_target(run["val_loss"], target)
     out = {"target_loss": target, "reached": samples is not None, "samples": samples}
     measured = speeds(netem, run["strategy"], run["world_size"])
     if samples is None:
@@ -292,14 +191,6 @@ def verdict(reference: list[float], other: list[float]) -> dict:
         "test": "prediction interval",
         "interval": [mean - half, mean + half],
     }
-
-
-def _summary(values: list[float]) -> dict:
-    clean = [v for v in values if v is not None]
-    if not clean:
-        return {"mean": None, "std": None, "n": 0, "values": []}
-    mean, std = mean_std(clean)
-    return {"mean": mean, "std": std, "n": len(clean), "values": clean}
 
 
 def pretraining_table(arms: list[dict]) -> dict:
@@ -424,17 +315,6 @@ def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
         "pretraining": data["pretraining"],
         "finetune": data["finetune"],
     }
-
-
-def _fmt(value, digits: int = 4) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def _mean_std(mean, std, n: int) -> str:
-    """``mean ± std``, or the mean alone where there is one value (no spread to show)."""
-    return _fmt(mean) if n <= 1 else f"{_fmt(mean)} ± {_fmt(std)}"
 
 
 def _human_bytes(value: float | None) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.compare import modelled_seconds, speeds
 from pipeline.report_plots import _pyplot
+from pipeline.timing import modelled_seconds, speeds
 
 
 def write_figures(data: dict, out: Path, bandwidths) -> None:

@@ -30,6 +30,9 @@ from onebit_bert.metrics_log import read_metrics
 from pipeline import gate as gating
 from pipeline.report_plots import plot_samples_to_target, plot_val_loss_target, write_figures
 from pipeline.stats import mean_std, welch_t_test
+from pipeline.tables import fmt as _fmt
+from pipeline.tables import summary as _summary
+from pipeline.tables import table_header as _table_header
 from pretrain import outputs as pretrain_outputs
 
 ALPHA = 0.05
@@ -206,14 +209,6 @@ def verdict(reference: list[float], other: list[float]) -> dict:
         "df": test.df,
         "standard_error": test.standard_error,
     }
-
-
-def _summary(values: list[float]) -> dict:
-    clean = [v for v in values if v is not None]
-    if not clean:
-        return {"mean": None, "std": None, "n": 0, "values": []}
-    mean, std = mean_std(clean)
-    return {"mean": mean, "std": std, "n": len(clean), "values": clean}
 
 
 def compare_pretraining(arms: list[dict]) -> dict:
@@ -419,12 +414,6 @@ def sensitivity_rows(runs: list[dict], target: dict | None) -> list[dict]:
 # ----------------------------------------------------------------------------- report
 
 
-def _fmt(value, digits: int = 4) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-
-
 def _cell(row: dict) -> str:
     if not row.get("n"):
         return "–"
@@ -450,17 +439,6 @@ def load_arms(run_specs: list[str]) -> list[dict]:
             "(NAME=PRETRAIN:FINETUNE; a repeated NAME adds a pretraining seed)"
         )
     return arms
-
-
-def _table_header(columns: list[str], right: int, left: int) -> list[str]:
-    """A markdown table's header row and alignment row: ``columns`` beyond the first
-    ``len(columns) - right - left`` (left-aligned) are ``right`` right-aligned ones, then
-    ``left`` left-aligned ones."""
-    plain = len(columns) - right - left
-    return [
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * plain + "---:|" * right + ":---|" * left,
-    ]
 
 
 def _arms_table(arms: list[dict]) -> list[str]:

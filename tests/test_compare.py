@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import compare
+from pipeline import compare, gate, timing
 from pipeline.experiment import ReportSpec
+from pipeline.stats import t_quantile
 
 BATCH = 100
 
@@ -229,9 +230,9 @@ def test_sweeps_at_other_bandwidths_merge_into_one_table(runs, netem, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**json.loads(Path(parts[1]).read_text()), "batch_per_rank": 32}))
     with pytest.raises(ValueError, match="batch_per_rank is 32 but .* has 64"):
-        compare.load_netem([parts[0], str(other)])
+        timing.load_netem([parts[0], str(other)])
     with pytest.raises(ValueError, match="25 Mbit/s on 4 ranks is measured in"):
-        compare.load_netem([str(netem), parts[0]])
+        timing.load_netem([str(netem), parts[0]])
     # the experiment's report stage passes each file
     spec = ReportSpec(kind="compare", netem=parts)
     assert spec.args() == ["--netem", parts[0], "--netem", parts[1]]
@@ -239,12 +240,12 @@ def test_sweeps_at_other_bandwidths_merge_into_one_table(runs, netem, tmp_path):
 
 
 def test_crossing_and_t_quantile():
-    assert compare.crossing([(0, 5.0), (10, 3.0)], 4.0) == pytest.approx(5.0)
-    assert compare.crossing([(0, 3.0), (10, 2.0)], 4.0) == 0.0
-    assert compare.crossing([(0, 5.0), (10, 4.5)], 4.0) is None
-    assert compare.t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
-    assert compare.t_quantile(0.975, 1e6) == pytest.approx(1.96, abs=1e-3)
-    assert math.isfinite(compare.t_quantile(0.975, 1))
+    assert gate.samples_to_target([(0, 5.0), (10, 3.0)], 4.0) == pytest.approx(5.0)
+    assert gate.samples_to_target([(0, 3.0), (10, 2.0)], 4.0) == 0.0
+    assert gate.samples_to_target([(0, 5.0), (10, 4.5)], 4.0) is None
+    assert t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+    assert t_quantile(0.975, 1e6) == pytest.approx(1.96, abs=1e-3)
+    assert math.isfinite(t_quantile(0.975, 1))
 
 
 @pytest.mark.parametrize(
@@ -280,8 +281,8 @@ def test_hybrid_speeds_only_for_the_benchmarked_codec():
                 "samples_per_s": 20.0, "warmup": {"samples_per_s": 14.0}}}}
         ],
     }  # fmt: skip
-    assert compare.speeds(netem, "hybrid_onebit_lamb:int8", 4) == {
+    assert timing.speeds(netem, "hybrid_onebit_lamb:int8", 4) == {
         25.0: {"default": 20.0, "warmup": 14.0, "compression": 20.0}
     }
-    assert compare.speeds(netem, "hybrid_onebit_lamb:onebit", 4) == {}
-    assert compare.speeds(netem, "hybrid_onebit_lamb:int8", 2) == {}
+    assert timing.speeds(netem, "hybrid_onebit_lamb:onebit", 4) == {}
+    assert timing.speeds(netem, "hybrid_onebit_lamb:int8", 2) == {}
