@@ -2,18 +2,23 @@
 optionally TensorBoard event files.
 
 wandb runs offline unless the user configured it (``WANDB_API_KEY`` or ``WANDB_MODE``), is
-grouped by experiment and named by job, and never stops training: if it cannot start or
-a log call fails, a warning is printed and the local file carries on. TensorBoard
-(``logging.tensorboard: true``) writes every numeric metric as a scalar under
+grouped by experiment, named by run, typed by phase (``job_type``), and never stops
+training: if it cannot start or a log call fails, a warning is printed and the local file
+carries on. Every run directory gets its own wandb run id, made once from the experiment,
+the run name and the directory's path and kept in ``<run_dir>/wandb_id``: a resumed run
+continues its wandb run, and two runs (arms, seeds, phases, experiments) never share one.
+TensorBoard (``logging.tensorboard: true``) writes every numeric metric as a scalar under
 ``<run_dir>/tensorboard``; asking for it without the ``tensorboard`` package installed is an
 error at start-up.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 import warnings
@@ -21,8 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onebit_bert.io import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 """The file name of the metrics log in a run directory."""
+WANDB_ID_FILE = "wandb_id"
+"""The run directory's wandb run id, written on first start and read on every resume."""
 
 
 @dataclass
@@ -35,7 +44,10 @@ class LoggingConfig:
     experiment: str = "default"
     """wandb group: runs of one experiment (e.g. LAMB vs 1-bit LAMB) side by side."""
     run_name: str | None = None
-    """wandb run name; default: the SLURM job id and step, or the run directory's name."""
+    """wandb run name (the pipeline sets ``<run>-seed<N>-phase<i>``); default: the run
+    directory's name and the SLURM job id."""
+    job_type: str | None = None
+    """wandb job type (the pipeline sets the phase, e.g. ``phase1``)."""
     every: int = 1
     """Write metrics every this many steps."""
     progress_every: int = 10
@@ -61,6 +73,23 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def wandb_run_id(run_dir: Path, experiment: str, run_name: str | None) -> str:
+    """The run directory's wandb id: read from ``<run_dir>/wandb_id`` when a start wrote
+    it, else made from the experiment, the run name and a hash of the directory's absolute
+    path (distinct for every run directory), and written there."""
+    path = Path(run_dir) / WANDB_ID_FILE
+    if path.is_file():
+        stored = path.read_text().strip()
+        if stored:
+            return stored
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:10]
+    base = re.sub(r"[^A-Za-z0-9_-]+", "-", f"{experiment}-{run_name or Path(run_dir).name}")
+    run_id = f"{base[:100]}-{digest}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, run_id + "\n")
+    return run_id
 
 
 class MetricsLogger:
@@ -96,10 +125,11 @@ class MetricsLogger:
                 project=self.cfg.project,
                 group=self.cfg.experiment,
                 name=name,
+                job_type=self.cfg.job_type,
                 dir=str(run_dir),
                 config=config,
                 resume="allow",
-                id=f"{self.cfg.experiment}-{run_dir.name}".replace("/", "-")[:120],
+                id=wandb_run_id(run_dir, self.cfg.experiment, self.cfg.run_name),
             )
         except Exception as err:  # training goes on without wandb
             warnings.warn(

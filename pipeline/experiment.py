@@ -360,6 +360,7 @@ class Experiment:
                     f"data.path={data_outputs.seq_dir(data_out, phase.seq_length)}",
                     f"logging.experiment={cfg.name}",
                     f"logging.run_name={instance}-phase{i}",
+                    f"logging.job_type=phase{i}",
                 ]
                 if seed is not None:
                     links.append(f"seed={seed}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +207,39 @@ def test_a_gpu_generator_state_is_saved_for_this_rank_s_gpu_only(monkeypatch):
     checkpointing.set_rng_state(older)
     checkpointing.set_rng_state({**state, "cuda": [torch.tensor([30], dtype=torch.uint8)]})
     assert [int(t[0]) for t in restored] == [11, 21]
+
+
+def test_every_run_directory_gets_its_own_wandb_run_and_keeps_it(tmp_path, monkeypatch):
+    import wandb
+
+    seen = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.append(kwargs))
+    cfg = LoggingConfig(experiment="parity", run_name="lamb-seed1-phase1", job_type="phase1")
+    MetricsLogger(tmp_path / "lamb", True, cfg).close()
+    MetricsLogger(tmp_path / "lamb", True, cfg).close()  # the resume
+    other = LoggingConfig(experiment="parity", run_name="onebit_lamb-seed1-phase1")
+    MetricsLogger(tmp_path / "onebit", True, other).close()
+    first, resumed, onebit = seen
+    assert first["id"] == resumed["id"] != onebit["id"]
+    assert first["resume"] == "allow" and first["job_type"] == "phase1"
+    assert first["group"] == "parity" and first["name"] == "lamb-seed1-phase1"
+    assert (tmp_path / "lamb" / "wandb_id").read_text().strip() == first["id"]
+    # the same names in another directory (another experiment's workdir): another run
+    MetricsLogger(tmp_path / "elsewhere" / "lamb", True, cfg).close()
+    assert seen[-1]["id"] != first["id"]
+
+
+@pytest.mark.parametrize("experiment", ["compare.yaml", "parity.yaml", "repro_mini.yaml"])
+def test_the_runs_of_an_experiment_get_distinct_wandb_ids(tmp_path, experiment):
+    from onebit_bert.metrics_log import wandb_run_id
+    from pipeline.experiment import load_experiment
+
+    root = Path(__file__).resolve().parents[1]
+    exp = load_experiment(root / "configs/experiments" / experiment, [f"workdir={tmp_path}"])
+    stages = [s for s in exp.resolve(write=False) if s.kind == "pretrain"]
+    ids = set()
+    for stage in stages:
+        log = stage.stage_config().logging
+        ids.add(wandb_run_id(stage.output, log.experiment, log.run_name))
+        assert log.job_type == stage.name.rsplit("/", 1)[1]
+    assert len(ids) == len(stages) > 1
