@@ -46,7 +46,7 @@ smoke: setup
 	$(PY) -m pipeline run --config configs/experiments/smoke.yaml $(ARGS)
 
 # The small real-data reproduction: 3 pretraining seeds x (LAMB, 1-bit LAMB), fine-tuned and
-# compared (wall time measured: README, "Reproduction at small scale"; not part of make test).
+# compared (wall time measured: docs/results/2026-11-23-repro-mini.md; not part of make test).
 repro-mini: setup
 	$(PY) -m pipeline run --config configs/experiments/repro_mini.yaml \
 		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
@@ -64,7 +64,7 @@ parity: setup
 
 # The comparison: every strategy pretrained in the learning regime on 4 workers (LAMB x3
 # seeds, 1-bit LAMB x2, the others x1), fine-tuned, and the comparison report with
-# time-to-accuracy from docs/compare/netem.json (README, "The comparison"); resumable.
+# time-to-accuracy from docs/compare/netem.json (docs/results/2026-11-25-comparison.md); resumable.
 # QUICK=1: the same chain with short runs and two tasks, to try it out.
 COMPARE_CONFIG = configs/experiments/$(if $(QUICK),compare_quick,compare).yaml
 compare: setup

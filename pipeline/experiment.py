@@ -80,7 +80,7 @@ class LocalSpec:
 
 @dataclass
 class SlurmSpec:
-    """How the chain becomes SLURM jobs (see slurm/README.md)."""
+    """How the chain becomes SLURM jobs (see docs/guide/clusters.md)."""
 
     partition: str | None = None
     account: str | None = None
