@@ -38,6 +38,11 @@ class FinetuneConfig:
     """pretrained: start from the checkpoint's weights; random: the checkpoint's architecture
     and tokenizer with freshly initialised weights (seeded per fine-tuning seed), the
     baseline that shows how much the pretraining adds on each task."""
+    pooling: Literal["cls", "mean"] = "cls"
+    """GLUE tasks: cls, HF's head on the pooled [CLS] state (BertForSequenceClassification);
+    mean, a linear head on the mean of the last layer's token states
+    (:mod:`finetune.heads`), for checkpoints pretrained without NSP, whose pooler and
+    [CLS] state were never trained. SQuAD's head reads every token's state either way."""
     tasks: list[str] = field(default_factory=lambda: ["sst2", "mrpc"])
     """Any of cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (GLUE) and squad (v1.1)."""
     data_root: str | None = None

@@ -77,15 +77,19 @@ def check_finite_weights(path: Path) -> None:
         )
 
 
-def load_model(auto_class, checkpoint: str, random_init: bool, **config_kwargs):
-    """``auto_class`` (an ``AutoModelFor...``) from ``checkpoint``; with ``random_init`` the
-    same architecture with freshly initialised weights (seeded by the caller), the baseline
-    that shows what pretraining adds."""
+def load_model(
+    auto_class, checkpoint: str, random_init: bool, model_kwargs: dict | None = None, **config
+):
+    """``auto_class`` (an ``AutoModel...``) from ``checkpoint``, with ``config`` overriding
+    the checkpoint's config fields and ``model_kwargs`` passed to the model's constructor;
+    with ``random_init`` the same architecture with freshly initialised weights (seeded by
+    the caller), the baseline that shows what pretraining adds."""
+    model_kwargs = model_kwargs or {}
     if not random_init:
-        return auto_class.from_pretrained(checkpoint, **config_kwargs)
+        return auto_class.from_pretrained(checkpoint, **config, **model_kwargs)
     from transformers import AutoConfig
 
-    return auto_class.from_config(AutoConfig.from_pretrained(checkpoint, **config_kwargs))
+    return auto_class.from_config(AutoConfig.from_pretrained(checkpoint, **config), **model_kwargs)
 
 
 def _tensors(encoded: dict, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -150,8 +154,13 @@ class GlueRunner:
         return self._encode(tokenizer, self.train)
 
     def build_model(self, checkpoint: str, random_init: bool = False):
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
+        if self.cfg.pooling == "mean":
+            from finetune.heads import MeanPoolingClassifier
+
+            encoder = load_model(AutoModel, checkpoint, random_init, {"add_pooling_layer": False})
+            return MeanPoolingClassifier(encoder, self.task.num_labels)
         return load_model(
             AutoModelForSequenceClassification,
             checkpoint,

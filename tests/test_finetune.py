@@ -437,3 +437,26 @@ def test_a_dev_only_glue_task_splits_its_dev_file(setup, tmp_path):
     again = make_runner("qnli", cfg)
     again.load()
     assert [e.guid for e in again.train] == [e.guid for e in runner.train]
+
+
+def test_mean_pooling_head_fine_tunes_and_ignores_padding(setup, tmp_path):
+    import torch
+
+    from finetune.heads import MeanPoolingClassifier
+    from finetune.run import make_runner
+
+    checkpoint, data = setup
+    cfg = finetune_config(checkpoint, data, tmp_path / "out", tasks=["sst2", "stsb"],
+                          seeds=[1], pooling="mean")  # fmt: skip
+    results = run(cfg)
+    assert 0.0 <= results["sst2"]["accuracy"] <= 1.0 and "pearson" in results["stsb"]
+    model = make_runner("stsb", cfg).build_model(str(checkpoint))
+    assert isinstance(model, MeanPoolingClassifier) and model.num_labels == 1
+    model.eval()
+    ids = torch.tensor([[2, 5, 6, 3, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    padded = model(input_ids=ids, attention_mask=mask).logits
+    trimmed = model(input_ids=ids[:, :4], attention_mask=mask[:, :4]).logits
+    torch.testing.assert_close(padded, trimmed, rtol=1e-5, atol=1e-5)
+    out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([2.5]))
+    assert out.loss.item() == pytest.approx((out.logits.item() - 2.5) ** 2, rel=1e-5)
