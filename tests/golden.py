@@ -64,7 +64,7 @@ def pinned_isa():
                 os.environ[key] = value
 
 
-# name -> overrides of tests.test_pretrain.tiny_config
+# name -> overrides of tests.helpers.runs.tiny_config
 AR, DDP = {"strategy.grad_sync": "allreduce"}, {"strategy.grad_sync": "ddp"}
 RUNS: dict[str, dict] = {
     "lamb_allreduce": {"optimizer.name": "lamb", "strategy.grad_sync": "allreduce"},
@@ -101,9 +101,9 @@ def data_digest(corpus: Path) -> str:
 
 
 def _run(comm, cfg: dict) -> dict:
-    from tests.test_pretrain import _train
+    from tests.helpers.runs import train_in_process
 
-    result = _train(comm, cfg)
+    result = train_in_process(comm, cfg)
     return {"model": tensor_digest(result["model"]), "state": result["summary"]["state"]}
 
 
@@ -112,7 +112,7 @@ def record(name: str, corpus: Path, workdir: Path) -> dict:
     losses and the final weights' digest on each rank."""
     from onebit_bert.metrics_log import read_metrics
     from tests.distributed_harness import run_ranks
-    from tests.test_pretrain import tiny_config
+    from tests.helpers.runs import tiny_config
 
     overrides = {
         "schedule.max_steps": STEPS,

@@ -15,7 +15,7 @@ from onebit_bert.optim import OneBitAdam, OneBitLamb
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig, FreezeDetector
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.test_onebit_lamb import _groups, _init_params, _local_grads, _mean_grads
+from tests.helpers.compression import init_params, local_grads, mean_grads, param_groups
 
 
 def _feed(detector, norms_by_step, steps, first=1):
@@ -103,11 +103,11 @@ STEPS = 20
 
 
 def _train(comm, cls, freeze_step, saves=(), state=None, start=0):
-    params = [torch.nn.Parameter(t) for t in _init_params()]
+    params = [torch.nn.Parameter(t) for t in init_params()]
     kwargs = dict(comm=comm, lr=0.05, freeze_step=freeze_step, bucket_numel=64)
     if freeze_step == "auto":
         kwargs.update(auto_freeze=AUTO, total_steps=STEPS)
-    opt = cls(_groups(params), **kwargs)
+    opt = cls(param_groups(params), **kwargs)
     if state is not None:
         saved = torch.load(io.BytesIO(state), weights_only=True)
         with torch.no_grad():
@@ -117,7 +117,7 @@ def _train(comm, cls, freeze_step, saves=(), state=None, start=0):
     blobs = {}
     for step in range(start + 1, STEPS + 1):
         local = opt.syncs_internally
-        grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+        grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()

@@ -10,12 +10,10 @@ import pytest
 import torch
 
 from onebit_bert.config import from_dict
-from onebit_bert.distributed.env import DistContext, LaunchEnv
 from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig
-from pretrain.train import train
 from tests.distributed_harness import run_ranks
-from tests.test_pretrain import _losses, _train, tiny_config
+from tests.helpers.runs import mlm_losses, tiny_config, train_in_process, train_on_nodes
 
 
 def _records(run_dir):
@@ -43,13 +41,13 @@ def test_overlap_with_backward_is_bit_identical(tiny_corpus, tmp_path, optimizer
         "schedule.max_steps": 8,
         "clip_grad_norm": 0.0,
     }
-    plain = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "plain", **common))
+    plain = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "plain", **common))
     overlap = run_ranks(
-        _train,
+        train_in_process,
         2,
         tiny_config(tiny_corpus, tmp_path / "overlap", **common, **{"comm.overlap": True}),
     )
-    assert _losses(tmp_path / "plain") == _losses(tmp_path / "overlap")
+    assert mlm_losses(tmp_path / "plain") == mlm_losses(tmp_path / "overlap")
     for a, b in zip(plain, overlap, strict=True):
         assert _same_model(a["model"], b["model"])
     records = _records(tmp_path / "overlap")
@@ -75,7 +73,7 @@ def test_overlapped_steps_measure_but_do_not_clip(tiny_corpus, tmp_path):
             "comm.overlap": True,
         },
     )
-    run_ranks(_train, 2, cfg)
+    run_ranks(train_in_process, 2, cfg)
     records = _records(tmp_path / "run")
     assert all(r["grad_norm"] > 1e-3 for r in records)
     assert [bool(r.get("overlapped")) for r in records] == [False] * 3 + [True] * 2
@@ -91,9 +89,9 @@ def test_hybrid_onebit_lamb_compresses_its_warmup_gradients(tiny_corpus, tmp_pat
     stage is 1-bit as before. Bytes per warmup step: the fp32 ring's / ratio (within the
     per-block scales and padding)."""
     common = {"optimizer.name": "onebit_lamb", "schedule.max_steps": 6}
-    run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "fp32", **common))
+    run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "fp32", **common))
     run_ranks(
-        _train,
+        train_in_process,
         2,
         tiny_config(tiny_corpus, tmp_path / codec, **common, **{"comm.compression.grad": codec}),
     )
@@ -105,9 +103,9 @@ def test_hybrid_onebit_lamb_compresses_its_warmup_gradients(tiny_corpus, tmp_pat
         )
     for a, b in zip(fp32[4:], hybrid[4:], strict=True):  # same compression stage traffic
         assert a["comm_bytes_momentum"] == b["comm_bytes_momentum"]
-    losses = _losses(tmp_path / codec)
-    assert losses != _losses(tmp_path / "fp32")  # the warmup's gradients were rounded
-    assert abs(losses[-1] - _losses(tmp_path / "fp32")[-1]) < 0.2
+    losses = mlm_losses(tmp_path / codec)
+    assert losses != mlm_losses(tmp_path / "fp32")  # the warmup's gradients were rounded
+    assert abs(losses[-1] - mlm_losses(tmp_path / "fp32")[-1]) < 0.2
 
 
 @pytest.mark.slow
@@ -122,12 +120,12 @@ def test_resume_continues_the_gradient_codecs_state_exactly(tiny_corpus, tmp_pat
         "comm.powersgd_start_step": 3,
         "comm.powersgd_rank": 2,
     }
-    straight = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "a", **common))
+    straight = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "a", **common))
     cut = tiny_config(tiny_corpus, tmp_path / "b", **common)
-    run_ranks(_train, 2, {**cut, "stop_after": 5})
-    resumed = run_ranks(_train, 2, cut)
+    run_ranks(train_in_process, 2, {**cut, "stop_after": 5})
+    resumed = run_ranks(train_in_process, 2, cut)
     by_step = {r["step"]: r["mlm_loss"] for r in _records(tmp_path / "b")}
-    assert _losses(tmp_path / "a") == [by_step[s] for s in sorted(by_step)]
+    assert mlm_losses(tmp_path / "a") == [by_step[s] for s in sorted(by_step)]
     for a, b in zip(straight, resumed, strict=True):
         assert _same_model(a["model"], b["model"])
 
@@ -142,7 +140,7 @@ def test_powersgd_sends_low_rank_factors(tiny_corpus, tmp_path):
         "comm.powersgd_start_step": 2,
         "comm.powersgd_rank": 1,
     }
-    run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "run", **common))
+    run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "run", **common))
     sent = [r["comm_bytes_gradients"] for r in _records(tmp_path / "run")]
     assert sent[0] == sent[1]  # full precision before start_step
     assert all(s < sent[0] / 5 for s in sent[2:])
@@ -159,9 +157,9 @@ def test_slowmo_outer_average_in_bf16_sends_half(tiny_corpus, tmp_path):
         "strategy.outer_every": 2,
         "schedule.max_steps": 4,
     }
-    run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "fp32", **common))
+    run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "fp32", **common))
     run_ranks(
-        _train,
+        train_in_process,
         2,
         tiny_config(tiny_corpus, tmp_path / "bf16", **common, **{"comm.compression.outer": "bf16"}),
     )
@@ -170,7 +168,7 @@ def test_slowmo_outer_average_in_bf16_sends_half(tiny_corpus, tmp_path):
     assert [x > 0 for x in a] == [False, True, False, True]
     assert all(2 * y == pytest.approx(x, rel=1e-3) for x, y in zip(a, b, strict=True))
     # the progress since the anchor travels, not the parameters: close to fp32's result
-    la, lb = _losses(tmp_path / "fp32"), _losses(tmp_path / "bf16")
+    la, lb = mlm_losses(tmp_path / "fp32"), mlm_losses(tmp_path / "bf16")
     assert la[:2] == lb[:2] and abs(la[-1] - lb[-1]) < 0.05
 
 
@@ -186,13 +184,13 @@ def test_co2_with_an_int8_outer_average_resumes_exactly(tiny_corpus, tmp_path):
         "schedule.max_steps": 8,
         "comm.compression.outer": "int8",
     }
-    straight = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "a", **common))
+    straight = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "a", **common))
     records = _records(tmp_path / "a")
     sent = [r.get("comm_bytes_parameters", 0) for r in records]
     assert [s > 0 for s in sent] == [False, True] * 4
     cut = tiny_config(tiny_corpus, tmp_path / "b", **common)
-    run_ranks(_train, 2, {**cut, "stop_after": 5})
-    resumed = run_ranks(_train, 2, cut)
+    run_ranks(train_in_process, 2, {**cut, "stop_after": 5})
+    resumed = run_ranks(train_in_process, 2, cut)
     for a, b in zip(straight, resumed, strict=True):
         assert _same_model(a["model"], b["model"])
 
@@ -206,9 +204,9 @@ def test_neighbour_exchange_in_bf16_sends_half(tiny_corpus, tmp_path):
         "strategy.topology": "ring",
         "schedule.max_steps": 3,
     }
-    run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "fp32", **common))
+    run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "fp32", **common))
     run_ranks(
-        _train,
+        train_in_process,
         2,
         tiny_config(
             tiny_corpus, tmp_path / "bf16", **common, **{"comm.compression.neighbour": "bf16"}
@@ -222,31 +220,15 @@ def test_neighbour_exchange_in_bf16_sends_half(tiny_corpus, tmp_path):
 # ----------------------------------------------------------------------------- hierarchy
 
 
-def _train_on_nodes(comm, cfg: dict, ranks_per_node: int) -> dict:
-    """_train with the launch of ``ranks_per_node`` ranks per node (node by node)."""
-    torch.set_num_threads(1)
-    launch = LaunchEnv(
-        comm.rank,
-        comm.world_size,
-        comm.rank % ranks_per_node,
-        "127.0.0.1",
-        0,
-        "test",
-        ranks_per_node,
-    )
-    ctx = DistContext(launch, "gloo", comm.device, comm)
-    return train(from_dict(PretrainConfig, cfg), ctx)
-
-
 @pytest.mark.slow
 def test_hierarchy_sends_a_slice_across_nodes(tiny_corpus, tmp_path):
     """2 nodes x 2 ranks, LAMB: the gradient average is the flat one up to summation
     order; across nodes each rank sends a 2-rank ring all-reduce of half the gradients
     (P bytes x 2 x 1/2 x 1/2 x 4), inside the node a reduce-scatter and an all-gather."""
     common = {"schedule.max_steps": 3, "model.dropout": 0.0}
-    run_ranks(_train, 4, tiny_config(tiny_corpus, tmp_path / "flat", **common))
+    run_ranks(train_in_process, 4, tiny_config(tiny_corpus, tmp_path / "flat", **common))
     run_ranks(
-        _train_on_nodes,
+        train_on_nodes,
         4,
         tiny_config(tiny_corpus, tmp_path / "node", **common, **{"comm.hierarchy": "node"}),
         2,
@@ -272,7 +254,7 @@ def test_hierarchical_onebit_lamb_compresses_between_nodes(tiny_corpus, tmp_path
             "comm.hierarchy": "node",
         },
     )
-    run_ranks(_train_on_nodes, 4, cfg, 2)
+    run_ranks(train_on_nodes, 4, cfg, 2)
     records = _records(tmp_path / "run")
     assert [r["stage"] for r in records] == ["warmup"] * 2 + ["compression"] * 3
     warm, compressed = records[1], records[3]

@@ -9,14 +9,14 @@ import math
 import pytest
 
 from bench import compressed_adam_probe
-from tests.test_pretrain import _write_cfg, tiny_config
+from tests.helpers.runs import tiny_config, write_cfg
 
 
 @pytest.mark.parametrize("optimizer", ["zero_one_adam", "onebit_adam"])
 def test_probe_reports_losses_and_moves(tiny_corpus, tmp_path, capsys, optimizer):
     cfg = tiny_config(tiny_corpus, tmp_path / "run")
     cfg["optimizer"].update(var_freeze_step=4, local_step_scaler=2)
-    path = _write_cfg(cfg, tmp_path / "cfg.yaml")
+    path = write_cfg(cfg, tmp_path / "cfg.yaml")
     args = ["--config", str(path), "--optimizer", optimizer, "--steps", "8", "--every", "4"]
     assert compressed_adam_probe.main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from onebit_bert.distributed import Communicator, ErrorFeedback
 from onebit_bert.distributed.packing import pack_signs, unpack_signs
 from tests.distributed_harness import run_ranks
+from tests.helpers.compression import compressed_calls, rank_inputs, simulate
 
 # ----------------------------------------------------------------------------- packing
 
@@ -46,85 +45,19 @@ def test_pack_rejects_bad_lengths():
 # ----------------------------------------------------------------------------- simulation
 
 
-def simulate(inputs, worker_errors, server_errors, numel, bucket=None):
-    """The spec's two phases for p workers in one process, written out plainly.
-
-    ``inputs``/``worker_errors``: p padded fp32 tensors; ``server_errors``: p tensors of
-    padded/p elements. Updates the errors in place, returns the common output."""
-    p = len(inputs)
-    quantum = 8 * p
-    padded = inputs[0].numel()
-    step = padded if bucket is None or bucket >= padded else bucket // quantum * quantum
-    out = torch.zeros(padded)
-    for a in range(0, padded, step):
-        size = min(step, padded - a)
-        real = max(0, min(size, numel - a))
-        chunk = size // p
-        scales, signs = [], []
-        for i in range(p):
-            x = inputs[i][a : a + size] + worker_errors[i][a : a + size]
-            s = x[:real].norm() / math.sqrt(real) if real else torch.tensor(0.0)
-            sign = torch.where(x >= 0, 1.0, -1.0)
-            err = x - s * sign
-            err[real:] = 0
-            worker_errors[i][a : a + size] = err
-            scales.append(s)
-            signs.append(sign)
-        for j in range(p):
-            acc = torch.zeros(chunk)
-            for i in range(p):
-                acc = acc + scales[i] * signs[i][j * chunk : (j + 1) * chunk]
-            y = acc / p + server_errors[j][a // p : (a + size) // p]
-            real_j = max(0, min(chunk, real - j * chunk))
-            y[real_j:] = 0
-            t = y[:real_j].norm() / math.sqrt(real_j) if real_j else torch.tensor(0.0)
-            sign = torch.where(y >= 0, 1.0, -1.0)
-            err = y - t * sign
-            err[real_j:] = 0
-            server_errors[j][a // p : (a + size) // p] = err
-            out[a + j * chunk : a + (j + 1) * chunk] = t * sign
-        out[a + real : a + size] = 0
-    return out
-
-
-def _rank_inputs(rank, call, numel, padded):
-    g = torch.Generator().manual_seed(1000 * call + rank)
-    x = torch.zeros(padded)
-    x[:numel] = torch.randn(numel, generator=g) * (1 + rank)
-    return x
-
-
-def _compressed_calls(comm, numel, calls, bucket):
-    """``calls`` compressed all-reduces on ``comm.device``; results on the CPU."""
-    feedback = ErrorFeedback(
-        numel, comm.world_size, rank=comm.rank, device=comm.device, bucket_numel=bucket
-    )
-    outs = []
-    for call in range(calls):
-        x = _rank_inputs(comm.rank, call, numel, feedback.padded_numel).to(comm.device)
-        comm.compressed_all_reduce(x, feedback)
-        outs.append(x.cpu().clone())
-    return {
-        "outs": outs,
-        "worker_error": feedback.worker_error.cpu().clone(),
-        "server_error": feedback.server_error.cpu().clone(),
-        "bytes": comm.stats.bytes_sent,
-    }
-
-
 @pytest.mark.parametrize(
     "world_size,numel,bucket",
     [(1, 13, None), (2, 13, None), (2, 1001, 64), (4, 1, None), (4, 997, None), (4, 5000, 640)],
 )
 def test_compressed_allreduce_matches_simulation(world_size, numel, bucket):
     calls = 5
-    results = run_ranks(_compressed_calls, world_size, numel, calls, bucket)
+    results = run_ranks(compressed_calls, world_size, numel, calls, bucket)
     padded = results[0]["outs"][0].numel()
     assert padded % (8 * world_size) == 0 and padded - numel < 8 * world_size
     worker_errors = [torch.zeros(padded) for _ in range(world_size)]
     server_errors = [torch.zeros(padded // world_size) for _ in range(world_size)]
     for call in range(calls):
-        inputs = [_rank_inputs(r, call, numel, padded) for r in range(world_size)]
+        inputs = [rank_inputs(r, call, numel, padded) for r in range(world_size)]
         expected = simulate(inputs, worker_errors, server_errors, numel, bucket)
         for r, res in enumerate(results):
             got = res["outs"][call]
@@ -139,8 +72,8 @@ def test_compressed_allreduce_matches_simulation(world_size, numel, bucket):
 
 def test_bucketing_gives_each_bucket_its_own_scales():
     # One bucket: one server scale per chunk (2 on 2 ranks). Five buckets: ten.
-    one = run_ranks(_compressed_calls, 2, 4000, 1, None)[0]["outs"][0]
-    many = run_ranks(_compressed_calls, 2, 4000, 1, 800)[0]["outs"][0]
+    one = run_ranks(compressed_calls, 2, 4000, 1, None)[0]["outs"][0]
+    many = run_ranks(compressed_calls, 2, 4000, 1, 800)[0]["outs"][0]
     assert len(torch.unique(one[:4000].abs())) <= 2  # one scale per server chunk
     assert len(torch.unique(many[:4000].abs())) > 2
 

@@ -38,7 +38,7 @@ LR = 0.05
 STEPS = 6
 WORLD = 4
 ATOL = 2e-5
-# The pretraining helpers (tests.test_pretrain, pretrain.train) load transformers: they are
+# The pretraining helpers (tests.helpers.runs, pretrain.train) load transformers: they are
 # imported inside the pretraining test, so that the spawned ranks start quickly.
 
 
@@ -460,7 +460,7 @@ def test_sgd_with_data_parallel_is_a_valid_config():
 
 
 def _pretrain_cfg(corpus, run_dir) -> dict:
-    from tests.test_pretrain import tiny_config
+    from tests.helpers.runs import tiny_config
 
     return tiny_config(
         corpus,
@@ -479,15 +479,15 @@ def _pretrain_cfg(corpus, run_dir) -> dict:
 
 
 def _run_killed_after(cfg_path, step_dir) -> None:
-    from tests.test_pretrain import _kill_all, _torchrun
+    from tests.helpers.runs import kill_all, torchrun
 
-    proc = _torchrun(cfg_path)
+    proc = torchrun(cfg_path)
     deadline = time.time() + 240
     try:
         while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
     finally:
-        _kill_all(proc)
+        kill_all(proc)
     assert step_dir.is_dir(), "the run never reached the checkpoint"
 
 
@@ -499,29 +499,29 @@ def test_killed_dmsgd_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path):
     uninterrupted run. Also: bytes per step, the exported average, and a resume on one
     rank refused. (Ranks that drift apart: the 4-rank round trip above.)"""
     from pretrain.train import train
-    from tests.test_local_steps import _checkpoint, _equal
-    from tests.test_pretrain import _torchrun, _write_cfg
+    from tests.helpers.checkpoints import assert_equal, load_checkpoint
+    from tests.helpers.runs import torchrun, write_cfg
 
-    proc = _torchrun(_write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
+    proc = torchrun(write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
-    path_b = _write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
+    path_b = write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
     _run_killed_after(path_b, tmp_path / "b" / "checkpoints" / "step_00000008")
     assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
-    proc = _torchrun(path_b)
+    proc = torchrun(path_b)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
     for step in (8, 12):
         (shared_a, ranks_a), (shared_b, ranks_b) = (
-            _checkpoint(tmp_path / "a", step),
-            _checkpoint(tmp_path / "b", step),
+            load_checkpoint(tmp_path / "a", step),
+            load_checkpoint(tmp_path / "b", step),
         )
-        _equal(shared_a["model"], shared_b["model"], "model")
-        _equal(shared_a["decentralized"], shared_b["decentralized"], "decentralized")
+        assert_equal(shared_a["model"], shared_b["model"], "model")
+        assert_equal(shared_a["decentralized"], shared_b["decentralized"], "decentralized")
         for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            _equal(ra["params"], rb["params"], "params")
-            _equal(ra["momentum"], rb["momentum"], "momentum")
+            assert_equal(ra["params"], rb["params"], "params")
+            assert_equal(ra["momentum"], rb["momentum"], "momentum")
     logs_a, logs_b = (
         {(r["step"], "loss" in r): r for r in read_metrics(tmp_path / run / "metrics.jsonl")}
         for run in "ab"
@@ -531,7 +531,7 @@ def test_killed_dmsgd_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path):
         for key in ("loss", "val_mlm_loss", "consensus_distance", "trust_ratio_mean"):
             assert record.get(key) == logs_b[at].get(key), (at, key)
 
-    shared, ranks = _checkpoint(tmp_path / "a", 12)
+    shared, ranks = load_checkpoint(tmp_path / "a", 12)
     assert shared["decentralized"]["steps"] == 12
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert not torch.equal(ranks[0]["momentum"], ranks[1]["momentum"])

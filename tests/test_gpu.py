@@ -24,11 +24,10 @@ from onebit_bert.metrics_log import read_metrics
 from pretrain.config import ModelConfig
 from pretrain.model import PretrainingLoss, build_model
 from tests.distributed_harness import run_ranks
-from tests.test_compressed_allreduce import _compressed_calls
-from tests.test_host_syncs import OURS, optimizer_step_syncs, training_step_syncs
-from tests.test_onebit_lamb import _run_real
-from tests.test_pretrain import _losses, _train, tiny_config
-from tests.test_training_support import _overflow_on_rank_one
+from tests.helpers.compression import compressed_calls, run_onebit_lamb
+from tests.helpers.loss_scaling import overflow_on_rank_one
+from tests.helpers.runs import mlm_losses, tiny_config, train_in_process
+from tests.helpers.syncs import OURS, optimizer_step_syncs, training_step_syncs
 
 pytestmark = [
     pytest.mark.cuda,
@@ -80,8 +79,8 @@ def test_sign_packing_is_bit_identical_to_the_cpu(numel):
 def test_compressed_allreduce_on_cuda_matches_the_cpu(world_size, numel, bucket):
     # At world size 1 the communicator still compresses (the path forced compression takes).
     calls = 5
-    on_cpu = run_ranks(_compressed_calls, world_size, numel, calls, bucket)
-    on_gpu = run_ranks(_compressed_calls, world_size, numel, calls, bucket, device=GPU)
+    on_cpu = run_ranks(compressed_calls, world_size, numel, calls, bucket)
+    on_gpu = run_ranks(compressed_calls, world_size, numel, calls, bucket, device=GPU)
     for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
         assert gpu["bytes"] == cpu["bytes"]
         for got, want in zip(gpu["outs"], cpu["outs"], strict=True):
@@ -99,8 +98,8 @@ def test_onebit_lamb_steps_on_cuda_match_the_cpu(world_size):
     # 3 warmup steps, then 5 compressed ones (compressing at world size 1 too), with a
     # momentum mask on one layer.
     steps, mask = 8, 2
-    on_cpu = run_ranks(_run_real, world_size, steps, mask, None)
-    on_gpu = run_ranks(_run_real, world_size, steps, mask, None, device=GPU)
+    on_cpu = run_ranks(run_onebit_lamb, world_size, steps, mask, None)
+    on_gpu = run_ranks(run_onebit_lamb, world_size, steps, mask, None, device=GPU)
     for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
         assert gpu["stages"] == cpu["stages"] == ["warmup"] * 3 + ["compression"] * 5
         assert gpu["bytes"] == cpu["bytes"]
@@ -117,19 +116,19 @@ def test_onebit_lamb_steps_on_cuda_match_the_cpu(world_size):
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
-    on_cpu = run_ranks(_overflow_on_rank_one, 2)
-    on_gpu = run_ranks(_overflow_on_rank_one, 2, device=GPU)
+    on_cpu = run_ranks(overflow_on_rank_one, 2)
+    on_gpu = run_ranks(overflow_on_rank_one, 2, device=GPU)
     assert on_gpu == on_cpu == [(False, 512.0, 1), (False, 512.0, 1)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_training_steps_track_fp32_on_the_cpu(tiny_corpus, tmp_path, precision):
     common = {"model.dropout": 0.0, "schedule.max_steps": 6}
-    run_ranks(_train, 1, tiny_config(tiny_corpus, tmp_path / "cpu", **common))
+    run_ranks(train_in_process, 1, tiny_config(tiny_corpus, tmp_path / "cpu", **common))
     half = tiny_config(tiny_corpus, tmp_path / precision, precision=precision, **common)
-    summary = run_ranks(_train, 1, half, device=GPU)[0]["summary"]
+    summary = run_ranks(train_in_process, 1, half, device=GPU)[0]["summary"]
     assert summary["state"] == "complete" and summary["precision"] == precision
-    fp32, low = _losses(tmp_path / "cpu"), _losses(tmp_path / precision)
+    fp32, low = mlm_losses(tmp_path / "cpu"), mlm_losses(tmp_path / precision)
     assert len(low) == 6 and np.all(np.isfinite(low))
     # The first step sees the same weights and batch: only the arithmetic differs.
     assert abs(low[0] - fp32[0]) < 0.05 * fp32[0], (low[0], fp32[0])
@@ -164,11 +163,15 @@ def test_short_pretraining_with_ddp_and_accumulation_matches_the_cpu(
         "strategy.grad_sync": "ddp",
         "precision": "fp32",
     }
-    on_cpu = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "cpu", **common))
-    on_gpu = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "gpu", **common), device=GPU)
+    on_cpu = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "cpu", **common))
+    on_gpu = run_ranks(
+        train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "gpu", **common), device=GPU
+    )
     summary = on_gpu[0]["summary"]
     assert summary["state"] == "complete" and summary["accumulation"] == 2
-    np.testing.assert_allclose(_losses(tmp_path / "gpu"), _losses(tmp_path / "cpu"), rtol=1e-4)
+    np.testing.assert_allclose(
+        mlm_losses(tmp_path / "gpu"), mlm_losses(tmp_path / "cpu"), rtol=1e-4
+    )
     for name, tensor in on_gpu[0]["model"].items():
         assert torch.equal(tensor, on_gpu[1]["model"][name]), f"replicas diverged: {name}"
     if optimizer != "onebit_lamb":
@@ -191,25 +194,31 @@ def test_checkpoint_saved_on_cuda_resumes_on_cuda_and_on_the_cpu(tiny_corpus, tm
         "strategy.force_compression": True,  # 1-bit LAMB compresses at world size 1
         "precision": "fp32",
     }
-    straight = run_ranks(_train, 1, tiny_config(tiny_corpus, tmp_path / "cpu", **common))[0]
+    straight = run_ranks(
+        train_in_process,
+        1,
+        tiny_config(tiny_corpus, tmp_path / "cpu", **common),
+    )[0]
     # Steps 1-4 on the GPU, a checkpoint at step 4 (in 1-bit LAMB's compression stage).
     first = tiny_config(tiny_corpus, tmp_path / "gpu", stop_after=4, **common)
-    assert run_ranks(_train, 1, first, device=GPU)[0]["summary"]["state"] == "stopped"
+    assert run_ranks(train_in_process, 1, first, device=GPU)[0]["summary"]["state"] == "stopped"
     shutil.copytree(tmp_path / "gpu", tmp_path / "gpu_then_cpu")
     rest = {
         "gpu": run_ranks(
-            _train, 1, tiny_config(tiny_corpus, tmp_path / "gpu", **common), device=GPU
+            train_in_process, 1, tiny_config(tiny_corpus, tmp_path / "gpu", **common), device=GPU
         ),
         "gpu_then_cpu": run_ranks(
-            _train, 1, tiny_config(tiny_corpus, tmp_path / "gpu_then_cpu", **common)
+            train_in_process, 1, tiny_config(tiny_corpus, tmp_path / "gpu_then_cpu", **common)
         ),
     }
-    want_losses = _losses(tmp_path / "cpu")
+    want_losses = mlm_losses(tmp_path / "cpu")
     for name, (result,) in rest.items():
         assert result["summary"]["state"] == "complete" and result["summary"]["step"] == 8
         records = read_metrics(tmp_path / name / "metrics.jsonl")
         assert [r["step"] for r in records if "loss" in r] == list(range(1, 9)), name
-        np.testing.assert_allclose(_losses(tmp_path / name), want_losses, rtol=1e-4, err_msg=name)
+        np.testing.assert_allclose(
+            mlm_losses(tmp_path / name), want_losses, rtol=1e-4, err_msg=name
+        )
         if optimizer != "onebit_lamb":  # see the DDP test for why 1-bit LAMB stops there
             assert_states_close(result["model"], straight["model"], rtol=1e-4, atol=1e-5)
         else:

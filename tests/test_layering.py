@@ -3,6 +3,9 @@ core, and nothing below the orchestrator and the benchmarks imports them.
 
     onebit_bert  <  data_prep, pretrain, finetune, smoke_data  <  pipeline, bench
 
+In tests/, no file imports a test module (``tests.test_*``): what several test modules
+share lives in tests/helpers/.
+
 Every import of every module counts, including the ones inside functions.
 """
 
@@ -121,3 +124,68 @@ def test_no_import_cycle_between_modules():
 def test_the_cycle_check_sees_a_cycle():
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def imported_test_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` of a test module (``tests.test_*``), at
+    any depth in the file: ``import tests.test_x``, ``from tests.test_x import f``,
+    ``from tests import test_x`` and their relative forms, resolved from the package that
+    ``path`` is in below ``root``."""
+    package = path.relative_to(root).parent.parts
+
+    def is_test_module(parts: list[str]) -> bool:
+        return len(parts) >= 2 and parts[0] == "tests" and parts[1].startswith("test_")
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            module = base + (node.module.split(".") if node.module else [])
+            if is_test_module(module):
+                modules = [module]
+            else:  # from tests import test_x
+                modules = [[*module, alias.name] for alias in node.names]
+        else:
+            continue
+        found += [(node.lineno, ".".join(m[:2])) for m in modules if is_test_module(m)]
+    return found
+
+
+def imports_of_test_modules() -> list[str]:
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for line, imported in imported_test_modules(path):
+            bad.append(f"{path.relative_to(REPO)}:{line} imports {imported}")
+    return bad
+
+
+def test_no_file_in_tests_imports_a_test_module():
+    assert imports_of_test_modules() == []
+
+
+def test_the_test_import_check_sees_a_violation(tmp_path):
+    helpers = tmp_path / "tests" / "helpers"
+    helpers.mkdir(parents=True)
+    module = helpers / "m.py"
+    module.write_text(
+        "import os\n"
+        "import tests.test_a\n"
+        "from tests.test_b import f\n"
+        "from tests import corpus, test_c\n"
+        "from tests.helpers.runs import tiny_config\n"
+        "def g():\n"
+        "    from ..test_d import h\n"
+        "    from .. import test_e\n"
+    )
+    assert imported_test_modules(module, root=tmp_path) == [
+        (2, "tests.test_a"),
+        (3, "tests.test_b"),
+        (4, "tests.test_c"),
+        (7, "tests.test_d"),
+        (8, "tests.test_e"),
+    ]
+    beside = tmp_path / "tests" / "test_m.py"
+    beside.write_text("from .test_pretrain import tiny_config\nfrom .toy import build_model\n")
+    assert imported_test_modules(beside, root=tmp_path) == [(1, "tests.test_pretrain")]

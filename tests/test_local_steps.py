@@ -5,7 +5,6 @@ with an average in flight."""
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
@@ -18,12 +17,15 @@ from onebit_bert.strategies import LocalSteps, StrategyConfig
 from onebit_bert.strategies.local_steps import default_outer_momentum
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.test_pretrain import (
-    _context,
-    _kill_all,
-    _torchrun,
-    _write_cfg,
+from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.runs import (
+    dist_context,
+    kill_all,
     tiny_config,
+    torchrun,
+    train_in_process,
+    train_on_nodes,
+    write_cfg,
 )
 from tests.toy import ToyConfig, _batch, _teacher, build_model
 
@@ -45,7 +47,7 @@ def _local_run(comm, name: str, cfg: StrategyConfig, steps: int, inner: str = "s
         opt = torch.optim.SGD(model.parameters(), lr=LR)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    strategy = LocalSteps(model, model, opt, _context(comm), cfg, name)
+    strategy = LocalSteps(model, model, opt, dist_context(comm), cfg, name)
     out = {"anchor": [], "momentum": [], "params": [], "inner": [], "metrics": None}
     for step in range(steps):
         _loss(model, comm.rank, step).backward()
@@ -295,67 +297,42 @@ def _pretrain_cfg(corpus, run_dir, **extra) -> dict:
     return cfg
 
 
-def _checkpoint(run_dir, step: int) -> tuple[dict, list[dict]]:
-    folder = run_dir / "checkpoints" / f"step_{step:08d}"
-    ranks = sorted(folder.glob("rank*.pt"))
-    return torch.load(folder / "shared.pt", weights_only=False), [
-        torch.load(r, weights_only=False) for r in ranks
-    ]
-
-
-def _equal(a, b, path="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            _equal(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _equal(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), path
-    else:
-        assert a == b, path
-
-
 def test_killed_co2_run_resumes_mid_round_with_an_average_in_flight(tiny_corpus, tmp_path):
     """Rounds end at steps 3, 6, 9, 12; the checkpoint at step 8 is taken mid-round while
     round 2's average (started at step 6) is in flight. Kill -9 after it, resume: the same
     weights, anchors, momentum, per-rank state and losses as the uninterrupted run."""
     cfg_a = _pretrain_cfg(tiny_corpus, tmp_path / "a")
-    proc = _torchrun(_write_cfg(cfg_a, tmp_path / "a.yaml"))
+    proc = torchrun(write_cfg(cfg_a, tmp_path / "a.yaml"))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
     cfg_b = _pretrain_cfg(tiny_corpus, tmp_path / "b")
-    path_b = _write_cfg(cfg_b, tmp_path / "b.yaml")
-    proc = _torchrun(path_b)
+    path_b = write_cfg(cfg_b, tmp_path / "b.yaml")
+    proc = torchrun(path_b)
     step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"
     deadline = time.time() + 240
     try:
         while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
     finally:
-        _kill_all(proc)
+        kill_all(proc)
     assert step_dir.is_dir(), "the run never reached step 8"
     assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
-    proc = _torchrun(path_b)
+    proc = torchrun(path_b)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
     for step in (8, 12):
         (shared_a, ranks_a), (shared_b, ranks_b) = (
-            _checkpoint(tmp_path / "a", step),
-            _checkpoint(tmp_path / "b", step),
+            load_checkpoint(tmp_path / "a", step),
+            load_checkpoint(tmp_path / "b", step),
         )
-        _equal(shared_a["model"], shared_b["model"], "model")
-        _equal(shared_a["local_steps"], shared_b["local_steps"], "local_steps")
+        assert_equal(shared_a["model"], shared_b["model"], "model")
+        assert_equal(shared_a["local_steps"], shared_b["local_steps"], "local_steps")
         for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            _equal(ra["params"], rb["params"], "params")
-            _equal(ra["optimizer"], rb["optimizer"], "optimizer")
-    shared, ranks = _checkpoint(tmp_path / "a", 8)
+            assert_equal(ra["params"], rb["params"], "params")
+            assert_equal(ra["optimizer"], rb["optimizer"], "optimizer")
+    shared, ranks = load_checkpoint(tmp_path / "a", 8)
     assert not torch.equal(ranks[0]["params"], ranks[1]["params"])  # mid-round: local
     assert shared["local_steps"]["rounds"] == 2
 
@@ -370,9 +347,7 @@ def test_killed_co2_run_resumes_mid_round_with_an_average_in_flight(tiny_corpus,
 
 
 def _train_and_average(comm, cfg: dict) -> dict:
-    from tests.test_pretrain import _train
-
-    return _train(comm, cfg)["summary"]
+    return train_in_process(comm, cfg)["summary"]
 
 
 def test_co2_pretraining_counts_parameter_bytes_and_exports_the_average(tiny_corpus, tmp_path):
@@ -383,7 +358,7 @@ def test_co2_pretraining_counts_parameter_bytes_and_exports_the_average(tiny_cor
     )
     run_ranks(_train_and_average, 2, cfg)
     records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
-    shared, _ranks = _checkpoint(tmp_path / "run", 8)
+    shared, _ranks = load_checkpoint(tmp_path / "run", 8)
     average = shared["local_steps"]["average"]
     # two rounds, one average each (2 ranks: a ring sends the whole buffer once)
     per_step = [r.get("comm_bytes_parameters", 0) for r in records]
@@ -407,22 +382,20 @@ def test_nodes_as_workers_equal_one_rank_per_node(tiny_corpus, tmp_path):
     """comm.hierarchy node: 2 nodes x 2 ranks average gradients inside each node and step
     identical copies, so the run is CO2 over 2 workers: the trajectory of 2 ranks that each
     take the node's two micro-batches (up to summation order)."""
-    from tests.test_comm_policy import _train_on_nodes
-
     common = {"schedule.max_steps": 5, "data.validation_every": 0, "model.dropout": 0.0,
               "checkpoint.every": 5}  # fmt: skip
     two = _pretrain_cfg(tiny_corpus, tmp_path / "two", **common)
     run_ranks(_train_and_average, 2, two)
     nodes = _pretrain_cfg(tiny_corpus, tmp_path / "nodes", **common, **{"comm.hierarchy": "node"})
-    run_ranks(_train_on_nodes, 4, nodes, 2)
+    run_ranks(train_on_nodes, 4, nodes, 2)
     flat, node = ([r for r in read_metrics(tmp_path / d / "metrics.jsonl") if "loss" in r]
                   for d in ("two", "nodes"))  # fmt: skip
     assert [r["grad_sync"] for r in node] == ["node"] * 5
     for a, b in zip(flat, node, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["comm_bytes_intra_node"] > 0 and "comm_bytes_intra_node" not in a
-    shared_two, _ = _checkpoint(tmp_path / "two", 5)
-    shared_nodes, per_rank = _checkpoint(tmp_path / "nodes", 5)
+    shared_two, _ = load_checkpoint(tmp_path / "two", 5)
+    shared_nodes, per_rank = load_checkpoint(tmp_path / "nodes", 5)
     for key in ("anchor", "momentum", "average"):
         torch.testing.assert_close(
             shared_nodes["local_steps"][key], shared_two["local_steps"][key], rtol=1e-4, atol=1e-6
@@ -430,8 +403,8 @@ def test_nodes_as_workers_equal_one_rank_per_node(tiny_corpus, tmp_path):
     # node-mates hold the same model and inner state (their random streams differ); the
     # two nodes do not
     for a, b in ((0, 1), (2, 3)):
-        _equal(per_rank[a]["params"], per_rank[b]["params"])
-        _equal(per_rank[a]["optimizer"], per_rank[b]["optimizer"])
+        assert_equal(per_rank[a]["params"], per_rank[b]["params"])
+        assert_equal(per_rank[a]["optimizer"], per_rank[b]["optimizer"])
     assert not torch.equal(per_rank[0]["params"], per_rank[2]["params"])
 
 
@@ -439,7 +412,7 @@ def _eval_mid_round(comm) -> dict:
     torch.set_num_threads(1)
     model = build_model(TOY)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    strategy = LocalSteps(model, model, opt, _context(comm), _cfg(outer_every=4), "co2")
+    strategy = LocalSteps(model, model, opt, dist_context(comm), _cfg(outer_every=4), "co2")
     for step in range(6):  # a round's end at 4, then two local steps
         _loss(model, comm.rank, step).backward()
         strategy.step()

@@ -7,7 +7,6 @@ that resumes bit for bit."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -18,21 +17,21 @@ from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim import OneBitAdam
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.test_compressed_allreduce import simulate
-from tests.test_local_steps import _checkpoint, _equal
-from tests.test_onebit_lamb import (
+from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.compression import (
     FLAT_ORDER,
-    _groups,
-    _init_params,
-    _local_grads,
-    _mean_grads,
     embedding_steps,
+    init_params,
+    local_grads,
+    mean_grads,
+    param_groups,
+    row_mask,
+    simulate,
 )
-from tests.test_onebit_lamb import _mask as _row_mask
-from tests.test_pretrain import _kill_all, _torchrun, _write_cfg, tiny_config
+from tests.helpers.runs import run_killing_after_checkpoints, tiny_config, torchrun, write_cfg
 
 HP = dict(lr=0.05, freeze_step=3, weight_decay=0.0)
-DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as _groups sets it
+DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as param_groups sets it
 MASKED = 2  # the layer whose row 1 is masked
 
 
@@ -43,7 +42,7 @@ class AdamSimulation:
     def __init__(self, world_size, lr, freeze_step, compress, bucket=None, b1=0.9, b2=0.999):
         self.p, self.lr, self.freeze, self.compress = world_size, lr, freeze_step, compress
         self.b1, self.b2, self.eps, self.bucket, self.t = b1, b2, 1e-8, bucket, 0
-        self.w = [t.clone() for t in _init_params()]
+        self.w = [t.clone() for t in init_params()]
         self.m = [torch.zeros_like(t) for t in self.w]
         self.v = [torch.zeros_like(t) for t in self.w]
         self.numel = sum(t.numel() for t in self.w)
@@ -59,13 +58,13 @@ class AdamSimulation:
     def step(self):
         self.t += 1
         if self.t <= self.freeze:
-            for i, g in enumerate(_mean_grads(self.p, self.t)):
+            for i, g in enumerate(mean_grads(self.p, self.t)):
                 self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
                 self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
                 self._update(i)
             return
         if not self.compress:
-            for i, g in enumerate(_local_grads(0, self.t)):
+            for i, g in enumerate(local_grads(0, self.t)):
                 self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
                 self._update(i)
             return
@@ -76,7 +75,7 @@ class AdamSimulation:
         for rank in range(self.p):
             local = [
                 (self.b1 * m + (1 - self.b1) * g) * s
-                for m, g, s in zip(self.m, _local_grads(rank, self.t), self.scale, strict=True)
+                for m, g, s in zip(self.m, local_grads(rank, self.t), self.scale, strict=True)
             ]
             flat = torch.zeros(self.padded)
             flat[: self.numel] = torch.cat([local[i].reshape(-1) for i in FLAT_ORDER])
@@ -88,18 +87,20 @@ class AdamSimulation:
             self.m[i] = out[offset : offset + n].view_as(self.w[i]) / self.scale[i]
             offset += n
             if i == MASKED:
-                self.m[i] = self.m[i] * _row_mask()
+                self.m[i] = self.m[i] * row_mask()
             self._update(i)
 
 
 def _run_real(comm, steps, bucket, force):
-    params = [torch.nn.Parameter(t) for t in _init_params()]
-    opt = OneBitAdam(_groups(params), comm=comm, bucket_numel=bucket, force_compression=force, **HP)
-    opt.set_momentum_mask(params[MASKED], _row_mask())
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = OneBitAdam(
+        param_groups(params), comm=comm, bucket_numel=bucket, force_compression=force, **HP
+    )
+    opt.set_momentum_mask(params[MASKED], row_mask())
     stages, byte_counts, params_by_step = [], [], []
     for step in range(1, steps + 1):
         local = opt.syncs_internally
-        grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+        grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         opt.step()
@@ -137,13 +138,13 @@ def test_matches_the_simulation_and_replicas_agree_every_step(world_size, bucket
 
 def test_world_of_one_is_adam_without_bias_correction_with_v_frozen():
     steps, freeze = 9, 4
-    params = [torch.nn.Parameter(t) for t in _init_params()]
-    opt = OneBitAdam(_groups(params), lr=0.05, freeze_step=freeze, comm=Communicator(None))
-    w = [t.clone() for t in _init_params()]
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = OneBitAdam(param_groups(params), lr=0.05, freeze_step=freeze, comm=Communicator(None))
+    w = [t.clone() for t in init_params()]
     m = [torch.zeros_like(t) for t in w]
     v = [torch.zeros_like(t) for t in w]
     for step in range(1, steps + 1):
-        grads = _local_grads(0, step)
+        grads = local_grads(0, step)
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         opt.step()
@@ -168,15 +169,15 @@ def _resume_run(comm, steps, save_points):
     import io
 
     def make():
-        params = [torch.nn.Parameter(t) for t in _init_params()]
-        opt = OneBitAdam(_groups(params), comm=comm, lr=0.05, freeze_step=3, bucket_numel=64)
-        opt.set_momentum_mask(params[MASKED], _row_mask())
+        params = [torch.nn.Parameter(t) for t in init_params()]
+        opt = OneBitAdam(param_groups(params), comm=comm, lr=0.05, freeze_step=3, bucket_numel=64)
+        opt.set_momentum_mask(params[MASKED], row_mask())
         return params, opt
 
     def run(params, opt, start, stop, saves):
         for step in range(start + 1, stop + 1):
             local = opt.syncs_internally
-            grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+            grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             opt.step()
@@ -344,30 +345,9 @@ def _adam_config(corpus, run_dir):
     return cfg
 
 
-def run_killing_after_checkpoints(cfg_path, run_dir, steps, max_steps):
-    """Launch the run; SIGKILL every process as soon as the checkpoint of ``steps[0]``
-    exists, launch again (it resumes) and kill after ``steps[1]``, ...; then let the last
-    launch finish."""
-    for step in steps:
-        proc = _torchrun(cfg_path)
-        step_dir = run_dir / "checkpoints" / f"step_{step:08d}"
-        deadline = time.time() + 240
-        try:
-            while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
-                time.sleep(0.05)
-        finally:
-            _kill_all(proc)  # no chance to save anything more
-        assert step_dir.is_dir(), f"the run never reached step {step}"
-        logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
-        assert max(logged) < max_steps, "the run was not cut short"
-    proc = _torchrun(cfg_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-
-
 def test_killed_onebit_adam_run_resumes_bit_for_bit(tiny_corpus, tmp_path):
-    straight = _write_cfg(_adam_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
-    proc = _torchrun(straight)
+    straight = write_cfg(_adam_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
+    proc = torchrun(straight)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
@@ -385,18 +365,18 @@ def test_killed_onebit_adam_run_resumes_bit_for_bit(tiny_corpus, tmp_path):
     assert 0 < compressed["comm_bytes_momentum"] < warm["comm_bytes_gradients"] / 10
 
     # killed in the warmup (after checkpoint 4), then in the compression stage (after 8)
-    killed = _write_cfg(_adam_config(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
+    killed = write_cfg(_adam_config(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
     run_killing_after_checkpoints(killed, tmp_path / "b", (4, 8), 12)
 
     for step in (4, 8, 12):
         (shared_a, ranks_a), (shared_b, ranks_b) = (
-            _checkpoint(tmp_path / "a", step),
-            _checkpoint(tmp_path / "b", step),
+            load_checkpoint(tmp_path / "a", step),
+            load_checkpoint(tmp_path / "b", step),
         )
-        _equal(shared_a["model"], shared_b["model"], "model")
-        _equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
+        assert_equal(shared_a["model"], shared_b["model"], "model")
+        assert_equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
         for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            _equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
+            assert_equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
     by_step = {r["step"]: r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r}
     for record in records:
         assert by_step[record["step"]]["loss"] == record["loss"], record["step"]

@@ -13,47 +13,19 @@ import torch
 from onebit_bert.distributed import Communicator
 from onebit_bert.optim import Lamb, OneBitLamb
 from tests.distributed_harness import run_ranks
-from tests.test_compressed_allreduce import simulate
+from tests.helpers.compression import (
+    FLAT_ORDER,
+    embedding_steps,
+    init_params,
+    local_grads,
+    mean_grads,
+    param_groups,
+    row_mask,
+    run_onebit_lamb,
+    simulate,
+)
+from tests.helpers.compression import ONEBIT_LAMB_HP as HP
 from tests.toy import ToyConfig, train_toy
-
-SHAPES = [(6, 5), (5,), (3, 7), (1,)]
-
-
-def _init_params():
-    g = torch.Generator().manual_seed(42)
-    return [torch.randn(s, generator=g) for s in SHAPES]
-
-
-def _local_grads(rank, step):
-    g = torch.Generator().manual_seed(97 * step + rank)
-    # Per-rank offsets make the ranks disagree, as data-parallel shards do.
-    return [torch.randn(s, generator=g) * (1 + 0.5 * rank) + 0.1 * rank for s in SHAPES]
-
-
-def _mean_grads(world_size, step):
-    per_rank = [_local_grads(r, step) for r in range(world_size)]
-    total = [sum(gs[i] for gs in per_rank) for i in range(len(SHAPES))]
-    return [t / world_size for t in total]
-
-
-def _mask():
-    m = torch.ones(3, 7)
-    m[1] = 0.0
-    return m
-
-
-HP = dict(lr=0.05, freeze_step=3, max_coeff=0.3, min_coeff=0.01)
-# The optimizer lays momenta out group by group: layers 0 and 2, then 1 and 3.
-FLAT_ORDER = [0, 2, 1, 3]
-
-
-def _groups(params):
-    # BERT-style groups: weight decay on matrices only.
-    return [
-        {"params": [params[0], params[2]], "weight_decay": 0.01},
-        {"params": [params[1], params[3]], "weight_decay": 0.0},
-    ]
-
 
 # ----------------------------------------------------------------------------- simulation
 
@@ -90,7 +62,7 @@ class Simulation:
         )
         self.fmax, self.fmin, self.fthr = fmax, fmin, fthr
         self.wd = groups_wd  # per layer
-        self.w = [t.clone() for t in _init_params()]
+        self.w = [t.clone() for t in init_params()]
         self.m = [torch.zeros_like(t) for t in self.w]
         self.v = [torch.zeros_like(t) for t in self.w]
         self.c = [0.0] * len(self.w)
@@ -105,7 +77,7 @@ class Simulation:
     def step(self):
         self.t += 1
         if self.t <= self.freeze:
-            for i, g in enumerate(_mean_grads(self.p, self.t)):
+            for i, g in enumerate(mean_grads(self.p, self.t)):
                 self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
                 self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g * g
                 u = self.m[i] / (self.v[i].sqrt() + self.eps) + self.wd[i] * self.w[i]
@@ -126,7 +98,7 @@ class Simulation:
         for rank in range(self.p):
             local = [
                 (self.b1 * m + (1 - self.b1) * g) * s
-                for m, g, s in zip(self.m, _local_grads(rank, self.t), self.scale, strict=True)
+                for m, g, s in zip(self.m, local_grads(rank, self.t), self.scale, strict=True)
             ]
             flat = torch.zeros(self.padded)
             flat[: self.numel] = torch.cat([local[i].reshape(-1) for i in FLAT_ORDER])
@@ -138,7 +110,7 @@ class Simulation:
             m = out[offset : offset + w.numel()].view_as(w) / self.scale[i]
             offset += w.numel()
             if i == self.mask_index:
-                m = m * _mask()
+                m = m * row_mask()
             self.m[i] = m
             gt = (m - self.b1 * prev[i]) / (1 - self.b1)
             self.vf[i] = self.b2 * self.vf[i] + (1 - self.b2) * gt * gt
@@ -154,37 +126,10 @@ class Simulation:
             self.w[i] = w - self.lr * self.c[i] * f * u
 
 
-def _run_real(comm, steps, mask_index, bucket):
-    """1-bit LAMB on ``comm.device`` (the same inputs on every device); results on the CPU."""
-    params = [torch.nn.Parameter(t.to(comm.device)) for t in _init_params()]
-    opt = OneBitLamb(_groups(params), comm=comm, bucket_numel=bucket, **HP)
-    if mask_index is not None:
-        opt.set_momentum_mask(params[mask_index], _mask())
-    stages, byte_counts = [], []
-    for step in range(1, steps + 1):
-        grads = (
-            _local_grads(comm.rank, step)
-            if opt.syncs_internally
-            else _mean_grads(comm.world_size, step)
-        )
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g.to(comm.device)
-        opt.step()
-        stages.append(opt.stage)
-        byte_counts.append(opt.last_step_bytes)
-    return {
-        "params": [p.detach().cpu() for p in params],
-        "stages": stages,
-        "bytes": byte_counts,
-        "factors": opt.last_factors.cpu(),
-        "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
-    }
-
-
 @pytest.mark.parametrize("world_size,bucket,mask", [(1, None, None), (2, None, 2), (4, 64, 2)])
 def test_compression_stage_matches_simulation(world_size, bucket, mask):
     steps = 8
-    results = run_ranks(_run_real, world_size, steps, mask, bucket)
+    results = run_ranks(run_onebit_lamb, world_size, steps, mask, bucket)
     sim = Simulation(
         world_size,
         [0.01, 0.0, 0.01, 0.0],
@@ -215,12 +160,12 @@ def test_compression_stage_matches_simulation(world_size, bucket, mask):
 
 
 def test_warmup_equals_lamb_bit_for_bit():
-    a = [torch.nn.Parameter(t) for t in _init_params()]
-    b = [torch.nn.Parameter(t) for t in _init_params()]
-    lamb = Lamb(_groups(a), lr=0.05, max_coeff=0.3, min_coeff=0.01)
-    onebit = OneBitLamb(_groups(b), lr=0.05, max_coeff=0.3, min_coeff=0.01, freeze_step=6)
+    a = [torch.nn.Parameter(t) for t in init_params()]
+    b = [torch.nn.Parameter(t) for t in init_params()]
+    lamb = Lamb(param_groups(a), lr=0.05, max_coeff=0.3, min_coeff=0.01)
+    onebit = OneBitLamb(param_groups(b), lr=0.05, max_coeff=0.3, min_coeff=0.01, freeze_step=6)
     for step in range(1, 7):
-        for pa, pb, g in zip(a, b, _mean_grads(2, step), strict=True):
+        for pa, pb, g in zip(a, b, mean_grads(2, step), strict=True):
             pa.grad, pb.grad = g.clone(), g.clone()
         assert not onebit.syncs_internally
         lamb.step()
@@ -308,22 +253,6 @@ def test_state_of_a_different_model_is_refused():
 
 
 # ----------------------------------------------------------------------------- masks, zeros
-
-
-def embedding_steps(comm, opt, emb, head, steps, after_step=None):
-    """``steps`` optimizer steps of ``head(emb(idx))**2`` with lookups of rows 0..7 only
-    (rows 8.. never get a gradient), gradients averaged whenever the optimizer asks."""
-    params = list(emb.parameters()) + list(head.parameters())
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(steps):
-        idx = torch.randint(0, 8, (16,), generator=g)
-        opt.zero_grad()
-        head(emb(idx)).pow(2).mean().backward()
-        if not opt.syncs_internally:
-            comm.all_reduce_coalesced([p.grad for p in params], op="avg")
-        opt.step()
-        if after_step is not None:
-            after_step()
 
 
 def _masked_embedding_run(comm, use_mask, mask_untrained=False):

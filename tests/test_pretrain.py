@@ -3,12 +3,9 @@ after a kill, preemption, and configs that must fail before any compute."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,68 +13,24 @@ import numpy as np
 import pytest
 import torch
 
-from onebit_bert.config import ConfigError, from_dict, load_config, save_config
-from onebit_bert.distributed.env import DistContext, LaunchEnv
+from onebit_bert.config import ConfigError, from_dict, load_config
 from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig, ScheduleConfig
 from pretrain.data import BatchSchedule, TokenIds, mask_tokens
 from pretrain.schedule import lr_multiplier
 from pretrain.train import train
 from tests.distributed_harness import run_ranks
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
-    cfg = {
-        "run_dir": str(run_dir),
-        "model": {"preset": "bert-tiny", "max_position_embeddings": 64},
-        "data": {"path": str(corpus), "validation_batches": 2},
-        "batch": {"global_batch_size": 32, "micro_batch_size": 8},
-        "optimizer": {
-            "name": "lamb",
-            "lr": 0.02,
-            "freeze_step": 4,
-            "eps": 1e-6,
-            "weight_decay": 0.01,
-            "max_coeff": 0.3,
-        },
-        "schedule": {"name": "poly", "max_steps": 12, "warmup_proportion": 0.2},
-        "checkpoint": {"every": 4, "keep_last": 2},
-        "logging": {"wandb": False, "progress_every": 1000},
-        "seed": 7,
-    }
-    for key, value in overrides.items():
-        *sections, field = key.split(".")
-        target = cfg
-        for section in sections:
-            target = target.setdefault(section, {})
-        target[field] = value
-    return cfg
-
-
-def _context(comm) -> DistContext:
-    launch = LaunchEnv(comm.rank, comm.world_size, comm.rank, "127.0.0.1", 0, "test")
-    return DistContext(launch, "gloo" if comm.world_size > 1 else None, comm.device, comm)
-
-
-def _train(comm, cfg: dict) -> dict:
-    torch.set_num_threads(1)
-    summary = train(from_dict(PretrainConfig, cfg), _context(comm))
-    model = torch.load(
-        Path(cfg["run_dir"])
-        / "checkpoints"
-        / sorted(os.listdir(Path(cfg["run_dir"]) / "checkpoints"))[-1]
-        / "shared.pt",
-        map_location="cpu",
-        weights_only=False,
-    )["model"]
-    return {"summary": summary, "model": model}
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [r["mlm_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "mlm_loss" in r]
-
+from tests.helpers.runs import (
+    REPO,
+    dist_context,
+    kill_all,
+    mlm_losses,
+    tiny_config,
+    torchrun,
+    torchrun_workers,
+    train_in_process,
+    write_cfg,
+)
 
 # ----------------------------------------------------------------------------- training
 
@@ -95,9 +48,9 @@ def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
             "logging.net_interface": "lo",
         },
     )
-    results = run_ranks(_train, 2, cfg)
+    results = run_ranks(train_in_process, 2, cfg)
     assert results[0]["summary"]["state"] == "complete"
-    losses = _losses(tmp_path / "run")
+    losses = mlm_losses(tmp_path / "run")
     assert len(losses) == 16
     assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -137,24 +90,26 @@ def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
 
 def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_corpus, tmp_path):
     common = {"model.dropout": 0.0, "schedule.max_steps": 6}
-    one = run_ranks(_train, 1, tiny_config(tiny_corpus, tmp_path / "one", **common))[0]
-    two = run_ranks(_train, 2, tiny_config(tiny_corpus, tmp_path / "two", **common))[0]
+    one = run_ranks(train_in_process, 1, tiny_config(tiny_corpus, tmp_path / "one", **common))[0]
+    two = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "two", **common))[0]
     assert one["summary"]["accumulation"] == 4 and two["summary"]["accumulation"] == 2
     for name, a in one["model"].items():
         torch.testing.assert_close(a, two["model"][name], rtol=1e-4, atol=1e-5, msg=name)
-    np.testing.assert_allclose(_losses(tmp_path / "one"), _losses(tmp_path / "two"), rtol=1e-4)
+    np.testing.assert_allclose(
+        mlm_losses(tmp_path / "one"), mlm_losses(tmp_path / "two"), rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
 def test_ddp_and_explicit_allreduce_agree(tiny_corpus, tmp_path, optimizer):
     common = {"model.dropout": 0.0, "schedule.max_steps": 8, "optimizer.name": optimizer}
     ddp = run_ranks(
-        _train,
+        train_in_process,
         2,
         tiny_config(tiny_corpus, tmp_path / "ddp", **{"strategy.grad_sync": "ddp"}, **common),
     )[0]
     plain = run_ranks(
-        _train,
+        train_in_process,
         2,
         tiny_config(tiny_corpus, tmp_path / "ar", **{"strategy.grad_sync": "allreduce"}, **common),
     )[0]
@@ -174,7 +129,7 @@ def test_phase_two_starts_from_phase_one(tiny_corpus, tmp_path):
     # one process: 1-bit LAMB compresses only when forced (else it is exact LAMB)
     forced = {"optimizer.name": "onebit_lamb", "strategy.force_compression": True}
     phase1 = tiny_config(tiny_corpus, tmp_path / "p1", **forced, **{"schedule.max_steps": 8})
-    run_ranks(_train, 1, phase1)
+    run_ranks(train_in_process, 1, phase1)
     from_run = tiny_config(
         tiny_corpus,
         tmp_path / "p2",
@@ -186,7 +141,7 @@ def test_phase_two_starts_from_phase_one(tiny_corpus, tmp_path):
             "model.init_optimizer": True,
         },
     )
-    run_ranks(_train, 1, from_run)
+    run_ranks(train_in_process, 1, from_run)
     records = [r for r in read_metrics(tmp_path / "p2" / "metrics.jsonl") if "stage" in r]
     assert records[0]["stage"] == "compression"  # optimizer steps continue from phase 1
     from_hf = tiny_config(
@@ -194,57 +149,15 @@ def test_phase_two_starts_from_phase_one(tiny_corpus, tmp_path):
         tmp_path / "p2hf",
         **{"schedule.max_steps": 2, "model.init_from": str(tmp_path / "p1" / "final")},
     )
-    run_ranks(_train, 1, from_hf)
+    run_ranks(train_in_process, 1, from_hf)
     fresh = tiny_config(tiny_corpus, tmp_path / "fresh", **{"schedule.max_steps": 2})
-    run_ranks(_train, 1, fresh)
-    first = lambda d: _losses(d)[0]  # noqa: E731
+    run_ranks(train_in_process, 1, fresh)
+    first = lambda d: mlm_losses(d)[0]  # noqa: E731
     assert first(tmp_path / "p2hf") < first(tmp_path / "fresh") - 0.3
-    assert abs(first(tmp_path / "p2hf") - _losses(tmp_path / "p1")[-1]) < 0.5
+    assert abs(first(tmp_path / "p2hf") - mlm_losses(tmp_path / "p1")[-1]) < 0.5
 
 
 # ----------------------------------------------------------------------------- resume
-
-
-def _torchrun(cfg_path: Path, nproc: int = 2, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "pretrain",
-            "--config",
-            str(cfg_path),
-            *extra,
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-    )
-
-
-def _workers(proc: subprocess.Popen) -> list[int]:
-    """torchrun's worker processes (each in a session of its own)."""
-    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
-    return [int(p) for p in found.stdout.split()]
-
-
-def _kill_all(proc: subprocess.Popen) -> None:
-    for pid in [*_workers(proc), proc.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _write_cfg(cfg: dict, path: Path) -> Path:
-    save_config(from_dict(PretrainConfig, cfg), path)
-    return path
 
 
 def _final_state(run_dir: Path) -> dict:
@@ -255,25 +168,23 @@ def _final_state(run_dir: Path) -> dict:
 @pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
 def test_killed_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path, optimizer):
     overrides = {"optimizer.name": optimizer, "schedule.max_steps": 12}
-    straight = _write_cfg(
-        tiny_config(tiny_corpus, tmp_path / "a", **overrides), tmp_path / "a.yaml"
-    )
-    proc = _torchrun(straight)
+    straight = write_cfg(tiny_config(tiny_corpus, tmp_path / "a", **overrides), tmp_path / "a.yaml")
+    proc = torchrun(straight)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
-    killed = _write_cfg(tiny_config(tiny_corpus, tmp_path / "b", **overrides), tmp_path / "b.yaml")
-    proc = _torchrun(killed)
+    killed = write_cfg(tiny_config(tiny_corpus, tmp_path / "b", **overrides), tmp_path / "b.yaml")
+    proc = torchrun(killed)
     step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"  # past freeze_step=4
     deadline = time.time() + 240
     try:
         while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
     finally:
-        _kill_all(proc)  # no chance to save anything more
+        kill_all(proc)  # no chance to save anything more
     assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "the run was not cut short"
     assert step_dir.is_dir(), "the run never reached step 8"
-    proc = _torchrun(killed)
+    proc = torchrun(killed)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
@@ -290,18 +201,18 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(tiny_corpus, tmp_path):
     cfg = tiny_config(
         tiny_corpus, tmp_path / "run", **{"schedule.max_steps": 10**6, "checkpoint.every": 10**6}
     )
-    proc = _torchrun(_write_cfg(cfg, tmp_path / "run.yaml"))
+    proc = torchrun(write_cfg(cfg, tmp_path / "run.yaml"))
     try:
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.time() + 120
         while time.time() < deadline and (not metrics.exists() or len(read_metrics(metrics)) < 3):
             time.sleep(0.05)
-        workers = _workers(proc)
+        workers = torchrun_workers(proc)
         assert len(workers) == 2, "no worker processes found"
         os.kill(workers[-1], signal.SIGUSR1)  # as SLURM's --signal would, to one task
         out, _ = proc.communicate(timeout=120)
     finally:
-        _kill_all(proc)
+        kill_all(proc)
     assert proc.returncode == 0, out
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["state"] == "preempted" and status["step"] >= 3
@@ -326,7 +237,7 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(tiny_corpus, tmp_path):
 def test_bad_configs_fail_before_compute(tiny_corpus, tmp_path, overrides, error, match):
     cfg = from_dict(PretrainConfig, tiny_config(tiny_corpus, tmp_path / "run", **overrides))
     with pytest.raises(error, match=match):
-        train(cfg, _context(_single()))
+        train(cfg, dist_context(_single()))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

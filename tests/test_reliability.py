@@ -19,7 +19,7 @@ from onebit_bert.distributed import Communicator
 from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig
 from pretrain.train import TrainingDiverged, train
-from tests.test_pretrain import REPO, _context, _write_cfg, tiny_config
+from tests.helpers.runs import REPO, dist_context, tiny_config, write_cfg
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -28,7 +28,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 def _run(cfg: dict) -> dict:
     torch.set_num_threads(1)
-    return train(from_dict(PretrainConfig, cfg), _context(Communicator(None)))
+    return train(from_dict(PretrainConfig, cfg), dist_context(Communicator(None)))
 
 
 def _checkpoint_models(run_dir: Path) -> dict[str, dict]:
@@ -46,7 +46,7 @@ def test_a_diverging_run_stops_nonzero_and_keeps_only_finite_checkpoints(tiny_co
         **{"optimizer.lr": 1e6, "schedule.max_steps": 20, "checkpoint.every": 2},
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pretrain", "--config", str(_write_cfg(cfg, tmp_path / "c.yaml"))],
+        [sys.executable, "-m", "pretrain", "--config", str(write_cfg(cfg, tmp_path / "c.yaml"))],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,

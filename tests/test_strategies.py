@@ -13,7 +13,7 @@ from onebit_bert.optim.build import OptimizerConfig
 from onebit_bert.strategies import StrategyConfig, resolve_strategy_name
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.test_pretrain import _train, tiny_config
+from tests.helpers.runs import tiny_config, train_in_process
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_mismatched_strategy_and_optimizer_fail_at_config_time(strategy, optimiz
 
 def _run(corpus, run_dir, **overrides):
     common = {"schedule.max_steps": 8, "model.dropout": 0.0, **overrides}
-    result = run_ranks(_train, 1, tiny_config(corpus, run_dir, **common))[0]
+    result = run_ranks(train_in_process, 1, tiny_config(corpus, run_dir, **common))[0]
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
     return result["model"], records
 

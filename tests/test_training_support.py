@@ -16,6 +16,7 @@ from onebit_bert.metrics_log import LoggingConfig, MetricsLogger, read_metrics
 from onebit_bert.precision import LossScaler, resolve_precision
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
+from tests.helpers.loss_scaling import overflow_on_rank_one
 
 # ----------------------------------------------------------------------------- checkpoints
 
@@ -73,19 +74,8 @@ def test_another_world_size_gets_no_per_rank_state(tmp_path):
 # ----------------------------------------------------------------------------- loss scaling
 
 
-def _overflow_on_rank_one(comm):
-    scaler = LossScaler("fp16", comm, init_scale=1024.0)
-    p = torch.nn.Parameter(torch.ones(4, device=comm.device))
-    p.grad = torch.full((4,), 2048.0, device=comm.device)
-    if comm.rank == 1:
-        p.grad[2] = float("inf")
-    ok = scaler.unscale_and_check([p])
-    scaler.update(ok)
-    return ok, scaler.scale, scaler.skipped_steps
-
-
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
-    results = run_ranks(_overflow_on_rank_one, 2)
+    results = run_ranks(overflow_on_rank_one, 2)
     assert results == [(False, 512.0, 1), (False, 512.0, 1)]
 
 

@@ -20,15 +20,26 @@ from onebit_bert.optim.build import OptimizerConfig
 from onebit_bert.strategies import StrategyConfig, build_strategy, resolve_strategy_name
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.test_compressed_allreduce import simulate
-from tests.test_local_steps import _checkpoint, _equal
-from tests.test_onebit_adam import run_killing_after_checkpoints
-from tests.test_onebit_lamb import FLAT_ORDER, _groups, _init_params, _local_grads, _mean_grads
-from tests.test_onebit_lamb import _mask as _row_mask
-from tests.test_pretrain import _context, _torchrun, _write_cfg, tiny_config
+from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.compression import (
+    FLAT_ORDER,
+    init_params,
+    local_grads,
+    mean_grads,
+    param_groups,
+    row_mask,
+    simulate,
+)
+from tests.helpers.runs import (
+    dist_context,
+    run_killing_after_checkpoints,
+    tiny_config,
+    torchrun,
+    write_cfg,
+)
 from tests.toy import ToyConfig, build_model
 
-DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as _groups sets it
+DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as param_groups sets it
 MASKED = 2  # the layer whose row 1 is masked
 HP = dict(
     lr=0.05, var_freeze_step=10, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4
@@ -42,12 +53,12 @@ KIND = {"V": "variance", "C": "compressed", "L": "local", "S": "sync"}
 
 
 def test_schedules_follow_deepspeeds_rules():
-    params = [torch.nn.Parameter(t) for t in _init_params()]
-    opt = ZeroOneAdam(_groups(params), comm=Communicator(None), **HP)
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = ZeroOneAdam(param_groups(params), comm=Communicator(None), **HP)
     kinds, intervals = [], []
     for step in range(1, STEPS + 1):
         assert opt.syncs_internally == (SCHEDULE[step - 1] != "V")
-        for p, g in zip(params, _local_grads(0, step), strict=True):
+        for p, g in zip(params, local_grads(0, step), strict=True):
             p.grad = g
         opt.step()
         kinds.append(opt.stage)
@@ -77,7 +88,7 @@ class ZeroOneSimulation:
         self.vfs, self.kappa = var_freeze_step, var_update_scaler
         self.scaler, self.clipper = local_step_scaler, local_step_clipper
         self.b1, self.b2, self.eps, self.t = b1, b2, 1e-8, 0
-        start = _init_params()
+        start = init_params()
         self.x = [[t.clone() for t in start] for _ in range(world_size)]
         self.m = [[torch.zeros_like(t) for t in start] for _ in range(world_size)]
         self.u = [[torch.zeros_like(t) for t in start] for _ in range(world_size)]
@@ -114,7 +125,7 @@ class ZeroOneSimulation:
             n = per_rank[0][i].numel()
             result[i] = out[offset : offset + n].view_as(per_rank[0][i]) / self.scale[i]
             offset += n
-        result[MASKED] = result[MASKED] * _row_mask()
+        result[MASKED] = result[MASKED] * row_mask()
         return result
 
     def _denom(self, i):
@@ -127,13 +138,13 @@ class ZeroOneSimulation:
             self._reset_errors()
         if t <= self.vfs:
             if t % self.var_interval == 0:
-                g = _mean_grads(self.p, t)
+                g = mean_grads(self.p, t)
                 for i in range(len(g)):
                     self.v[i] = self.b2 * self.v[i] + (1 - self.b2) * g[i] * g[i]
             else:
                 if self.scale is None:
                     self.scale = self._scales()
-                g = self._average([_local_grads(r, t) for r in range(self.p)])
+                g = self._average([local_grads(r, t) for r in range(self.p)])
             for r in range(self.p):
                 for i in range(len(g)):
                     self.m[r][i] = self.b1 * self.m[r][i] + (1 - self.b1) * g[i]
@@ -149,7 +160,7 @@ class ZeroOneSimulation:
             self.scale = self._scales()
             self.synced = [t.clone() for t in self.x[0]]
         for r in range(self.p):
-            for i, g in enumerate(_local_grads(r, t)):
+            for i, g in enumerate(local_grads(r, t)):
                 self.m[r][i] = self.b1 * self.m[r][i] + (1 - self.b1) * g
                 d = self.m[r][i] / self._denom(i) + DECAY[i] * self.x[r][i]
                 self.x[r][i] = self.x[r][i] - self.lr * d
@@ -174,13 +185,13 @@ class ZeroOneSimulation:
 
 
 def _run_real(comm, steps, hp):
-    params = [torch.nn.Parameter(t) for t in _init_params()]
-    opt = ZeroOneAdam(_groups(params), comm=comm, **hp)
-    opt.set_momentum_mask(params[MASKED], _row_mask())
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = ZeroOneAdam(param_groups(params), comm=comm, **hp)
+    opt.set_momentum_mask(params[MASKED], row_mask())
     out = {"params": [], "stages": [], "kinds": []}
     for step in range(1, steps + 1):
         local = opt.syncs_internally
-        grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+        grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         before = comm.snapshot()
@@ -221,13 +232,13 @@ def test_matches_the_simulation_and_replicas_agree_after_every_sync(world_size):
 
 
 def _adam_on_averaged_gradients(comm, steps):
-    params = [torch.nn.Parameter(t) for t in _init_params()]
+    params = [torch.nn.Parameter(t) for t in init_params()]
     opt = ZeroOneAdam(
-        _groups(params), comm=comm, lr=0.05, var_freeze_step=10**6, var_update_scaler=10**6
+        param_groups(params), comm=comm, lr=0.05, var_freeze_step=10**6, var_update_scaler=10**6
     )
     for step in range(1, steps + 1):
         assert not opt.syncs_internally
-        for p, g in zip(params, _mean_grads(comm.world_size, step), strict=True):
+        for p, g in zip(params, mean_grads(comm.world_size, step), strict=True):
             p.grad = g
         opt.step()
     return {"params": [p.detach() for p in params], "sent": opt.bytes_sent}
@@ -236,11 +247,11 @@ def _adam_on_averaged_gradients(comm, steps):
 def test_every_step_a_variance_step_is_adam_on_averaged_gradients():
     steps = 6
     results = run_ranks(_adam_on_averaged_gradients, 2, steps)
-    w = [t.clone() for t in _init_params()]
+    w = [t.clone() for t in init_params()]
     m = [torch.zeros_like(t) for t in w]
     v = [torch.zeros_like(t) for t in w]
     for step in range(1, steps + 1):
-        for i, g in enumerate(_mean_grads(2, step)):  # Adam, no bias correction
+        for i, g in enumerate(mean_grads(2, step)):  # Adam, no bias correction
             m[i] = 0.9 * m[i] + 0.1 * g
             v[i] = 0.999 * v[i] + 0.001 * g * g
             w[i] = w[i] - 0.05 * (m[i] / (v[i].sqrt() + 1e-8) + DECAY[i] * w[i])
@@ -258,15 +269,15 @@ def _resume_run(comm, save_points):
     loads this rank's saved parameters and state (through torch.save) and continues."""
 
     def make():
-        params = [torch.nn.Parameter(t) for t in _init_params()]
-        opt = ZeroOneAdam(_groups(params), comm=comm, bucket_numel=64, **HP)
-        opt.set_momentum_mask(params[MASKED], _row_mask())
+        params = [torch.nn.Parameter(t) for t in init_params()]
+        opt = ZeroOneAdam(param_groups(params), comm=comm, bucket_numel=64, **HP)
+        opt.set_momentum_mask(params[MASKED], row_mask())
         return params, opt
 
     def run(params, opt, start, saves):
         for step in range(start + 1, STEPS + 1):
             local = opt.syncs_internally
-            grads = _local_grads(comm.rank, step) if local else _mean_grads(comm.world_size, step)
+            grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             opt.step()
@@ -302,18 +313,18 @@ def test_resume_from_every_kind_of_step_continues_bit_for_bit():
 
 
 def test_state_without_this_ranks_part_restarts_from_the_last_sync():
-    params = [torch.nn.Parameter(t) for t in _init_params()]
-    opt = ZeroOneAdam(_groups(params), comm=Communicator(None), **HP)
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = ZeroOneAdam(param_groups(params), comm=Communicator(None), **HP)
     for step in range(1, 14):  # step 13 is local: the ranks would disagree here
-        for p, g in zip(params, _local_grads(0, step), strict=True):
+        for p, g in zip(params, local_grads(0, step), strict=True):
             p.grad = g
         opt.step()
     assert not opt.replicas_agree
     synced = [opt.synced_parameter(p).clone() for p in params]
     state = opt.state_dict()
     state["per_rank"] = None
-    fresh = [torch.nn.Parameter(t) for t in _init_params()]
-    other = ZeroOneAdam(_groups(fresh), comm=Communicator(None), **HP)
+    fresh = [torch.nn.Parameter(t) for t in init_params()]
+    other = ZeroOneAdam(param_groups(fresh), comm=Communicator(None), **HP)
     with pytest.warns(UserWarning, match="restarting from the last synchronisation"):
         other.load_state_dict(state)
     assert other.replicas_agree
@@ -374,7 +385,7 @@ def _answers(strategy_name, optimizer, steps, **optimizer_fields):
         OptimizerConfig(name=optimizer, **optimizer_fields),
         model,
         model,
-        _context(Communicator(None)),
+        dist_context(Communicator(None)),
     )
     answers = []
     for _ in range(steps):
@@ -429,8 +440,8 @@ def _zero_one_config(corpus, run_dir):
 
 
 def test_killed_zero_one_adam_run_resumes_in_each_stage(tiny_corpus, tmp_path):
-    straight = _write_cfg(_zero_one_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
-    proc = _torchrun(straight)
+    straight = write_cfg(_zero_one_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
+    proc = torchrun(straight)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
 
@@ -455,21 +466,21 @@ def test_killed_zero_one_adam_run_resumes_in_each_stage(tiny_corpus, tmp_path):
 
     # killed in the variance stage (after checkpoint 3, a 1-bit gradient step), then between
     # two synchronisations (after 9)
-    killed = _write_cfg(_zero_one_config(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
+    killed = write_cfg(_zero_one_config(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
     run_killing_after_checkpoints(killed, tmp_path / "b", (3, 9), 12)
 
-    shared, ranks = _checkpoint(tmp_path / "a", 9)
+    shared, ranks = load_checkpoint(tmp_path / "a", 9)
     assert not torch.equal(ranks[0]["params"], ranks[1]["params"])  # between two syncs
     for step in (3, 6, 9, 12):
         (shared_a, ranks_a), (shared_b, ranks_b) = (
-            _checkpoint(tmp_path / "a", step),
-            _checkpoint(tmp_path / "b", step),
+            load_checkpoint(tmp_path / "a", step),
+            load_checkpoint(tmp_path / "b", step),
         )
-        _equal(shared_a["model"], shared_b["model"], "model")
-        _equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
+        assert_equal(shared_a["model"], shared_b["model"], "model")
+        assert_equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
         for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            _equal(ra.get("params"), rb.get("params"), "params")
-            _equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
+            assert_equal(ra.get("params"), rb.get("params"), "params")
+            assert_equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
 
     def by_step(run, key):
         records = read_metrics(tmp_path / run / "metrics.jsonl")

@@ -1,0 +1,165 @@
+"""The compressed all-reduce written out plainly (:func:`simulate`) and run on real ranks
+(:func:`compressed_calls`), and the toy problem the 1-bit optimizers are checked on: four
+layers of fixed shapes in two BERT-style groups, per-rank and averaged gradients, a row
+mask, the optimizers' flat momentum order, and 1-bit LAMB run on it."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from onebit_bert.distributed import ErrorFeedback
+from onebit_bert.optim import OneBitLamb
+
+# ----------------------------------------------------------------------------- all-reduce
+
+
+def simulate(inputs, worker_errors, server_errors, numel, bucket=None):
+    """The spec's two phases for p workers in one process, written out plainly.
+
+    ``inputs``/``worker_errors``: p padded fp32 tensors; ``server_errors``: p tensors of
+    padded/p elements. Updates the errors in place, returns the common output."""
+    p = len(inputs)
+    quantum = 8 * p
+    padded = inputs[0].numel()
+    step = padded if bucket is None or bucket >= padded else bucket // quantum * quantum
+    out = torch.zeros(padded)
+    for a in range(0, padded, step):
+        size = min(step, padded - a)
+        real = max(0, min(size, numel - a))
+        chunk = size // p
+        scales, signs = [], []
+        for i in range(p):
+            x = inputs[i][a : a + size] + worker_errors[i][a : a + size]
+            s = x[:real].norm() / math.sqrt(real) if real else torch.tensor(0.0)
+            sign = torch.where(x >= 0, 1.0, -1.0)
+            err = x - s * sign
+            err[real:] = 0
+            worker_errors[i][a : a + size] = err
+            scales.append(s)
+            signs.append(sign)
+        for j in range(p):
+            acc = torch.zeros(chunk)
+            for i in range(p):
+                acc = acc + scales[i] * signs[i][j * chunk : (j + 1) * chunk]
+            y = acc / p + server_errors[j][a // p : (a + size) // p]
+            real_j = max(0, min(chunk, real - j * chunk))
+            y[real_j:] = 0
+            t = y[:real_j].norm() / math.sqrt(real_j) if real_j else torch.tensor(0.0)
+            sign = torch.where(y >= 0, 1.0, -1.0)
+            err = y - t * sign
+            err[real_j:] = 0
+            server_errors[j][a // p : (a + size) // p] = err
+            out[a + j * chunk : a + (j + 1) * chunk] = t * sign
+        out[a + real : a + size] = 0
+    return out
+
+
+def rank_inputs(rank, call, numel, padded):
+    g = torch.Generator().manual_seed(1000 * call + rank)
+    x = torch.zeros(padded)
+    x[:numel] = torch.randn(numel, generator=g) * (1 + rank)
+    return x
+
+
+def compressed_calls(comm, numel, calls, bucket):
+    """``calls`` compressed all-reduces on ``comm.device``; results on the CPU."""
+    feedback = ErrorFeedback(
+        numel, comm.world_size, rank=comm.rank, device=comm.device, bucket_numel=bucket
+    )
+    outs = []
+    for call in range(calls):
+        x = rank_inputs(comm.rank, call, numel, feedback.padded_numel).to(comm.device)
+        comm.compressed_all_reduce(x, feedback)
+        outs.append(x.cpu().clone())
+    return {
+        "outs": outs,
+        "worker_error": feedback.worker_error.cpu().clone(),
+        "server_error": feedback.server_error.cpu().clone(),
+        "bytes": comm.stats.bytes_sent,
+    }
+
+
+# ----------------------------------------------------------------------------- toy problem
+
+SHAPES = [(6, 5), (5,), (3, 7), (1,)]
+
+
+def init_params():
+    g = torch.Generator().manual_seed(42)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def local_grads(rank, step):
+    g = torch.Generator().manual_seed(97 * step + rank)
+    # Per-rank offsets make the ranks disagree, as data-parallel shards do.
+    return [torch.randn(s, generator=g) * (1 + 0.5 * rank) + 0.1 * rank for s in SHAPES]
+
+
+def mean_grads(world_size, step):
+    per_rank = [local_grads(r, step) for r in range(world_size)]
+    total = [sum(gs[i] for gs in per_rank) for i in range(len(SHAPES))]
+    return [t / world_size for t in total]
+
+
+def row_mask():
+    m = torch.ones(3, 7)
+    m[1] = 0.0
+    return m
+
+
+ONEBIT_LAMB_HP = dict(lr=0.05, freeze_step=3, max_coeff=0.3, min_coeff=0.01)
+# The optimizer lays momenta out group by group: layers 0 and 2, then 1 and 3.
+FLAT_ORDER = [0, 2, 1, 3]
+
+
+def param_groups(params):
+    # BERT-style groups: weight decay on matrices only.
+    return [
+        {"params": [params[0], params[2]], "weight_decay": 0.01},
+        {"params": [params[1], params[3]], "weight_decay": 0.0},
+    ]
+
+
+def run_onebit_lamb(comm, steps, mask_index, bucket):
+    """1-bit LAMB on ``comm.device`` (the same inputs on every device); results on the CPU."""
+    params = [torch.nn.Parameter(t.to(comm.device)) for t in init_params()]
+    opt = OneBitLamb(param_groups(params), comm=comm, bucket_numel=bucket, **ONEBIT_LAMB_HP)
+    if mask_index is not None:
+        opt.set_momentum_mask(params[mask_index], row_mask())
+    stages, byte_counts = [], []
+    for step in range(1, steps + 1):
+        grads = (
+            local_grads(comm.rank, step)
+            if opt.syncs_internally
+            else mean_grads(comm.world_size, step)
+        )
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.to(comm.device)
+        opt.step()
+        stages.append(opt.stage)
+        byte_counts.append(opt.last_step_bytes)
+    return {
+        "params": [p.detach().cpu() for p in params],
+        "stages": stages,
+        "bytes": byte_counts,
+        "factors": opt.last_factors.cpu(),
+        "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
+    }
+
+
+def embedding_steps(comm, opt, emb, head, steps, after_step=None):
+    """``steps`` optimizer steps of ``head(emb(idx))**2`` with lookups of rows 0..7 only
+    (rows 8.. never get a gradient), gradients averaged whenever the optimizer asks."""
+    params = list(emb.parameters()) + list(head.parameters())
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(steps):
+        idx = torch.randint(0, 8, (16,), generator=g)
+        opt.zero_grad()
+        head(emb(idx)).pow(2).mean().backward()
+        if not opt.syncs_internally:
+            comm.all_reduce_coalesced([p.grad for p in params], op="avg")
+        opt.step()
+        if after_step is not None:
+            after_step()
