@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test test-gpu lint format smoke repro-mini parity compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
+.PHONY: setup test test-slow test-all test-gpu lint format smoke repro-mini parity compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
+# Tests in two tiers. make test: every test but the slow and CUDA ones, the quick check
+# after a change (the README's command). make test-slow: the slow tier (a real 2-node
+# SLURM cluster, the emulated slow network, long multi-process runs; installs SLURM with
+# apt when root). make test-all: both, what CI runs. Durations: docs/guide/development.md.
 test: setup
-	$(PY) -m pytest -v $(ARGS)
+	$(PY) -m pytest -m "not slow and not cuda" $(ARGS)
+
+test-slow: setup
+	$(PY) -m pytest -m "slow and not cuda" $(ARGS)
+
+test-all: test test-slow
 
 # Only the CUDA tests (marker cuda: GPU results against the CPU's); without a GPU this fails
 # at once instead of passing with every test skipped (make test skips them there).
