@@ -243,3 +243,31 @@ def test_collectives_and_their_byte_counts(world_size):
         )
         assert res["bytes"] == expected
         assert res["calls"] == 6
+
+
+def _gather_and_scatter(comm, hide_new_names: bool):
+    """Communicator.all_gather and reduce_scatter, optionally with torch's post-2.13 names
+    removed, as on an older torch."""
+    import torch.distributed as dist
+
+    if hide_new_names:
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            if hasattr(dist, name):
+                delattr(dist, name)
+    rank, p = comm.rank, comm.world_size
+    mine = torch.arange(3, dtype=torch.float32) + 10 * rank
+    gathered = comm.all_gather(torch.empty(3 * p), mine)
+    full = torch.arange(2 * p, dtype=torch.float32) * (rank + 1)
+    averaged = comm.reduce_scatter(torch.empty(2), full)
+    return gathered, averaged, hasattr(dist, "all_gather_single")
+
+
+def test_collectives_work_under_older_torch_names():
+    new = run_ranks(_gather_and_scatter, 2, False)
+    old = run_ranks(_gather_and_scatter, 2, True)
+    assert old[0][2] is False  # the new names really were gone
+    for a, b in zip(new, old, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+        torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    torch.testing.assert_close(new[0][0], torch.tensor([0.0, 1, 2, 10, 11, 12]))
+    torch.testing.assert_close(new[1][1], torch.tensor([2.0, 3.0]) * 1.5)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from onebit_bert.distributed.compat import all_gather_flat, reduce_scatter_flat
 from onebit_bert.distributed.compression import (
     SCALE_BYTES,
     ErrorFeedback,
@@ -307,7 +308,7 @@ class Communicator:
             output.view(-1).copy_(tensor.reshape(-1))
             return output
         with self._count((self.world_size - 1) * tensor.numel() * tensor.element_size()):
-            dist.all_gather_single(output.view(-1), tensor.reshape(-1), group=self.group)
+            all_gather_flat(output.view(-1), tensor.reshape(-1), group=self.group)
         return output
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -323,7 +324,7 @@ class Communicator:
             return output
         p = self.world_size
         with self._count((p - 1) * output.numel() * output.element_size()):
-            dist.reduce_scatter_single(output.view(-1), tensor.reshape(-1), group=self.group)
+            reduce_scatter_flat(output.view(-1), tensor.reshape(-1), group=self.group)
         output.div_(p)
         return output
 
