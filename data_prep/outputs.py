@@ -72,6 +72,8 @@ def read_manifest(output: str | Path, seq_length: int) -> dict:
         raise FileNotFoundError(
             f"{path} is missing: seq {seq_length} of {output} is not prepared (run data_prep)"
         ) from None
+    except ValueError as err:
+        raise ValueError(f"{path} unreadable: {err}; prepare seq {seq_length} again") from None
 
 
 def write_manifest(output: str | Path, seq_length: int, manifest: dict) -> Path:

@@ -62,9 +62,14 @@ def read_results(output: str | Path) -> dict:
     """``{task: summary}`` from ``results.json``; FileNotFoundError when there is none."""
     path = results_path(output)
     try:
-        return json.loads(path.read_text())
+        results = json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: fine-tuning has not finished") from None
+    except ValueError as err:
+        raise ValueError(f"{path} unreadable: {err}; run the fine-tuning stage again") from None
+    if not isinstance(results, dict):
+        raise ValueError(f"{path} unreadable: not an object; run the fine-tuning stage again")
+    return results
 
 
 def is_complete(
@@ -72,10 +77,10 @@ def is_complete(
 ) -> bool:
     """``results.json`` holds every one of ``tasks`` (and, when ``seeds`` is given, each
     task's summary covers all of them)."""
-    path = results_path(output)
-    if not path.is_file():
+    try:
+        results = read_results(output)
+    except (FileNotFoundError, ValueError):  # missing or damaged: not complete
         return False
-    results = json.loads(path.read_text())
     wanted = None if seeds is None else set(seeds)
     for task in tasks:
         if task not in results:

@@ -130,7 +130,10 @@ def load_run(spec: str) -> dict:
 
 def _world_size(run_dir: Path) -> int | None:
     """The number of ranks the run trained on (its status file)."""
-    status = pretrain_outputs.read_status(run_dir)
+    try:
+        status = pretrain_outputs.read_status(run_dir)
+    except pretrain_outputs.StatusUnreadable:
+        return None
     return int(status["world_size"]) if status and status.get("world_size") else None
 
 

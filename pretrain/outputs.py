@@ -37,6 +37,8 @@ from onebit_bert.io import atomic_write_json
 from onebit_bert.metrics_log import METRICS_FILE
 
 STATUS = "status.json"
+UNREADABLE = "unreadable"
+"""The state :func:`describe` gives a run whose ``status.json`` is damaged."""
 CONFIG = "config.yaml"
 FINAL = "final"
 CHECKPOINTS = "checkpoints"
@@ -80,18 +82,31 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
+class StatusUnreadable(ValueError):
+    """``status.json`` exists but is damaged (truncated, not JSON, not an object)."""
+
+
 def read_status(run_dir: str | Path) -> dict | None:
-    """The contents of ``status.json``, or None when the run has not written one."""
+    """The contents of ``status.json``, or None when the run has not written one;
+    :class:`StatusUnreadable` (one line naming the file) when it is damaged."""
     path = status_path(run_dir)
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError included
+        raise StatusUnreadable(f"{path} unreadable: {err}") from None
+    if not isinstance(data, dict):
+        raise StatusUnreadable(f"{path} unreadable: holds a {type(data).__name__}, not an object")
+    return data
 
 
 def is_complete(run_dir: str | Path) -> bool:
-    """The run finished every step and exported its model."""
-    status = read_status(run_dir)
+    """The run finished every step and exported its model (a damaged status: no)."""
+    try:
+        status = read_status(run_dir)
+    except StatusUnreadable:
+        return False
     return (
         status is not None
         and status.get("state") == COMPLETE
@@ -217,8 +232,8 @@ class RunState:
 
     ``word`` is one of ``pending`` (no status yet), ``running``, ``done``, ``preempted``,
     ``stopped`` (stopped early, or its processes are gone without a final status),
-    ``stale`` (on another host, no heartbeat for too long), or a state word the loop wrote
-    (e.g. ``failed``)."""
+    ``stale`` (on another host, no heartbeat for too long), ``unreadable`` (a damaged
+    ``status.json``), or a state word the loop wrote (e.g. ``failed``)."""
 
     word: str
     text: str
@@ -269,7 +284,10 @@ def describe(
     """The state of the run in ``run_dir``. A ``running`` status is checked against its
     processes: on this host (``host``, default ``socket.gethostname()``) by their pids, on
     another host by the age of the heartbeat (older than ``stale_after`` seconds: stale)."""
-    status = read_status(run_dir)
+    try:
+        status = read_status(run_dir)
+    except StatusUnreadable as err:
+        return RunState(UNREADABLE, str(err))
     if status is None:
         return RunState("pending", "pending")
     state = status.get("state", "unknown")

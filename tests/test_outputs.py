@@ -207,3 +207,40 @@ def test_finetune_outputs(tmp_path):
     assert json.loads((out / "sst2" / "results.json").read_text()) == {"accuracy": 0.8}
     run = finetune_outputs.run_path(out, "sst2", 2e-5, 3.0, 1)
     assert run == out / "sst2" / "runs" / "lr2e-05_ep3_seed1.json"
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+
+def test_a_damaged_status_is_one_line_never_a_traceback(tmp_path, capsys):
+    run = tmp_path / "work" / "pretrain" / "lamb" / "phase1"
+    RunStatus(run).start(3)
+    text = status_path(run).read_text()
+    status_path(run).write_text(text[: len(text) // 2])  # truncated mid-write by a crash
+    state = describe(run)
+    assert state.word == "unreadable" and state.text.startswith(f"{status_path(run)} unreadable")
+    assert "\n" not in state.text
+    assert _cli("state", str(run)) == "unreadable"
+    assert _cli("describe", str(run)).startswith(str(status_path(run)))
+    assert pipeline_main(["status", "--config", str(SMOKE), f"workdir={tmp_path / 'work'}"]) == 0
+    rows = dict(line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    assert "unreadable" in rows["pretrain/lamb/phase1"]
+    status_path(run).write_text("[1, 2]")
+    assert describe(run).word == "unreadable"
+    with pytest.raises(ValueError, match="unreadable"):
+        read_status(run)
+
+
+def test_damaged_stage_outputs_are_not_complete_and_say_so(tmp_path):
+    out = tmp_path / "ft"
+    finetune_outputs.write_results(out, {"sst2": {"accuracy": 0.8, "seeds": [1]}})
+    path = finetune_outputs.results_path(out)
+    path.write_text(path.read_text()[:10])
+    assert not finetune_outputs.is_complete(out, ["sst2"])
+    with pytest.raises(ValueError, match="unreadable.*run the fine-tuning stage again"):
+        finetune_outputs.read_results(out)
+    data = tmp_path / "data"
+    data_outputs.write_manifest(data, 64, {"seq_length": 64})
+    data_outputs.manifest_path(data, 64).write_text("{")
+    with pytest.raises(ValueError, match="unreadable.*prepare seq 64 again"):
+        data_outputs.read_manifest(data, 64)
