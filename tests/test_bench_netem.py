@@ -170,6 +170,7 @@ def test_without_root_it_says_so_and_exits(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     before_ns, before_links = _netns_names(), _links()
@@ -275,6 +276,7 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
     assert hybrid_whole["reduction"] > 2 * whole["reduction"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
 def test_two_hosts_of_two_ranks_compare_flat_and_node_hierarchy(tiny_corpus, tmp_path):
     """4 ranks as 2 hosts x 2: only inter-host traffic crosses eth0; the hierarchy sends a

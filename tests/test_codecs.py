@@ -144,6 +144,7 @@ def _codec_calls(comm, name):
     return {"outputs": outputs, "bytes": counted, "state": codec.state_dict()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
 def test_two_phase_codecs_match_the_simulation_bit_for_bit(name, world_size):
@@ -194,6 +195,7 @@ def test_error_feedback_carries_what_int8_left_out():
     assert torch.allclose(delivered + held + server, exact, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_codecs_give_every_rank_the_same_result(world_size):
     for name in ("bf16", "int8", "onebit"):

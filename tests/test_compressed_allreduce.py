@@ -45,6 +45,7 @@ def test_pack_rejects_bad_lengths():
 # ----------------------------------------------------------------------------- simulation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size,numel,bucket",
     [(1, 13, None), (2, 13, None), (2, 1001, 64), (4, 1, None), (4, 997, None), (4, 5000, 640)],

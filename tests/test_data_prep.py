@@ -310,6 +310,7 @@ def test_bad_sources_fail_early_naming_the_file(tmp_path, corpus, make_source, m
     assert not (tmp_path / "out" / "tokenizer").exists()  # nothing expensive started
 
 
+@pytest.mark.slow
 def test_unreachable_hub_dataset_is_one_clear_error(tmp_path, corpus, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

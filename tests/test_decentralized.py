@@ -491,6 +491,7 @@ def _run_killed_after(cfg_path, step_dir) -> None:
     assert step_dir.is_dir(), "the run never reached the checkpoint"
 
 
+@pytest.mark.slow
 def test_killed_dmsgd_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path):
     """DmSGD with trust ratios on two ranks on a ring (the left and right neighbour are
     the same rank: the exact average, so the parameters agree and the momenta, each rank's

@@ -182,6 +182,7 @@ def test_anchor_and_momentum_are_identical_on_every_rank():
 # ----------------------------------------------------------------------------- clip, penalty
 
 
+@pytest.mark.slow
 def test_clipping_infinite_threshold_changes_nothing_and_a_small_one_bounds_momentum():
     base = {"outer_every": 2, "outer_momentum": 0.5, "gap_penalty": 0.0}
     free = run_ranks(_local_run, 2, "co2", _cfg(**base), 8)[0]
@@ -297,6 +298,7 @@ def _pretrain_cfg(corpus, run_dir, **extra) -> dict:
     return cfg
 
 
+@pytest.mark.slow
 def test_killed_co2_run_resumes_mid_round_with_an_average_in_flight(tiny_corpus, tmp_path):
     """Rounds end at steps 3, 6, 9, 12; the checkpoint at step 8 is taken mid-round while
     round 2's average (started at step 6) is in flight. Kill -9 after it, resume: the same

@@ -115,6 +115,7 @@ def _run_real(comm, steps, bucket, force):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,bucket", [(1, None), (2, None), (4, 64)])
 def test_matches_the_simulation_and_replicas_agree_every_step(world_size, bucket):
     steps = 8
@@ -245,6 +246,7 @@ def _unused_rows_run(comm, which, mask_untrained):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["onebit_adam", "zero_one_adam"])
 def test_rows_without_gradient_stay_put_under_compression(which):
     # v = 0 there, so DeepSpeed's update m/(sqrt(v)+eps) turns the 1-bit noise into
@@ -345,6 +347,7 @@ def _adam_config(corpus, run_dir):
     return cfg
 
 
+@pytest.mark.slow
 def test_killed_onebit_adam_run_resumes_bit_for_bit(tiny_corpus, tmp_path):
     straight = write_cfg(_adam_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
     proc = torchrun(straight)

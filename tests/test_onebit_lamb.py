@@ -214,6 +214,7 @@ def _toy_run(comm, ckpt_dir, steps, save_at, load, drop_errors):
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,save_at", [(1, 6), (2, 3), (2, 7)])
 def test_save_load_continue_equals_uninterrupted(tmp_path, world_size, save_at):
     steps = 10

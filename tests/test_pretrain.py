@@ -35,6 +35,7 @@ from tests.helpers.runs import (
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb", "adamw"])
 def test_tiny_bert_trains_on_two_ranks(tiny_corpus, tmp_path, optimizer):
     lr = 1e-3 if optimizer == "adamw" else 0.02
@@ -100,6 +101,7 @@ def test_two_ranks_equal_one_rank_with_the_same_global_batch(tiny_corpus, tmp_pa
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
 def test_ddp_and_explicit_allreduce_agree(tiny_corpus, tmp_path, optimizer):
     common = {"model.dropout": 0.0, "schedule.max_steps": 8, "optimizer.name": optimizer}
@@ -165,6 +167,7 @@ def _final_state(run_dir: Path) -> dict:
     return torch.load(last / "shared.pt", weights_only=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lamb", "onebit_lamb"])
 def test_killed_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path, optimizer):
     overrides = {"optimizer.name": optimizer, "schedule.max_steps": 12}

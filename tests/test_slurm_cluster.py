@@ -34,6 +34,7 @@ def _assert_state(cluster: SlurmCluster, job: int, want: str, out: Path | None =
         pytest.fail(f"job {job}: {state}, want {want}\n{cluster.job_info(job)}\n{detail}")
 
 
+@pytest.mark.slow  # a real 2-node SLURM cluster (installs SLURM with apt when missing)
 def test_two_nodes_four_ranks(slurm_cluster: SlurmCluster, tmp_path):
     out = tmp_path / "ranks.out"
     script = f"""#!/bin/bash
@@ -57,6 +58,7 @@ os.environ['SLURM_NTASKS'], os.environ['SLURMD_NODENAME'])"
     assert info["NumNodes"] == "2" and info["NumTasks"] == "4", info
 
 
+@pytest.mark.slow  # a real 2-node SLURM cluster (installs SLURM with apt when missing)
 def test_usr1_to_batch_shell(slurm_cluster: SlurmCluster, tmp_path):
     """scancel --signal=USR1 --batch: the batch script's trap runs (as with --signal=B:USR1@T)."""
     ready, marker, out = tmp_path / "ready", tmp_path / "marker", tmp_path / "job.out"
@@ -79,6 +81,7 @@ echo after-wait
     assert "after-wait" in out.read_text()
 
 
+@pytest.mark.slow  # a real 2-node SLURM cluster (installs SLURM with apt when missing)
 def test_usr1_to_steps(slurm_cluster: SlurmCluster, tmp_path):
     """scancel --signal=USR1 (no --batch): the srun tasks get it, the batch shell does not."""
     out = tmp_path / "job.out"
@@ -108,6 +111,7 @@ wait
     assert not (tmp_path / "batch-got-usr1").exists()
 
 
+@pytest.mark.slow  # a real 2-node SLURM cluster (installs SLURM with apt when missing)
 def test_requeue_round_trip(slurm_cluster: SlurmCluster, tmp_path):
     """First run traps USR1 and requeues itself; the second run (restart count 1) finishes."""
     out = tmp_path / "job.out"
@@ -150,6 +154,7 @@ echo "done restart=$n" >> $log
     assert len([line for line in run1.splitlines() if not line.startswith(("start", "done"))]) == 2
 
 
+@pytest.mark.slow  # a real 2-node SLURM cluster (installs SLURM with apt when missing)
 def test_dependency_afterok(slurm_cluster: SlurmCluster, tmp_path):
     a_script = f"""#!/bin/bash
 #SBATCH --output={tmp_path}/a.out

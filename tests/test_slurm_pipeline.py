@@ -91,6 +91,7 @@ def chain(slurm_cluster: SlurmCluster, tmp_path_factory):
     return exp, jobs
 
 
+@pytest.mark.slow
 def test_smoke_chain_runs_as_slurm_jobs(chain, slurm_cluster):
     exp, jobs = chain
     assert set(jobs) == {
@@ -127,6 +128,7 @@ def _wait_for_steps(metrics: Path, steps: int, timeout: float = 300) -> None:
     raise TimeoutError(f"{metrics} never reached {steps} steps")
 
 
+@pytest.mark.slow
 def test_preemption_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(
     chain, slurm_cluster, tmp_path
 ):

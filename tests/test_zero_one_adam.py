@@ -203,6 +203,7 @@ def _run_real(comm, steps, hp):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_matches_the_simulation_and_replicas_agree_after_every_sync(world_size):
     results = run_ranks(_run_real, world_size, STEPS, HP)
@@ -439,6 +440,7 @@ def _zero_one_config(corpus, run_dir):
     )
 
 
+@pytest.mark.slow
 def test_killed_zero_one_adam_run_resumes_in_each_stage(tiny_corpus, tmp_path):
     straight = write_cfg(_zero_one_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
     proc = torchrun(straight)
