@@ -20,6 +20,12 @@ STAT_KEYS = (
 )
 """Sums a forward pass returns, added over micro-batches and ranks before dividing."""
 
+STEP_TOTALS = (*STAT_KEYS, "tokens", "bad_step", "stop_requested")
+"""What one training step sums over ranks in a single all-reduce: the statistics, then the
+tokens seen, whether any rank's gradients were bad, and whether any rank was asked to stop.
+Index it by name (``STEP_TOTALS.index("tokens")``), never by position from the end."""
+TOKENS, BAD_STEP, STOP_REQUESTED = (STEP_TOTALS.index(k) for k in STEP_TOTALS[-3:])
+
 
 @dataclass
 class StepRecord:

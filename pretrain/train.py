@@ -33,7 +33,15 @@ from pretrain import checkpointing, outputs
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, TokenIds, make_batch
 from pretrain.model import PretrainingLoss, build_model, untrained_position_rows
-from pretrain.records import STAT_KEYS, StepRecord, progress_line
+from pretrain.records import (
+    BAD_STEP,
+    STAT_KEYS,
+    STEP_TOTALS,
+    STOP_REQUESTED,
+    TOKENS,
+    StepRecord,
+    progress_line,
+)
 from pretrain.schedule import lr_multiplier
 
 
@@ -196,8 +204,8 @@ class Trainer:
         grad_sync = strategy.gradient_sync()  # the strategy's hooks act on the same answer
         comm_before, intra_before = comm.snapshot(), comm.intra_stats.copy()
         net_before = self.net.snapshot() if self.net is not None else None
-        # statistics, then tokens, bad-step flag and stop flag, summed in one all-reduce
-        totals = torch.zeros(len(STAT_KEYS) + 3, device=ctx.device, dtype=torch.float64)
+        # every STEP_TOTALS entry, summed over ranks in one all-reduce
+        totals = torch.zeros(len(STEP_TOTALS), device=ctx.device, dtype=torch.float64)
         micro = self.schedule.micro_indices(step, ctx.rank)
         for a, (k, rows) in enumerate(micro):
             raw = make_batch(
@@ -211,7 +219,7 @@ class Trainer:
             for i, key in enumerate(STAT_KEYS):
                 if key in stats:
                     totals[i] += stats[key].double()
-            totals[-3] += float(raw["attention_mask"].sum())  # host copy: no GPU sync
+            totals[TOKENS] += float(raw["attention_mask"].sum())  # host copy: no GPU sync
         t1 = time.perf_counter()
         strategy.after_backward()
         t2 = time.perf_counter()
@@ -240,8 +248,8 @@ class Trainer:
         intra_step = comm.intra_stats.copy() - intra_before
         net_step = self.net.snapshot() - net_before if self.net is not None else None
         stop_requested = self.preemption is not None and self.preemption.requested
-        totals[-2] = 1.0 if bad_grads else 0.0
-        totals[-1] = 1.0 if stop_requested else 0.0
+        totals[BAD_STEP] = 1.0 if bad_grads else 0.0
+        totals[STOP_REQUESTED] = 1.0 if stop_requested else 0.0
         with comm.traffic("statistics"):
             comm.all_reduce(totals, op="sum")
         values = totals.tolist()
@@ -249,22 +257,22 @@ class Trainer:
         bad = None
         if not (math.isfinite(stats["mlm_loss_sum"]) and math.isfinite(stats["nsp_loss_sum"])):
             bad = "non-finite loss"
-        elif values[-2] > 0:
+        elif values[BAD_STEP] > 0:
             bad = "non-finite gradient norm" if ok else "fp16 overflow at loss scale 1"
         return StepRecord(
-            stats,
-            values[-3],
-            grad_norm,
-            t0,
-            t1,
-            t2,
-            t3,
-            comm_step,
-            net_step,
-            values[-1] > 0,
-            bad,
-            grad_sync,
-            intra_step.bytes_sent,
+            stats=stats,
+            tokens=values[TOKENS],
+            grad_norm=grad_norm,
+            t_start=t0,
+            t_backward_done=t1,
+            t_sync_done=t2,
+            t_end=t3,
+            comm=comm_step,
+            net=net_step,
+            preempted=values[STOP_REQUESTED] > 0,
+            bad=bad,
+            grad_sync=grad_sync,
+            intra_node_bytes=intra_step.bytes_sent,
         )
 
     def step_metrics(self, record: StepRecord) -> dict:
