@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bench.common import pretrain_config
 from bench.netem_cluster import Cluster, run_compute_only, run_distributed
+from onebit_bert.strategies.registry import family
 from pretrain.outputs import metrics_path
 
 # ----------------------------------------------------------------------------- the runs
@@ -375,8 +376,8 @@ MEASURE = {
 }
 """Strategy name -> measure(point, name) -> {runs entry name: summary}."""
 STRATEGIES = tuple(MEASURE)
-LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd")
-DECENTRALIZED_STRATEGIES = ("decentlam", "dmsgd")
+LOCAL_STEP_STRATEGIES = family("local_steps")
+DECENTRALIZED_STRATEGIES = family("decentralized")
 DEFAULT_TOPOLOGIES = "one_peer_exponential,ring"
 DECENTRALIZED_MOMENTUM = 0.9
 """decentlam's and dmsgd's momentum; lower for DecentLaM where a graph cannot take it. It

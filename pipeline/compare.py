@@ -43,6 +43,9 @@ import sys
 from pathlib import Path
 
 from onebit_bert.io import atomic_write_json, atomic_write_text
+from onebit_bert.optim.build import OptimizerConfig
+from onebit_bert.strategies import StrategyConfig, family, resolve_strategy_name
+from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
 from pipeline.stats import mean_std, t_quantile
@@ -74,15 +77,11 @@ def strategy_key(config: dict) -> str:
     comm = config.get("comm", {})
     compression = comm.get("compression", {})
     if strategy == "auto":
-        strategy = (
-            optimizer
-            if optimizer in ("onebit_lamb", "onebit_adam", "zero_one_adam")
-            else "data_parallel"
+        strategy = resolve_strategy_name(
+            StrategyConfig(name="auto"), OptimizerConfig(name=optimizer)
         )
-    if strategy in ("decentlam", "dmsgd"):
-        topology = config["strategy"].get("topology") or (
-            "ring" if strategy == "decentlam" else "exponential"
-        )
+    if strategy in family("decentralized"):
+        topology = config["strategy"].get("topology") or DEFAULT_TOPOLOGY[strategy]
         return f"{strategy}/{topology}"
     if strategy == "data_parallel":
         return "powersgd" if compression.get("grad") == "powersgd" else optimizer

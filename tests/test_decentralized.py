@@ -436,11 +436,21 @@ def test_momentum_sgd_optimizer_is_heavy_ball_with_decoupled_decay():
 @pytest.mark.parametrize(
     ("strategy", "optimizer", "match"),
     [
-        ({"name": "decentlam"}, "lamb", "set optimizer.name=sgd"),
-        ({"name": "dmsgd"}, "adamw", "set optimizer.name=sgd"),
-        ({"name": "decentlam", "outer_momentum": 0.5}, "sgd", "local-step strategies"),
-        ({"name": "auto", "topology": "ring"}, "lamb", "decentlam and dmsgd only"),
-        ({"name": "co2", "layerwise": "lamb"}, "lamb", "decentlam and dmsgd only"),
+        ({"name": "decentlam"}, "lamb", "set optimizer.name to sgd"),
+        ({"name": "dmsgd"}, "adamw", "set optimizer.name to sgd"),
+        (
+            {"name": "decentlam", "outer_momentum": 0.5},
+            "sgd",
+            "outer_momentum does not apply to strategy decentlam; it applies to co2, slowmo",
+        ),
+        (
+            {"name": "auto", "topology": "ring"},
+            "lamb",
+            "topology does not apply to strategy data_parallel; it applies to decentlam, dmsgd",
+        ),
+        ({"name": "co2", "layerwise": "lamb"}, "lamb", "it applies to decentlam, dmsgd"),
+        ({"name": "dmsgd", "outer_every": 4}, "sgd", "outer_every does not apply to strategy"),
+        ({"name": "no_such"}, "lamb", "not a registered strategy; choose auto or one of"),
         ({"name": "slowmo"}, "sgd", "set optimizer.name to lamb or adamw"),
         ({"name": "dmsgd", "topology": "star"}, "sgd", "must be one of"),
         ({"name": "dmsgd", "consensus_every": -1}, "sgd", "consensus_every must be >= 0"),

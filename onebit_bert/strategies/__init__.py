@@ -1,7 +1,9 @@
 """Sync strategies: how data-parallel ranks stay in agreement, behind one interface the
 training loop calls (:class:`Strategy`; its module docstring lists the hooks).
 
-:func:`build_strategy` turns the ``strategy`` and ``optimizer`` config sections into one.
+Every strategy is an entry of the registry (:mod:`onebit_bert.strategies.registry`); the
+built-in entries are below. :func:`build_strategy` turns the ``strategy`` and ``optimizer``
+config sections into one.
 """
 
 from __future__ import annotations
@@ -21,24 +23,25 @@ from onebit_bert.strategies.data_parallel import (
     OneBitAdamStrategy,
     OneBitLambStrategy,
 )
-from onebit_bert.strategies.decentralized import (
-    DECENTRALIZED_STRATEGIES,
-    Decentralized,
-    check_decentralized_config,
-    check_not_decentralized,
-)
-from onebit_bert.strategies.local_steps import (
-    LOCAL_STEP_STRATEGIES,
-    LocalSteps,
-    check_local_step_config,
+from onebit_bert.strategies.decentralized import Decentralized
+from onebit_bert.strategies.local_steps import LocalSteps, check_local_step_config
+from onebit_bert.strategies.registry import (
+    STRATEGIES,
+    BuildArgs,
+    StrategySpec,
+    check_fields,
+    family,
+    names_with,
+    register_strategy,
+    strategy_spec,
 )
 from onebit_bert.strategies.zero_one_adam import ZeroOneAdamStrategy
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "DECENTRALIZED_STRATEGIES",
-    "LOCAL_STEP_STRATEGIES",
+    "STRATEGIES",
+    "BuildArgs",
     "DataParallel",
     "Decentralized",
     "GradientSync",
@@ -47,102 +50,252 @@ __all__ = [
     "OneBitLambStrategy",
     "Strategy",
     "StrategyConfig",
+    "StrategySpec",
     "ZeroOneAdamStrategy",
     "build_strategy",
     "check_comm_config",
+    "family",
+    "register_strategy",
     "resolve_strategy_name",
+    "strategy_spec",
 ]
 
-GRADIENT_AVERAGING = ("data_parallel", "onebit_lamb", "onebit_adam", "zero_one_adam")
-"""Strategies that average full-precision gradients on some steps (comm.compression.grad)."""
-MOMENTUM_COMPRESSING = ("onebit_lamb", "onebit_adam")
-"""Strategies whose optimizer all-reduces its momentum (comm.compression.momentum)."""
 
-SELF_SYNCING = {
-    "onebit_lamb": OneBitLambStrategy,
-    "onebit_adam": OneBitAdamStrategy,
-    "zero_one_adam": ZeroOneAdamStrategy,
-}
-"""Strategy of each optimizer that communicates by itself (same name as the optimizer)."""
+# ---------------------------------------------------------------------- builders
+def _grad_codec(args: BuildArgs):
+    """The codec of the gradient average where ``comm`` asks for one (else the plain
+    fp32 all-reduce)."""
+    comm = args.comm
+    if args.policy is not None and (comm.compression.grad != "none" or comm.hierarchy == "node"):
+        return args.policy.codec("grad")
+    return None
 
 
+def _averaging(cls: type[DataParallel]):
+    """Build function of a strategy that averages gradients (on every step, or on the
+    steps its optimizer asks for) and, for 1-bit LAMB and 1-bit Adam, lets the optimizer
+    all-reduce its momentum through the policy's codec."""
+
+    def build(args: BuildArgs) -> Strategy:
+        comm = args.comm
+        spec = strategy_spec(args.name)
+        if (
+            args.policy is not None
+            and "momentum" in spec.traffic
+            and (not comm.compression.is_default("momentum") or comm.hierarchy == "node")
+        ):
+            args.optimizer.set_codec(args.policy.codec("momentum"))
+        strategy = cls(
+            args.model,
+            args.loss_module,
+            args.optimizer,
+            args.ctx,
+            use_ddp=args.use_ddp,
+            grad_codec=_grad_codec(args),
+        )
+        if comm.overlap and spec.overlap and args.ctx.world_size > 1:
+            strategy.enable_overlap(comm.bucket_mb)
+        return strategy
+
+    return build
+
+
+def _local_steps(args: BuildArgs) -> Strategy:
+    return LocalSteps(
+        args.model, args.loss_module, args.optimizer, args.ctx, args.cfg, args.name, args.policy
+    )
+
+
+def _decentralized(args: BuildArgs) -> Strategy:
+    bounds = (args.optimizer_cfg.min_coeff, args.optimizer_cfg.max_coeff)
+    return Decentralized(
+        args.model,
+        args.loss_module,
+        args.optimizer,
+        args.ctx,
+        args.cfg,
+        args.name,
+        bounds,
+        args.comm.compression.neighbour,
+    )
+
+
+# ---------------------------------------------------------------------- built-in entries
+_OUTER = ("outer_every", "outer_lr", "outer_momentum", "inner_state", "asynchronous")
+_DECENTRALIZED = ("topology", "layerwise", "consensus_every")
+_INNER_OPTIMIZERS = ("lamb", "adamw")
+_INNER_HINT = "it steps each rank with its own inner optimizer"
+_SGD_HINT = (
+    "it builds its own momentum-SGD update (momentum optimizer.betas[0], optimizer.lr, "
+    "optimizer.weight_decay); for LAMB-style per-layer scaling add strategy.layerwise=lamb"
+)
+
+
+_AUTO_HINT = "or strategy.name=auto"
+
+
+for _spec in (
+    StrategySpec(
+        "data_parallel",
+        _averaging(DataParallel),
+        "average full-precision gradients every step, then step the optimizer",
+        family="data_parallel",
+        traffic=("grad",),
+        hierarchy=True,
+    ),
+    StrategySpec(
+        "onebit_lamb",
+        _averaging(OneBitLambStrategy),
+        "1-bit LAMB: averaged gradients in the warmup, then its compressed momentum",
+        family="data_parallel",
+        optimizers=("onebit_lamb",),
+        optimizer_hint=_AUTO_HINT,
+        traffic=("grad", "momentum"),
+        hierarchy=True,
+        overlap=True,
+    ),
+    StrategySpec(
+        "onebit_adam",
+        _averaging(OneBitAdamStrategy),
+        "1-bit Adam: averaged gradients in the warmup, then its compressed momentum",
+        family="data_parallel",
+        optimizers=("onebit_adam",),
+        optimizer_hint=_AUTO_HINT,
+        traffic=("grad", "momentum"),
+        hierarchy=True,
+        overlap=True,
+    ),
+    StrategySpec(
+        "zero_one_adam",
+        _averaging(ZeroOneAdamStrategy),
+        "0/1 Adam: averaged gradients on variance steps, 1-bit ones and local steps else",
+        family="data_parallel",
+        optimizers=("zero_one_adam",),
+        optimizer_hint=_AUTO_HINT,
+        traffic=("grad",),
+    ),
+    StrategySpec(
+        "co2",
+        _local_steps,
+        "local steps; the round's average enters one round late (CO2)",
+        family="local_steps",
+        optimizers=_INNER_OPTIMIZERS,
+        optimizer_hint=_INNER_HINT,
+        fields=(*_OUTER, "gap_penalty", "clip_threshold", "clip_mode"),
+        traffic=("outer",),
+        hierarchy=True,
+        check=check_local_step_config,
+    ),
+    StrategySpec(
+        "slowmo",
+        _local_steps,
+        "local steps, a synchronous average and a slow momentum step (SlowMo)",
+        family="local_steps",
+        optimizers=_INNER_OPTIMIZERS,
+        optimizer_hint=_INNER_HINT,
+        fields=_OUTER,
+        traffic=("outer",),
+        hierarchy=True,
+        check=check_local_step_config,
+    ),
+    StrategySpec(
+        "local_sgd",
+        _local_steps,
+        "local steps and a synchronous parameter average (slowmo without momentum)",
+        family="local_steps",
+        optimizers=_INNER_OPTIMIZERS,
+        optimizer_hint=_INNER_HINT,
+        fields=_OUTER,
+        traffic=("outer",),
+        hierarchy=True,
+        check=check_local_step_config,
+    ),
+    StrategySpec(
+        "decentlam",
+        _decentralized,
+        "decentralised: momentum on the gossip-induced gradient (DecentLaM)",
+        family="decentralized",
+        optimizers=("sgd",),
+        optimizer_hint=_SGD_HINT,
+        fields=_DECENTRALIZED,
+        traffic=("neighbour",),
+    ),
+    StrategySpec(
+        "dmsgd",
+        _decentralized,
+        "decentralised: own momentum step, then the neighbour average (DmSGD)",
+        family="decentralized",
+        optimizers=("sgd",),
+        optimizer_hint=_SGD_HINT,
+        fields=_DECENTRALIZED,
+        traffic=("neighbour",),
+    ),
+):
+    register_strategy(_spec)
+
+
+# ---------------------------------------------------------------------- checks
 def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> str:
     """The strategy ``cfg.name`` means with this optimizer; a clear error for a pair that
-    cannot work."""
+    cannot work or a ``strategy.*`` field the strategy would ignore."""
     name = cfg.name
     if name == "auto":
         name = optimizer.name if optimizer.name in COMPRESSED_OPTIMIZERS else "data_parallel"
-    if name in DECENTRALIZED_STRATEGIES:
-        check_decentralized_config(name, cfg, optimizer.name)
-        return name
-    check_not_decentralized(name, cfg)
-    if name in LOCAL_STEP_STRATEGIES:
-        check_local_step_config(name, cfg, optimizer.name)
-        return name
-    if name in SELF_SYNCING and optimizer.name != name:
+    spec = strategy_spec(name)
+    if spec.optimizers is None:
+        if optimizer.name in COMPRESSED_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer.name {optimizer.name} compresses its own communication on some "
+                f"steps; use strategy.name={optimizer.name} (or auto), not {name}"
+            )
+    elif optimizer.name not in spec.optimizers:
+        alternatives = " or ".join(spec.optimizers)
+        hint = f" ({spec.optimizer_hint})" if spec.optimizer_hint else ""
         raise ValueError(
-            f"strategy.name {name} needs optimizer.name {name}, got {optimizer.name!r}; "
-            f"set optimizer.name={name} or strategy.name=auto"
+            f"strategy.name {name} needs optimizer.name {alternatives} (got "
+            f"{optimizer.name!r}): set optimizer.name to {alternatives}{hint}"
         )
-    if name == "data_parallel" and optimizer.name in COMPRESSED_OPTIMIZERS:
-        raise ValueError(
-            f"optimizer.name {optimizer.name} compresses its own communication on some steps; "
-            f"use strategy.name={optimizer.name} (or auto), not data_parallel"
-        )
+    check_fields(spec, cfg)
+    if spec.check is not None:
+        spec.check(name, cfg, optimizer.name)
     return name
+
+
+_TRAFFIC_WHY = {
+    "grad": "averages no full-precision gradients",
+    "momentum": "has no compressed momentum all-reduce",
+    "outer": "has no outer parameter average",
+    "neighbour": "exchanges nothing with neighbours",
+}
 
 
 def check_comm_config(comm: CommConfig, name: str) -> None:
     """A clear error for a ``comm`` setting that strategy ``name`` (resolved) would
     ignore."""
+    spec = strategy_spec(name)
     c = comm.compression
-    rules = (
-        (
-            c.grad != "none",
-            GRADIENT_AVERAGING,
-            "comm.compression.grad",
-            "averages no full-precision gradients",
-        ),
-        (
-            not c.is_default("momentum"),
-            MOMENTUM_COMPRESSING,
-            "comm.compression.momentum",
-            "has no compressed momentum all-reduce",
-        ),
-        (
-            c.outer != "none",
-            LOCAL_STEP_STRATEGIES,
-            "comm.compression.outer",
-            "has no outer parameter average",
-        ),
-        (
-            c.neighbour != "none",
-            DECENTRALIZED_STRATEGIES,
-            "comm.compression.neighbour",
-            "exchanges nothing with neighbours",
-        ),
-        (
-            comm.hierarchy == "node",
-            ("data_parallel", *MOMENTUM_COMPRESSING, *LOCAL_STEP_STRATEGIES),
-            "comm.hierarchy node",
-            "runs no gradient or momentum all-reduce it applies to and has no local steps "
-            "to take per node",
-        ),
-        (
-            comm.overlap,
-            MOMENTUM_COMPRESSING,
-            "comm.overlap",
-            "has no compressed momentum all-reduce to overlap",
-        ),
-    )
-    for active, strategies, what, why in rules:
-        if active and name not in strategies:
+    for kind, why in _TRAFFIC_WHY.items():
+        if not c.is_default(kind) and kind not in spec.traffic:
+            users = names_with(lambda s, k=kind: k in s.traffic)
             raise ValueError(
-                f"{what} does not apply to strategy {name}, which {why}; it applies to "
-                f"{', '.join(strategies)}"
+                f"comm.compression.{kind} does not apply to strategy {name}, which {why}; "
+                f"it applies to {', '.join(users)}"
             )
+    if comm.hierarchy == "node" and not spec.hierarchy:
+        raise ValueError(
+            f"comm.hierarchy node does not apply to strategy {name}, which runs no gradient "
+            f"or momentum all-reduce it applies to and has no local steps to take per node; "
+            f"it applies to {', '.join(names_with(lambda s: s.hierarchy))}"
+        )
+    if comm.overlap and not spec.overlap:
+        raise ValueError(
+            f"comm.overlap does not apply to strategy {name}, which has no compressed "
+            f"momentum all-reduce to overlap; it applies to "
+            f"{', '.join(names_with(lambda s: s.overlap))}"
+        )
 
 
+# ---------------------------------------------------------------------- building
 def build_strategy(
     cfg: StrategyConfig,
     optimizer_cfg: OptimizerConfig,
@@ -185,24 +338,16 @@ def build_strategy(
     if not comm_cfg.is_default and ctx.world_size > 1:
         launch = ctx.launch
         policy = CommPolicy(comm_cfg, ctx.comm, launch.local_rank, launch.local_world_size)
-    if name in LOCAL_STEP_STRATEGIES:
-        return LocalSteps(model, loss_module, optimizer, ctx, cfg, name, policy)
-    if name in DECENTRALIZED_STRATEGIES:
-        bounds = (optimizer_cfg.min_coeff, optimizer_cfg.max_coeff)
-        neighbour = comm_cfg.compression.neighbour
-        return Decentralized(model, loss_module, optimizer, ctx, cfg, name, bounds, neighbour)
-    grad_codec = None
-    hierarchical = comm_cfg.hierarchy == "node"
-    if policy is not None and (comm_cfg.compression.grad != "none" or hierarchical):
-        grad_codec = policy.codec("grad")
-    if (
-        policy is not None
-        and name in MOMENTUM_COMPRESSING
-        and (not comm_cfg.compression.is_default("momentum") or hierarchical)
-    ):
-        optimizer.set_codec(policy.codec("momentum"))
-    cls = SELF_SYNCING.get(name, DataParallel)
-    strategy = cls(model, loss_module, optimizer, ctx, use_ddp=use_ddp, grad_codec=grad_codec)
-    if comm_cfg.overlap and name in MOMENTUM_COMPRESSING and ctx.world_size > 1:
-        strategy.enable_overlap(comm_cfg.bucket_mb)
-    return strategy
+    args = BuildArgs(
+        name=name,
+        cfg=cfg,
+        optimizer_cfg=optimizer_cfg,
+        model=model,
+        loss_module=loss_module,
+        optimizer=optimizer,
+        ctx=ctx,
+        comm=comm_cfg,
+        policy=policy,
+        use_ddp=use_ddp,
+    )
+    return strategy_spec(name).build(args)

@@ -35,18 +35,7 @@ GradientSync = Literal["allreduce", "node", "optimizer", "none"]
 class StrategyConfig:
     """How data-parallel ranks synchronise; the optimizer section picks the optimizer."""
 
-    name: Literal[
-        "auto",
-        "data_parallel",
-        "onebit_lamb",
-        "onebit_adam",
-        "zero_one_adam",
-        "co2",
-        "slowmo",
-        "local_sgd",
-        "decentlam",
-        "dmsgd",
-    ] = "auto"
+    name: str = "auto"
     """data_parallel: average gradients every step, then step the optimizer (LAMB, AdamW);
     onebit_lamb, onebit_adam: 1-bit LAMB, 1-bit Adam (averaged gradients in the warmup, then the
     optimizer's own compressed momentum all-reduce); zero_one_adam: 0/1 Adam (averaged gradients
@@ -60,7 +49,8 @@ class StrategyConfig:
     (optimizer.name sgd; no global average, each rank exchanges its parameters with its
     neighbours in ``topology`` every step): decentlam: momentum on the gossip-induced gradient
     (DecentLaM); dmsgd: each rank's own momentum step, then the neighbour average (DmSGD,
-    adapt-then-combine)."""
+    adapt-then-combine). Further strategies join through the registry
+    (:mod:`onebit_bert.strategies.registry`), which checks the name."""
     grad_sync: Literal["auto", "ddp", "allreduce"] = "auto"
     """How gradients are averaged while they are: ``ddp`` overlaps bucketed all-reduces
     with the backward pass (DistributedDataParallel, ``no_sync`` during accumulation);

@@ -77,33 +77,6 @@ DEFAULT_TOPOLOGY = {"decentlam": "ring", "dmsgd": "exponential"}
 apart on the directed exponential graphs (:func:`~onebit_bert.distributed.topology.
 decentlam_growth`), so it defaults to the symmetric ring; DmSGD takes the exponential graph,
 which mixes in fewer steps (one_peer_exponential sends less but needs 2^p ranks)."""
-LOCAL_STEP_ONLY = ("outer_momentum", "gap_penalty", "clip_threshold", "asynchronous")
-
-
-def check_decentralized_config(name: str, cfg: StrategyConfig, optimizer_name: str) -> None:
-    """A clear error for settings the decentralised strategy ``name`` cannot use."""
-    if optimizer_name != "sgd":
-        raise ValueError(
-            f"strategy.name {name} builds its own momentum-SGD update (momentum "
-            f"optimizer.betas[0], optimizer.lr, optimizer.weight_decay): set "
-            f"optimizer.name=sgd (got {optimizer_name!r}); for LAMB-style per-layer "
-            f"scaling add strategy.layerwise=lamb"
-        )
-    for field in LOCAL_STEP_ONLY:
-        if getattr(cfg, field) is not None:
-            raise ValueError(
-                f"strategy.{field} applies to the local-step strategies (co2, slowmo, "
-                f"local_sgd), not {name}"
-            )
-
-
-def check_not_decentralized(name: str, cfg: StrategyConfig) -> None:
-    """Refuse the decentralised strategies' fields with any other strategy."""
-    if cfg.topology is not None or cfg.layerwise != "none":
-        raise ValueError(
-            f"strategy.topology and strategy.layerwise apply to strategy.name decentlam "
-            f"and dmsgd only, not {name}"
-        )
 
 
 class Decentralized(Strategy):
