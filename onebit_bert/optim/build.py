@@ -19,16 +19,21 @@ from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig
 from onebit_bert.optim.lamb import Lamb
 from onebit_bert.optim.onebit_adam import OneBitAdam
 from onebit_bert.optim.onebit_lamb import OneBitLamb
+from onebit_bert.optim.registry import (
+    OPTIMIZERS,
+    OptimizerBuild,
+    OptimizerSpec,
+    compressed_optimizers,
+    freezing_optimizers,
+    optimizer_spec,
+    register_optimizer,
+)
 from onebit_bert.optim.sgd import MomentumSGD
+from onebit_bert.optim.surface import SelfSyncingOptimizer
 from onebit_bert.optim.zero_one_adam import ZeroOneAdam
 
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm.weight")
 
-COMPRESSED_OPTIMIZERS = ("onebit_lamb", "onebit_adam", "zero_one_adam")
-"""Optimizers that average across ranks by themselves (with 1-bit compression) on some
-steps; each has a strategy of the same name."""
-FREEZING_OPTIMIZERS = ("onebit_lamb", "onebit_adam")
-"""Optimizers with a full-precision warmup that ends at ``freeze_step``."""
 
 
 @dataclass
@@ -36,11 +41,12 @@ class OptimizerConfig:
     """Which optimizer, and its hyperparameters (DeepSpeed's names and defaults for 1-bit
     LAMB, 1-bit Adam and 0/1 Adam, from :mod:`onebit_bert.optim.defaults`)."""
 
-    name: Literal["lamb", "onebit_lamb", "onebit_adam", "zero_one_adam", "adamw", "sgd"] = "lamb"
+    name: str = "lamb"
     """lamb, onebit_lamb (1-bit LAMB), onebit_adam (1-bit Adam), zero_one_adam (0/1 Adam),
     adamw, or sgd: momentum SGD with decoupled weight decay (m = betas[0] m + g; w = w - lr
     (m + weight_decay w)), the base update that strategy.name decentlam and dmsgd
-    require."""
+    require. Further optimizers join through the registry
+    (:mod:`onebit_bert.optim.registry`), which checks the name."""
     lr: float = defaults.LR
     """Peak learning rate (the schedule scales it)."""
     betas: tuple[float, float] = defaults.BETAS
@@ -84,6 +90,7 @@ class OptimizerConfig:
     elements."""
 
     def __post_init__(self):
+        optimizer_spec(self.name)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.freeze_step != AUTO and self.freeze_step < 1:
@@ -92,7 +99,7 @@ class OptimizerConfig:
             )
         if self.freeze_step == AUTO and self.name == "zero_one_adam":
             raise ValueError(
-                f"freeze_step auto applies to {' and '.join(FREEZING_OPTIMIZERS)}; 0/1 Adam "
+                f"freeze_step auto applies to {' and '.join(freezing_optimizers())}; 0/1 Adam "
                 f"ends its variance updates at var_freeze_step: set optimizer.var_freeze_step "
                 f"instead"
             )
@@ -144,54 +151,114 @@ def build_optimizer(
     a world of one.
     """
     groups = weight_decay_groups(model.named_parameters(), cfg.weight_decay)
-    common = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
-    if cfg.name == "lamb":
-        return Lamb(
-            groups,
-            **common,
-            max_coeff=cfg.max_coeff,
-            min_coeff=cfg.min_coeff,
-            bias_correction=cfg.bias_correction,
-        )
-    if cfg.name == "adamw":
-        # On CUDA torch's fused kernel: the whole update in one pass over each tensor
-        # (torch's default there, foreach, makes about ten passes). Elsewhere torch's
-        # default, the arithmetic the golden trajectories hold.
-        on_cuda = all(p.is_cuda for group in groups for p in group["params"])
-        return torch.optim.AdamW(groups, **common, fused=True if on_cuda else None)
-    if cfg.name == "sgd":
-        return MomentumSGD(groups, lr=cfg.lr, momentum=cfg.betas[0])
-    compressed = dict(comm=comm, bucket_numel=cfg.bucket_numel)
-    freeze = dict(freeze_step=cfg.freeze_step, auto_freeze=cfg.auto_freeze, total_steps=total_steps)
-    if cfg.name == "onebit_lamb":
-        opt = OneBitLamb(
-            groups,
-            **common,
-            **compressed,
-            **freeze,
-            max_coeff=cfg.max_coeff,
-            min_coeff=cfg.min_coeff,
-            coeff_beta=cfg.coeff_beta,
-            factor_max=cfg.factor_max,
-            factor_min=cfg.factor_min,
-            factor_threshold=cfg.factor_threshold,
-        )
-    elif cfg.name == "onebit_adam":
-        opt = OneBitAdam(
-            groups, **common, **compressed, **freeze, force_compression=force_compression
-        )
-    else:
-        opt = ZeroOneAdam(
-            groups,
-            **common,
-            **compressed,
-            var_freeze_step=cfg.var_freeze_step,
-            var_update_scaler=cfg.var_update_scaler,
-            local_step_scaler=cfg.local_step_scaler,
-            local_step_clipper=cfg.local_step_clipper,
-            force_compression=force_compression,
+    spec = optimizer_spec(cfg.name)
+    opt = spec.build(OptimizerBuild(cfg, groups, comm, total_steps, force_compression))
+    if not spec.compressed:
+        return opt
+    if not isinstance(opt, SelfSyncingOptimizer):
+        raise TypeError(
+            f"optimizer {cfg.name} is registered as compressed but {type(opt).__name__} lacks "
+            f"the SelfSyncingOptimizer surface (onebit_bert/optim/surface.py)"
         )
     params = dict(model.named_parameters())
     for name, mask in (momentum_masks or {}).items():
         opt.set_momentum_mask(params[name], mask)
     return opt
+
+
+# ---------------------------------------------------------------------- built-in entries
+def _common(cfg: OptimizerConfig) -> dict:
+    return dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def _compressed(b: OptimizerBuild) -> dict:
+    return dict(comm=b.comm, bucket_numel=b.cfg.bucket_numel)
+
+
+def _freeze(b: OptimizerBuild) -> dict:
+    cfg = b.cfg
+    return dict(freeze_step=cfg.freeze_step, auto_freeze=cfg.auto_freeze, total_steps=b.total_steps)
+
+
+def _lamb(b: OptimizerBuild):
+    cfg = b.cfg
+    return Lamb(
+        b.groups,
+        **_common(cfg),
+        max_coeff=cfg.max_coeff,
+        min_coeff=cfg.min_coeff,
+        bias_correction=cfg.bias_correction,
+    )
+
+
+def _adamw(b: OptimizerBuild):
+    # On CUDA torch's fused kernel: the whole update in one pass over each tensor (torch's
+    # default there, foreach, makes about ten passes). Elsewhere torch's default, the
+    # arithmetic the golden trajectories hold.
+    on_cuda = all(p.is_cuda for group in b.groups for p in group["params"])
+    return torch.optim.AdamW(b.groups, **_common(b.cfg), fused=True if on_cuda else None)
+
+
+def _sgd(b: OptimizerBuild):
+    return MomentumSGD(b.groups, lr=b.cfg.lr, momentum=b.cfg.betas[0])
+
+
+def _onebit_lamb(b: OptimizerBuild):
+    cfg = b.cfg
+    return OneBitLamb(
+        b.groups,
+        **_common(cfg),
+        **_compressed(b),
+        **_freeze(b),
+        max_coeff=cfg.max_coeff,
+        min_coeff=cfg.min_coeff,
+        coeff_beta=cfg.coeff_beta,
+        factor_max=cfg.factor_max,
+        factor_min=cfg.factor_min,
+        factor_threshold=cfg.factor_threshold,
+    )
+
+
+def _onebit_adam(b: OptimizerBuild):
+    return OneBitAdam(
+        b.groups,
+        **_common(b.cfg),
+        **_compressed(b),
+        **_freeze(b),
+        force_compression=b.force_compression,
+    )
+
+
+def _zero_one_adam(b: OptimizerBuild):
+    cfg = b.cfg
+    return ZeroOneAdam(
+        b.groups,
+        **_common(cfg),
+        **_compressed(b),
+        var_freeze_step=cfg.var_freeze_step,
+        var_update_scaler=cfg.var_update_scaler,
+        local_step_scaler=cfg.local_step_scaler,
+        local_step_clipper=cfg.local_step_clipper,
+        force_compression=b.force_compression,
+    )
+
+
+for _spec in (
+    OptimizerSpec("lamb", _lamb, "LAMB (layer-wise trust ratio over Adam's update)"),
+    OptimizerSpec("onebit_lamb", _onebit_lamb, "1-bit LAMB", True, True, "onebit_lamb"),
+    OptimizerSpec("onebit_adam", _onebit_adam, "1-bit Adam", True, True, "onebit_adam"),
+    OptimizerSpec("zero_one_adam", _zero_one_adam, "0/1 Adam", True, False, "zero_one_adam"),
+    OptimizerSpec("adamw", _adamw, "AdamW (torch's)"),
+    OptimizerSpec("sgd", _sgd, "momentum SGD with decoupled weight decay"),
+):
+    register_optimizer(_spec)
+
+COMPRESSED_OPTIMIZERS = compressed_optimizers()
+"""The built-in optimizers that average across ranks by themselves on some steps."""
+__all__ = [
+    "COMPRESSED_OPTIMIZERS",
+    "OPTIMIZERS",
+    "OptimizerConfig",
+    "build_optimizer",
+    "weight_decay_groups",
+]

@@ -16,7 +16,8 @@ from torch import nn
 
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.policy import CommConfig, CommPolicy
-from onebit_bert.optim.build import COMPRESSED_OPTIMIZERS, OptimizerConfig, build_optimizer
+from onebit_bert.optim.build import OptimizerConfig, build_optimizer
+from onebit_bert.optim.registry import optimizer_spec
 from onebit_bert.strategies.base import GradientSync, Strategy, StrategyConfig
 from onebit_bert.strategies.data_parallel import (
     DataParallel,
@@ -240,10 +241,10 @@ def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> st
     cannot work or a ``strategy.*`` field the strategy would ignore."""
     name = cfg.name
     if name == "auto":
-        name = optimizer.name if optimizer.name in COMPRESSED_OPTIMIZERS else "data_parallel"
+        name = optimizer_spec(optimizer.name).default_strategy
     spec = strategy_spec(name)
     if spec.optimizers is None:
-        if optimizer.name in COMPRESSED_OPTIMIZERS:
+        if optimizer_spec(optimizer.name).compressed:
             raise ValueError(
                 f"optimizer.name {optimizer.name} compresses its own communication on some "
                 f"steps; use strategy.name={optimizer.name} (or auto), not {name}"

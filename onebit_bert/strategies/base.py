@@ -219,7 +219,9 @@ class Strategy:
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict:
         """Per-step figures of the last step: stage, per-layer trust ratios and factors
-        (min/mean/max), the relative compression error, where the optimizer keeps them."""
+        (min/mean/max), the relative compression error, where the optimizer keeps them
+        (the attributes of :class:`~onebit_bert.optim.surface.ReportingOptimizer`, each
+        optional)."""
         opt = self.optimizer
         out = {"stage": getattr(opt, "stage", "full")}
         for prefix, attr in (("trust_ratio", "last_trust_ratios"), ("factor", "last_factors")):

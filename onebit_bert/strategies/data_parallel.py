@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, bucketed, codec_ddp_hook
 from onebit_bert.distributed.env import DistContext
+from onebit_bert.optim.surface import OverlappingOptimizer
 from onebit_bert.strategies.base import GradientSync, Strategy
 
 
@@ -105,7 +106,7 @@ class SelfSyncingDataParallel(DataParallel):
         opt.enable_overlap(self.comm.side_channel())
 
     def backward_context(self, last_micro_batch: bool):
-        if last_micro_batch and hasattr(self.optimizer, "begin_overlap"):
+        if last_micro_batch and isinstance(self.optimizer, OverlappingOptimizer):
             self.overlapping = self.optimizer.begin_overlap()
         return super().backward_context(last_micro_batch)
 

@@ -1,5 +1,6 @@
-"""The strategy registry: the built-in table, and a toy strategy added with nothing but a
-class and one registry entry, checked at config time and trained on two gloo ranks."""
+"""The strategy and optimizer registries: the built-in tables, a toy strategy added with
+nothing but a class and one registry entry (checked at config time, trained on two gloo
+ranks), and a toy optimizer the same way."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ import torch
 from onebit_bert.config import ConfigError, from_dict
 from onebit_bert.distributed.policy import CommConfig, CompressionConfig
 from onebit_bert.metrics_log import read_metrics
+from onebit_bert.optim.build import OptimizerConfig, build_optimizer
+from onebit_bert.optim.registry import (
+    OPTIMIZERS,
+    OptimizerSpec,
+    compressed_optimizers,
+    optimizer_spec,
+    register_optimizer,
+)
+from onebit_bert.optim.surface import OverlappingOptimizer, SelfSyncingOptimizer
 from onebit_bert.strategies import (
     STRATEGIES,
     Strategy,
@@ -145,3 +155,60 @@ def test_toy_strategy_trains_like_data_parallel_on_two_ranks(toy, tiny_corpus, t
     torch.testing.assert_close(toy_losses, dp_losses, rtol=1e-6, atol=0)
     for key, value in dp_model.items():
         torch.testing.assert_close(toy_model[key], value, rtol=1e-5, atol=1e-7, msg=key)
+
+
+# ----------------------------------------------------------------------------- optimizers
+def test_every_builtin_optimizer_builds_from_its_entry_with_its_surface():
+    from onebit_bert.distributed.comm import Communicator
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    assert set(OPTIMIZERS) >= {
+        "lamb",
+        "onebit_lamb",
+        "onebit_adam",
+        "zero_one_adam",
+        "adamw",
+        "sgd",
+    }
+    assert compressed_optimizers() == ("onebit_lamb", "onebit_adam", "zero_one_adam")
+    for name, spec in OPTIMIZERS.items():
+        opt = build_optimizer(OptimizerConfig(name=name), model, Communicator(None))
+        assert isinstance(opt, torch.optim.Optimizer), name
+        assert isinstance(opt, SelfSyncingOptimizer) == spec.compressed, name
+        if spec.compressed:
+            # its own strategy, which auto picks
+            assert strategy_spec(spec.default_strategy).optimizers == (name,)
+    for name in ("onebit_lamb", "onebit_adam"):
+        opt = build_optimizer(OptimizerConfig(name=name), model, Communicator(None))
+        assert isinstance(opt, OverlappingOptimizer), name
+
+
+class ToySGD(torch.optim.SGD):
+    """Plain SGD without momentum: a toy optimizer for the registry."""
+
+
+TOY_OPTIMIZER = OptimizerSpec("toy_sgd", lambda b: ToySGD(b.groups, lr=b.cfg.lr), "plain SGD")
+
+
+def test_toy_optimizer_joins_with_one_entry_and_runs_with_data_parallel():
+    from onebit_bert.distributed.comm import Communicator
+    from onebit_bert.strategies import resolve_strategy_name
+
+    with pytest.raises(ConfigError, match="not a registered optimizer; choose one of lamb"):
+        from_dict(PretrainConfig, {"optimizer": {"name": "toy_sgd"}})
+    register_optimizer(TOY_OPTIMIZER)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_optimizer(TOY_OPTIMIZER)
+        cfg = from_dict(PretrainConfig, {"optimizer": {"name": "toy_sgd", "lr": 0.5}})
+        assert resolve_strategy_name(cfg.strategy, cfg.optimizer) == "data_parallel"
+        assert optimizer_spec("toy_sgd").compressed is False
+        model = torch.nn.Linear(2, 1, bias=False)
+        opt = build_optimizer(cfg.optimizer, model, Communicator(None))
+        assert isinstance(opt, ToySGD)
+        model.weight.grad = torch.ones_like(model.weight)
+        before = model.weight.detach().clone()
+        opt.step()
+        torch.testing.assert_close(model.weight.detach(), before - 0.5)
+    finally:
+        OPTIMIZERS.pop("toy_sgd", None)
