@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test test-slow test-all test-gpu lint format smoke repro-mini parity compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
+.PHONY: setup test test-slow test-all test-gpu lint format config-docs smoke repro-mini parity compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,10 @@ test-gpu: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# docs/guide/configuration.md from the config dataclasses (a test checks it is current).
+config-docs: setup
+	$(PY) -m pipeline.config_reference
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

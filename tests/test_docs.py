@@ -132,6 +132,22 @@ def test_the_documents_exist():
     assert (REPO / "docs" / "results" / "README.md").is_file()
 
 
+def test_configuration_reference_is_current(tmp_path):
+    from pipeline import config_reference
+
+    page = config_reference.PAGE
+    assert page.read_text() == config_reference.render(), (
+        f"{rel(page)} differs from the config dataclasses: run make config-docs"
+    )
+    text = page.read_text()
+    for key in ("`optimizer.freeze_step`", "`strategy.name`", "`comm.compression.grad`"):
+        assert key in text
+    assert config_reference.main(["--check"]) == 0
+    stale = tmp_path / "configuration.md"
+    stale.write_text(text.replace("`strategy.name`", "`strategy.nom`"))
+    assert config_reference.main(["--check", "--out", str(stale)]) == 1
+
+
 def test_readme_starts_with_make_smoke_then_make_test():
     firsts = []
     for tag, _, text in fenced_blocks(REPO / "README.md"):

@@ -35,7 +35,6 @@ from onebit_bert.optim.zero_one_adam import ZeroOneAdam
 NO_DECAY_SUFFIXES = ("bias", "LayerNorm.weight", "LayerNorm.bias", "layer_norm.weight")
 
 
-
 @dataclass
 class OptimizerConfig:
     """Which optimizer, and its hyperparameters (DeepSpeed's names and defaults for 1-bit
