@@ -53,6 +53,11 @@ def _save(obj: Any, path: Path) -> None:
         torch.save(obj, f)
 
 
+WRITTEN_WORLD_SIZE = "written_world_size"
+"""Key :meth:`CheckpointManager.load_latest` adds to the shared state: the number of ranks
+that wrote the checkpoint."""
+
+
 class CheckpointManager:
     """Save and restore training state under ``directory`` for the ranks of ``comm``."""
 
@@ -133,6 +138,7 @@ class CheckpointManager:
                 if sha256_file(path / name) != expected:
                     raise OSError(f"{name} does not match its sha256 (corrupted)")
             shared = load_file(path / SHARED)
+            shared[WRITTEN_WORLD_SIZE] = meta["world_size"]
             per_rank = load_file(path / names[1]) if len(names) > 1 else None
             return shared, per_rank
         except Exception as err:  # any unreadable piece makes the checkpoint unusable

@@ -10,6 +10,7 @@ import sys
 from onebit_bert.checkpoint import NoUsableCheckpoint
 from onebit_bert.config import ConfigError, config_help, load_config
 from onebit_bert.distributed.env import destroy_distributed, init_distributed
+from onebit_bert.run_lock import RunLocked
 from pretrain.config import PretrainConfig
 from pretrain.train import TrainingDiverged, train
 
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except RunLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 4
     except (ValueError, FileNotFoundError, NoUsableCheckpoint) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

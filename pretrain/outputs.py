@@ -35,6 +35,7 @@ from typing import Any
 
 from onebit_bert.io import atomic_write_json
 from onebit_bert.metrics_log import METRICS_FILE
+from onebit_bert.run_lock import pid_alive
 
 STATUS = "status.json"
 UNREADABLE = "unreadable"
@@ -243,23 +244,6 @@ class RunState:
 
     def __str__(self) -> str:
         return self.text
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else
-    except OSError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc (not Linux), or it ended just now: trust kill()
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def _ago(seconds: float) -> str:

@@ -27,6 +27,7 @@ from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.precision import LossScaler, autocast, resolve_precision
+from onebit_bert.run_lock import RunLock, RunLocked
 from onebit_bert.shards import PretrainingShards
 from onebit_bert.strategies import build_strategy
 from pretrain import checkpointing, outputs
@@ -107,6 +108,16 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.accumulation = cfg.batch_plan(ctx.world_size)
+        self.lock = RunLock(cfg.run_dir) if ctx.rank == 0 else None
+        self._take_lock()
+        try:
+            self._build()
+        except BaseException:
+            self.release()
+            raise
+
+    def _build(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
         self._setup_data()
         init = checkpointing.resolve_init(cfg)
         self.run_dir = Path(cfg.run_dir)
@@ -146,6 +157,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, outputs.config_path(self.run_dir))
         notes = single_process_notes(cfg, ctx.world_size)
+        if self.lock is not None and self.lock.took_over:
+            notes.append(f"took over the run lock of {self.lock.took_over}")
         for note in notes:
             warnings.warn(note, stacklevel=2)
         self.status.start(
@@ -155,6 +168,32 @@ class Trainer:
             **({"notes": notes} if notes else {}),
         )
         self.logger = MetricsLogger(self.run_dir, ctx.is_main, cfg.logging, config=to_dict(cfg))
+
+    def _take_lock(self) -> None:
+        """Rank 0 takes the run directory's lock before anything is written; every rank
+        stops with :class:`RunLocked` if another live launch holds it."""
+        ok = torch.ones(1, device=self.ctx.device)
+        error = None
+        if self.lock is not None:
+            try:
+                self.lock.acquire()
+            except RunLocked as err:
+                error = err
+                ok.zero_()
+        with self.ctx.comm.traffic("statistics"):
+            self.ctx.comm.all_reduce(ok, op="min")
+        if error is not None:
+            raise error
+        if ok.item() == 0:
+            raise RunLocked(
+                f"{self.cfg.run_dir}: rank 0 could not take the run lock (its error names "
+                f"the launch that holds it)"
+            )
+
+    def release(self) -> None:
+        """Give the run directory's lock back (rank 0; the others hold none)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def _setup_data(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -318,6 +357,8 @@ class Trainer:
                 if step % cfg.checkpoint.every == 0 or stop or step == max_steps:
                     last_saved = step if self.save(step) else last_saved
                 self.status.heartbeat(step, last_saved)
+                if self.lock is not None:
+                    self.lock.heartbeat()
                 if stop:
                     state = "preempted" if record.preempted else "stopped"
                     break
@@ -432,8 +473,10 @@ def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     trainer = Trainer(cfg, ctx)
     try:
         return trainer.run()
-    except TrainingDiverged:
+    except (TrainingDiverged, RunLocked):
         raise
     except BaseException as err:
         trainer.status.finish(outputs.FAILED, {"error": f"{type(err).__name__}: {err}"[:500]})
         raise
+    finally:
+        trainer.release()

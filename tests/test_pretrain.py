@@ -253,7 +253,7 @@ def _single():
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (["optimizer.name=rmsprop"], "must be one of"),
+        (["optimizer.name=rmsprop"], "not a registered optimizer; choose one of lamb"),
         (["model.preset=bert-huge"], "must be one of"),
         (["schedule.warmup_proportion=1.5"], "warmup_proportion"),
         (["batch.micro_batch_size=0"], "batch sizes"),

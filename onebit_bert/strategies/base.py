@@ -24,6 +24,7 @@ from typing import Literal
 
 from torch import nn
 
+from onebit_bert.checkpoint import WRITTEN_WORLD_SIZE
 from onebit_bert.distributed.env import DistContext
 
 GradientSync = Literal["allreduce", "node", "optimizer", "none"]
@@ -205,6 +206,26 @@ class Strategy:
         which must use the strategy and optimizer that wrote the checkpoint (a new phase
         that starts from another run's state passes False)."""
         saved = shared.get("strategy")
+        written = shared.get(WRITTEN_WORLD_SIZE)
+        if (
+            same_run
+            and saved is not None
+            and saved != self.identity()
+            and written not in (None, self.ctx.world_size)
+        ):
+            one = (
+                "; on one process a compressing optimizer runs uncompressed (1-bit LAMB as "
+                "exact LAMB), so resume on more processes or set "
+                "strategy.force_compression=true"
+                if self.ctx.world_size == 1
+                else ""
+            )
+            raise ValueError(
+                f"the checkpoint was written on {written} processes by strategy "
+                f"{saved['name']} with optimizer {saved['optimizer']}; on "
+                f"{self.ctx.world_size} process(es) the same config builds strategy "
+                f"{self.name} with {type(self.optimizer).__name__}{one}"
+            )
         if same_run and saved is not None and saved != self.identity():
             raise ValueError(
                 f"the checkpoint was written by strategy {saved['name']} with optimizer "
