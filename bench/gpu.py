@@ -276,12 +276,12 @@ def our_loop(
             trainer.model.bert.compile()
         seconds = []
         device.synchronize()
-        for step in range(total):
+        for step in range(1, total + 1):
             start = time.perf_counter()
             trainer.train_step(step)
             device.synchronize()
             seconds.append(time.perf_counter() - start)
-        _, syncs = count_host_syncs(lambda: trainer.train_step(total), ctx.device)
+        _, syncs = count_host_syncs(lambda: trainer.train_step(total + 1), ctx.device)
         return {
             **rate(seconds[args.warmup_steps :], args.batch_size),
             "host_syncs_per_step": syncs,
@@ -290,6 +290,7 @@ def our_loop(
         }
     finally:
         trainer.logger.close()
+        trainer.release()
 
 
 def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args, device) -> dict:

@@ -14,7 +14,7 @@ import torch
 from onebit_bert.checkpoint import CheckpointManager, load_file
 from onebit_bert.io import atomic_write_json
 from onebit_bert.strategies import Strategy
-from pretrain.config import PretrainConfig
+from pretrain.config import RESUME_MAY_CHANGE, PretrainConfig
 from pretrain.model import load_weights
 
 
@@ -148,3 +148,51 @@ def export_hf(model, tokenizer_dir: Path, out: Path, summary: dict) -> None:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
+
+
+# ----------------------------------------------------------------------------- resume changes
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _covered(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def resume_changes(recorded: dict, current: dict, allowed=()) -> tuple[dict, dict]:
+    """(allowed, refused) changes between the config a run recorded and the one resuming
+    it, each ``{key: [recorded, current]}``. Keys the recorded config lacks (written before
+    the field existed) and the keys of :data:`RESUME_MAY_CHANGE` are not changes."""
+    old, new = _flatten(recorded), _flatten(current)
+    ok, refused = {}, {}
+    for key, value in new.items():
+        if key not in old or _covered(key, RESUME_MAY_CHANGE):
+            continue
+        before = old[key]
+        if isinstance(before, list | tuple) and isinstance(value, list | tuple):
+            same = list(before) == list(value)
+        else:
+            same = before == value
+        if not same:
+            (ok if _covered(key, allowed) else refused)[key] = [before, value]
+    return ok, refused
+
+
+def check_resume_changes(recorded: dict, current: dict, allowed=()) -> dict:
+    """The allowed changes; a :class:`ValueError` listing the others."""
+    ok, refused = resume_changes(recorded, current, allowed)
+    if refused:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in refused.items())
+        keys = ",".join(refused)
+        raise ValueError(
+            f"this resume changes settings that alter the training trajectory ({listed}); "
+            f"restore them, start a new run_dir (or a new phase with model.init_from), or "
+            f"allow them with resume.allow_changes=[{keys}]"
+        )
+    return ok

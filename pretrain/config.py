@@ -126,6 +126,34 @@ class CheckpointConfig:
             raise ValueError("checkpoint.every and checkpoint.keep_last must be >= 1")
 
 
+RESUME_MAY_CHANGE = (
+    "run_dir",
+    "logging",
+    "checkpoint",
+    "divergence",
+    "data.validation_every",
+    "data.validation_batches",
+    "stop_after",
+    "backend",
+    "resume",
+)
+"""Settings a resume may change without ``resume.allow_changes``: they do not alter the
+training trajectory."""
+
+
+@dataclass
+class ResumeConfig:
+    """What a resume may change."""
+
+    allow_changes: list[str] = field(default_factory=list)
+    """Settings a resume may change although they alter the trajectory (dotted keys, or
+    whole sections such as ``schedule``). Any other such change (global batch, lr,
+    schedule, model, data, optimizer, strategy, seed, ...) stops the resume with the list of
+    differences; an allowed one is recorded in ``status.json`` and the metrics. Logging,
+    checkpoint and validation cadence, divergence, ``stop_after`` and ``backend`` may always
+    change."""
+
+
 @dataclass
 class DivergenceConfig:
     """When a run whose numbers broke stops instead of training (and exporting) NaNs."""
@@ -155,6 +183,7 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    resume: ResumeConfig = field(default_factory=ResumeConfig)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPUs that have it (fp16 + loss scaling on older ones), fp32 on CPU."""
     clip_grad_norm: float = 1.0

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from onebit_bert.checkpoint import CheckpointManager
-from onebit_bert.config import save_config, to_dict
+from onebit_bert.config import read_config_file, save_config, to_dict
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
@@ -133,6 +133,7 @@ class Trainer:
             outputs.checkpoints_dir(self.run_dir), ctx.comm, cfg.checkpoint.keep_last
         )
         resumed = self.checkpoints.load_latest(cfg.checkpoint.allow_restart)
+        self.config_changes = self._check_resume_changes() if resumed is not None else {}
         if resumed is None and init is not None:
             checkpointing.initialise(cfg, init, self.strategy)
         # Built after any inherited optimizer state, so this phase's schedule starts at 0.
@@ -157,6 +158,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, outputs.config_path(self.run_dir))
         notes = single_process_notes(cfg, ctx.world_size)
+        if self.config_changes:
+            changed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in self.config_changes.items())
+            notes.append(f"resumed with changes allowed by resume.allow_changes: {changed}")
         if self.lock is not None and self.lock.took_over:
             notes.append(f"took over the run lock of {self.lock.took_over}")
         for note in notes:
@@ -168,6 +172,20 @@ class Trainer:
             **({"notes": notes} if notes else {}),
         )
         self.logger = MetricsLogger(self.run_dir, ctx.is_main, cfg.logging, config=to_dict(cfg))
+        if self.config_changes:
+            self.logger.log(self.start_step, {"resume_changes": self.config_changes})
+
+    def _check_resume_changes(self) -> dict:
+        """On a resume, the changes ``resume.allow_changes`` allows against the run's
+        recorded config; a :class:`ValueError` for any other change that alters the
+        trajectory, before the checkpoint's state is restored or anything is written."""
+        recorded = outputs.config_path(Path(self.cfg.run_dir))
+        if not recorded.is_file():
+            return {}
+        previous = read_config_file(recorded)
+        return checkpointing.check_resume_changes(
+            previous, to_dict(self.cfg), self.cfg.resume.allow_changes
+        )
 
     def _take_lock(self) -> None:
         """Rank 0 takes the run directory's lock before anything is written; every rank
@@ -236,8 +254,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self, step: int) -> StepRecord:
-        """Optimizer step ``step`` (0-based) on this rank; statistics summed over ranks
-        with the stop requests (SIGUSR1/SIGTERM seen by any rank) in the same all-reduce."""
+        """Optimizer step ``step`` on this rank; statistics summed over ranks with the stop
+        requests (SIGUSR1/SIGTERM seen by any rank) in the same all-reduce.
+
+        Steps are numbered from 1 everywhere (this method, the strategy hooks, the logs,
+        the checkpoints, ``schedule.max_steps``): step N is the N-th optimizer step. Only
+        the data schedule counts its batches from 0 (``step - 1``)."""
         cfg, ctx, comm, strategy = self.cfg, self.ctx, self.ctx.comm, self.strategy
         t0 = time.perf_counter()
         grad_sync = strategy.gradient_sync()  # the strategy's hooks act on the same answer
@@ -245,15 +267,16 @@ class Trainer:
         net_before = self.net.snapshot() if self.net is not None else None
         # every STEP_TOTALS entry, summed over ranks in one all-reduce
         totals = torch.zeros(len(STEP_TOTALS), device=ctx.device, dtype=torch.float64)
-        micro = self.schedule.micro_indices(step, ctx.rank)
+        batch_index = step - 1
+        micro = self.schedule.micro_indices(batch_index, ctx.rank)
         for a, (k, rows) in enumerate(micro):
             raw = make_batch(
-                self.train_rows, rows, self.ids, cfg.data, seed=cfg.seed, step=step, micro=k
+                self.train_rows, rows, self.ids, cfg.data, seed=cfg.seed, step=batch_index, micro=k
             )
             batch = _to_device(raw, ctx.device)
             with strategy.backward_context(a == len(micro) - 1):
                 with autocast(self.precision, ctx.device):
-                    loss, stats = strategy.module(**batch)
+                    loss, stats = strategy.forward_module(**batch)
                 self.scaler.scaled(loss / self.accumulation).backward()
             for i, key in enumerate(STAT_KEYS):
                 if key in stats:
@@ -281,7 +304,7 @@ class Trainer:
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             self.scheduler.step()
         strategy.optimizer.zero_grad(set_to_none=True)
-        strategy.after_step(step + 1)
+        strategy.after_step(step)
         t3 = time.perf_counter()
         comm_step = comm.snapshot() - comm_before
         intra_step = comm.intra_stats.copy() - intra_before
@@ -336,8 +359,8 @@ class Trainer:
         started = time.perf_counter()
         try:
             while step < max_steps:
-                record = self.train_step(step)
                 step += 1
+                record = self.train_step(step)
                 if step % log_cfg.every == 0 or step == max_steps:
                     self.logger.log(step, self.step_metrics(record))
                 if step % log_cfg.progress_every == 0:

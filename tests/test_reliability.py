@@ -90,7 +90,8 @@ def test_a_corrupted_checkpoint_is_skipped_by_its_checksum(tiny_corpus, tmp_path
     _run(tiny_config(tiny_corpus, run_dir, **base))
     _corrupt(run_dir / "checkpoints" / "step_00000008" / "shared.pt")  # same size
     with pytest.warns(UserWarning, match=r"step_00000008.*sha256"):
-        summary = _run(tiny_config(tiny_corpus, run_dir, **{**base, "schedule.max_steps": 12}))
+        longer = {**base, "schedule.max_steps": 12, "resume.allow_changes": ["schedule.max_steps"]}
+        summary = _run(tiny_config(tiny_corpus, run_dir, **longer))
     assert summary["state"] == "complete"
     assert _steps(run_dir)[-8:] == [5, 6, 7, 8, 9, 10, 11, 12]  # resumed at step 4
 
@@ -135,11 +136,13 @@ def test_a_checkpoint_cannot_run_code_when_loaded(tmp_path):
 def test_resuming_with_another_optimizer_is_refused(tiny_corpus, tmp_path):
     run_dir = tmp_path / "run"
     _run(tiny_config(tiny_corpus, run_dir, **{"schedule.max_steps": 4}))
-    other = tiny_config(
-        tiny_corpus, run_dir, **{"schedule.max_steps": 8, "optimizer.name": "adamw"}
-    )
+    other = {"schedule.max_steps": 8, "optimizer.name": "adamw"}
+    with pytest.raises(ValueError, match="optimizer.name: 'lamb' -> 'adamw'"):
+        _run(tiny_config(tiny_corpus, run_dir, **other))
+    # allowed as a config change, the checkpoint's own state still cannot be read by AdamW
+    allowed = {**other, "resume.allow_changes": ["optimizer", "schedule.max_steps"]}
     with pytest.raises(ValueError, match="written by strategy data_parallel with optimizer Lamb"):
-        _run(other)
+        _run(tiny_config(tiny_corpus, run_dir, **allowed))
 
 
 def test_fine_tuning_refuses_non_finite_weights(tmp_path):

@@ -10,7 +10,7 @@ One optimizer step of the loop, and the hook each part calls::
     strategy.after_step(step)          outer step / neighbour exchange (may start async work)
     strategy.drain()                   before validation, checkpoints, export and exit
 
-The loop runs forward passes through ``strategy.module``, evaluates and exports
+The loop runs forward passes through ``strategy.forward_module``, evaluates and exports
 ``strategy.eval_model()``, and checkpoints ``strategy.state_dict()`` (a part every rank
 shares and a per-rank part). Everything a strategy sends goes through the communicator
 under a kind of traffic, so the loop can report bytes and seconds per kind.
@@ -127,15 +127,17 @@ class StrategyConfig:
 class Strategy:
     """Base sync strategy: no communication at all (the hooks a subclass overrides).
 
-    ``module`` is what forward/backward runs through (the loss module, or its DDP
-    wrapper), ``model`` the bare network, ``optimizer`` the optimizer it steps.
+    ``forward_module`` is what the loop's forward and backward passes run through (the
+    loss module, or its DDP wrapper); ``model`` is the bare network the optimizer steps;
+    :meth:`eval_model` is the network to validate and export (``model``, or an average
+    of the ranks' models where they differ); ``optimizer`` is the optimizer it steps.
     """
 
     name = "none"
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer, ctx: DistContext):
         self.model = model
-        self.module = module
+        self.forward_module = module
         self.optimizer = optimizer
         self.ctx = ctx
         self.comm = ctx.comm

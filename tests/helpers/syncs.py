@@ -66,6 +66,7 @@ def training_step_syncs(corpus, run_dir, preset: str, device: str) -> list[int]:
     trainer = Trainer(from_dict(PretrainConfig, cfg), ctx)
     assert trainer.ctx.device.type == torch.device(device).type
     try:
-        return [count_host_syncs(lambda s=s: trainer.train_step(s), device)[1] for s in range(3)]
+        return [count_host_syncs(lambda s=s: trainer.train_step(s), device)[1] for s in (1, 2, 3)]
     finally:
         trainer.logger.close()
+        trainer.release()
