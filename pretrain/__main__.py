@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     backend = None if cfg.backend == "auto" else cfg.backend
-    ctx = init_distributed(backend=backend)
+    ctx = init_distributed(backend=backend, timeout_s=cfg.collective_timeout_s)
     try:
         summary = train(cfg, ctx)
     except TrainingDiverged as err:

@@ -135,6 +135,7 @@ RESUME_MAY_CHANGE = (
     "data.validation_batches",
     "stop_after",
     "backend",
+    "collective_timeout_s",
     "resume",
 )
 """Settings a resume may change without ``resume.allow_changes``: they do not alter the
@@ -191,11 +192,18 @@ class PretrainConfig:
     local, so each rank clips its own."""
     seed: int = 42
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    collective_timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before the process group fails
+    the job (the NCCL/gloo timeout). It must exceed the longest time one rank can spend
+    away from the others: a checkpoint save with its hashing, a validation pass, the
+    first step's compilation."""
     stop_after: int | None = None
     """Stop (with a checkpoint) after this many steps of this invocation; for tests and
     time-boxed jobs."""
 
     def __post_init__(self):
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.clip_grad_norm < 0:
             raise ValueError("clip_grad_norm must be >= 0")
         if self.seed < 0:

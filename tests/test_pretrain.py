@@ -260,11 +260,33 @@ def _single():
         (["optimizer.freeze_step=0"], "freeze_step"),
         (["clip_grad_norm=-1"], "clip_grad_norm"),
         (["logging.every=0"], "logging.every"),
+        (["collective_timeout_s=0"], "collective_timeout_s must be > 0"),
     ],
 )
 def test_bad_config_values(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(PretrainConfig, REPO / "configs" / "pretrain" / "tiny.yaml", overrides)
+
+
+def test_the_collective_timeout_reaches_the_process_group(monkeypatch):
+    import pretrain.__main__ as cli
+
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "init_distributed", fake_init)
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "--config",
+                str(REPO / "configs" / "pretrain" / "tiny.yaml"),
+                "collective_timeout_s=90",
+            ]
+        )
+    assert seen == {"backend": None, "timeout_s": 90.0}
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "pretrain").glob("*.yaml")))
