@@ -58,6 +58,12 @@ WRITTEN_WORLD_SIZE = "written_world_size"
 that wrote the checkpoint."""
 
 
+def _file_record(path: Path, device=None) -> torch.Tensor:
+    """A file's sha256 (32 bytes) and size (8 bytes, little-endian) as a uint8 tensor."""
+    digest = bytes.fromhex(sha256_file(path)) + path.stat().st_size.to_bytes(8, "little")
+    return torch.tensor(list(digest), dtype=torch.uint8, device=device)
+
+
 class CheckpointManager:
     """Save and restore training state under ``directory`` for the ranks of ``comm``."""
 
@@ -85,13 +91,23 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self.comm.barrier()
-        _save(per_rank, tmp / _rank_file(self.comm.rank))
+        own = tmp / _rank_file(self.comm.rank)
+        _save(per_rank, own)
+        mine = _file_record(own, self.comm.device)  # each rank hashes its own file, all at once
+        every = torch.empty(
+            self.comm.world_size, mine.numel(), dtype=torch.uint8, device=mine.device
+        )
+        with self.comm.traffic("statistics"):
+            self.comm.all_gather(every, mine)  # also: every rank has written its file
         if self.comm.rank == 0:
             _save(shared, tmp / SHARED)
-        self.comm.barrier()
-        if self.comm.rank == 0:
-            files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
-            sha256 = {name: sha256_file(tmp / name) for name in files}
+            files, sha256 = {}, {}
+            for rank, record in enumerate(every.cpu()):
+                name = _rank_file(rank)
+                files[name] = int.from_bytes(bytes(record[32:].tolist()), "little")
+                sha256[name] = bytes(record[:32].tolist()).hex()
+            files[SHARED] = (tmp / SHARED).stat().st_size
+            sha256[SHARED] = sha256_file(tmp / SHARED)
             atomic_write_json(
                 tmp / COMPLETE,
                 {
