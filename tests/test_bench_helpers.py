@@ -146,3 +146,15 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
         assert run["host_syncs_per_step"] > 0  # the gradient norm, at least
     with pytest.raises(SystemExit):  # half precision is the GPU's
         gpu.check_arguments(parser, parser.parse_args(["--device", "cpu"]))
+
+
+def test_checkpoint_io_bench_saves_loads_and_reports_rates(tmp_path):
+    from bench import checkpoint_io
+
+    result = checkpoint_io.measure(tmp_path / "ckpt", scale=0.001, repeats=2)
+    params = int(checkpoint_io.BERT_LARGE_PARAMS * 0.001)
+    assert result["bytes"]["shared"] == 3 * 4 * params
+    assert result["bytes"]["per_rank"] == int(checkpoint_io.ERROR_FEEDBACK_BYTES * 0.001) // 4 * 4
+    assert len(result["save_seconds"]) == len(result["load_seconds"]) == 2
+    assert result["save_gb_per_s"] > 0 and result["load_gb_per_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
