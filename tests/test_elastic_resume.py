@@ -37,10 +37,7 @@ def test_lamb_resumed_on_one_process_continues_the_two_process_trajectory(tiny_c
 
 def test_onebit_lamb_from_two_processes_onto_one_names_the_world_sizes(tiny_corpus, tmp_path):
     run_dir = tmp_path / "run"
-    run_ranks(
-        train_in_process, 2, _cfg(tiny_corpus, run_dir, 3, **{"optimizer.name": "onebit_lamb"})
-    )
+    onebit = {"optimizer.name": "onebit_lamb"}
+    run_ranks(train_in_process, 2, _cfg(tiny_corpus, run_dir, 6, stop_after=3, **onebit))
     with pytest.raises(ValueError, match="written on 2 processes.*on 1 process.*force_compression"):
-        run_ranks(
-            train_in_process, 1, _cfg(tiny_corpus, run_dir, 6, **{"optimizer.name": "onebit_lamb"})
-        )
+        run_ranks(train_in_process, 1, _cfg(tiny_corpus, run_dir, 6, **onebit))
