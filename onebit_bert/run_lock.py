@@ -10,6 +10,7 @@ holder is certainly gone:
   its own id while nothing of the old allocation may write any more;
 - its heartbeat is older than ``stale_after`` seconds (a holder on another host that
   stopped beating: a dead node).
+- this very process holds it (an earlier run in the same process that never released it).
 
 The file is JSON (``host``, ``pids``, ``job_id``, ``started``, ``heartbeat``, ``token``),
 written atomically; two launches that take over the same stale lock at once are told

@@ -20,10 +20,8 @@ from onebit_bert.optim.lamb import Lamb
 from onebit_bert.optim.onebit_adam import OneBitAdam
 from onebit_bert.optim.onebit_lamb import OneBitLamb
 from onebit_bert.optim.registry import (
-    OPTIMIZERS,
     OptimizerBuild,
     OptimizerSpec,
-    compressed_optimizers,
     freezing_optimizers,
     optimizer_spec,
     register_optimizer,
@@ -251,13 +249,3 @@ for _spec in (
     OptimizerSpec("sgd", _sgd, "momentum SGD with decoupled weight decay"),
 ):
     register_optimizer(_spec)
-
-COMPRESSED_OPTIMIZERS = compressed_optimizers()
-"""The built-in optimizers that average across ranks by themselves on some steps."""
-__all__ = [
-    "COMPRESSED_OPTIMIZERS",
-    "OPTIMIZERS",
-    "OptimizerConfig",
-    "build_optimizer",
-    "weight_decay_groups",
-]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 
 import torch
 from torch import nn
@@ -135,6 +136,30 @@ _SGD_HINT = (
 _AUTO_HINT = "or strategy.name=auto"
 
 
+# Keys a family's entries share; each entry adds its name, summary and what differs.
+_self_syncing = partial(
+    StrategySpec, family="data_parallel", optimizer_hint=_AUTO_HINT, hierarchy=True
+)
+_local = partial(
+    StrategySpec,
+    build=_local_steps,
+    family="local_steps",
+    optimizers=_INNER_OPTIMIZERS,
+    optimizer_hint=_INNER_HINT,
+    traffic=("outer",),
+    hierarchy=True,
+    check=check_local_step_config,
+)
+_gossip = partial(
+    StrategySpec,
+    build=_decentralized,
+    family="decentralized",
+    optimizers=("sgd",),
+    optimizer_hint=_SGD_HINT,
+    fields=_DECENTRALIZED,
+    traffic=("neighbour",),
+)
+
 for _spec in (
     StrategySpec(
         "data_parallel",
@@ -144,92 +169,52 @@ for _spec in (
         traffic=("grad",),
         hierarchy=True,
     ),
-    StrategySpec(
-        "onebit_lamb",
-        _averaging(OneBitLambStrategy),
-        "1-bit LAMB: averaged gradients in the warmup, then its compressed momentum",
-        family="data_parallel",
+    _self_syncing(
+        name="onebit_lamb",
+        build=_averaging(OneBitLambStrategy),
+        summary="1-bit LAMB: averaged gradients in the warmup, then its compressed momentum",
         optimizers=("onebit_lamb",),
-        optimizer_hint=_AUTO_HINT,
         traffic=("grad", "momentum"),
-        hierarchy=True,
         overlap=True,
     ),
-    StrategySpec(
-        "onebit_adam",
-        _averaging(OneBitAdamStrategy),
-        "1-bit Adam: averaged gradients in the warmup, then its compressed momentum",
-        family="data_parallel",
+    _self_syncing(
+        name="onebit_adam",
+        build=_averaging(OneBitAdamStrategy),
+        summary="1-bit Adam: averaged gradients in the warmup, then its compressed momentum",
         optimizers=("onebit_adam",),
-        optimizer_hint=_AUTO_HINT,
         traffic=("grad", "momentum"),
-        hierarchy=True,
         overlap=True,
     ),
-    StrategySpec(
-        "zero_one_adam",
-        _averaging(ZeroOneAdamStrategy),
-        "0/1 Adam: averaged gradients on variance steps, 1-bit ones and local steps else",
-        family="data_parallel",
+    _self_syncing(
+        name="zero_one_adam",
+        build=_averaging(ZeroOneAdamStrategy),
+        summary="0/1 Adam: averaged gradients on variance steps, 1-bit ones and local steps else",
         optimizers=("zero_one_adam",),
-        optimizer_hint=_AUTO_HINT,
         traffic=("grad",),
+        hierarchy=False,
     ),
-    StrategySpec(
-        "co2",
-        _local_steps,
-        "local steps; the round's average enters one round late (CO2)",
-        family="local_steps",
-        optimizers=_INNER_OPTIMIZERS,
-        optimizer_hint=_INNER_HINT,
+    _local(
+        name="co2",
+        summary="local steps; the round's average enters one round late (CO2)",
         fields=(*_OUTER, "gap_penalty", "clip_threshold", "clip_mode"),
-        traffic=("outer",),
-        hierarchy=True,
-        check=check_local_step_config,
     ),
-    StrategySpec(
-        "slowmo",
-        _local_steps,
-        "local steps, a synchronous average and a slow momentum step (SlowMo)",
-        family="local_steps",
-        optimizers=_INNER_OPTIMIZERS,
-        optimizer_hint=_INNER_HINT,
+    _local(
+        name="slowmo",
+        summary="local steps, a synchronous average and a slow momentum step (SlowMo)",
         fields=_OUTER,
-        traffic=("outer",),
-        hierarchy=True,
-        check=check_local_step_config,
     ),
-    StrategySpec(
-        "local_sgd",
-        _local_steps,
-        "local steps and a synchronous parameter average (slowmo without momentum)",
-        family="local_steps",
-        optimizers=_INNER_OPTIMIZERS,
-        optimizer_hint=_INNER_HINT,
+    _local(
+        name="local_sgd",
+        summary="local steps and a synchronous parameter average (slowmo without momentum)",
         fields=_OUTER,
-        traffic=("outer",),
-        hierarchy=True,
-        check=check_local_step_config,
     ),
-    StrategySpec(
-        "decentlam",
-        _decentralized,
-        "decentralised: momentum on the gossip-induced gradient (DecentLaM)",
-        family="decentralized",
-        optimizers=("sgd",),
-        optimizer_hint=_SGD_HINT,
-        fields=_DECENTRALIZED,
-        traffic=("neighbour",),
+    _gossip(
+        name="decentlam",
+        summary="decentralised: momentum on the gossip-induced gradient (DecentLaM)",
     ),
-    StrategySpec(
-        "dmsgd",
-        _decentralized,
-        "decentralised: own momentum step, then the neighbour average (DmSGD)",
-        family="decentralized",
-        optimizers=("sgd",),
-        optimizer_hint=_SGD_HINT,
-        fields=_DECENTRALIZED,
-        traffic=("neighbour",),
+    _gossip(
+        name="dmsgd",
+        summary="decentralised: own momentum step, then the neighbour average (DmSGD)",
     ),
 ):
     register_strategy(_spec)
