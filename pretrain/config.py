@@ -120,10 +120,18 @@ class CheckpointConfig:
     allow_restart: bool = False
     """When checkpoints exist but none can be loaded (corrupt), start again from step 0
     instead of stopping with an error."""
+    preemption_lead_s: float | None = None
+    """Seconds between the preemption signal (SLURM's ``--signal=B:USR1@<lead>``) and the
+    kill; ``pipeline submit`` sets it from ``slurm.signal_lead``. When set, the run checks
+    the rule lead >= 2 x save time + one step against its own measured save time, at start
+    (the last launch's) and after every save, and warns (also in ``status.json``) when the
+    lead is too short."""
 
     def __post_init__(self):
         if self.every < 1 or self.keep_last < 1:
             raise ValueError("checkpoint.every and checkpoint.keep_last must be >= 1")
+        if self.preemption_lead_s is not None and self.preemption_lead_s <= 0:
+            raise ValueError("checkpoint.preemption_lead_s must be > 0 (or null: no check)")
 
 
 RESUME_MAY_CHANGE = (
@@ -137,9 +145,11 @@ RESUME_MAY_CHANGE = (
     "backend",
     "collective_timeout_s",
     "resume",
+    "strategy.force_compression",
 )
 """Settings a resume may change without ``resume.allow_changes``: they do not alter the
-training trajectory."""
+training trajectory (``strategy.force_compression`` acts on one process only, where it keeps
+a compressing optimizer compressing, as the run that wrote the checkpoint was)."""
 
 
 @dataclass

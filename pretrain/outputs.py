@@ -207,6 +207,13 @@ class RunStatus:
             return False
         return True
 
+    def update(self, **info: Any) -> None:
+        """Add ``info`` to the record (kept in every later write) and write now."""
+        if not self.is_writer:
+            return
+        self._record.update(info)
+        self._write()
+
     def finish(self, state: str = COMPLETE, summary: dict[str, Any] | None = None) -> None:
         """The run ends in ``state`` (complete, preempted, stopped, failed, ...); the
         ``summary`` keys (e.g. step, last_checkpoint, world_size) are added to the record."""

@@ -67,6 +67,20 @@ class Preemption:
             signal.signal(sig, handler)
 
 
+def lead_shortfall(lead_s: float, save_s: float, step_s: float) -> str | None:
+    """The warning when a preemption lead of ``lead_s`` seconds cannot cover one step and
+    a checkpoint save twice over (the rule of the cluster guide: lead >= 2 x save + step),
+    else None. Twice the save: a loaded file system can be slower than the measured save."""
+    needed = 2 * save_s + step_s
+    if lead_s >= needed:
+        return None
+    return (
+        f"checkpoint.preemption_lead_s is {lead_s:g} s, but a save took {save_s:.1f} s and "
+        f"a step {step_s:.1f} s here: a preemption may kill the run before its checkpoint "
+        f"is written; raise slurm.signal_lead to at least {math.ceil(needed)} s"
+    )
+
+
 COMPRESSING_OPTIMIZERS = ("onebit_lamb", "onebit_adam", "zero_one_adam")
 
 
@@ -158,6 +172,11 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, outputs.config_path(self.run_dir))
         notes = single_process_notes(cfg, ctx.world_size)
+        self.save_seconds, self.step_seconds = self._previous_save_time()
+        self._lead_warned = False
+        short = self._lead_check()
+        if short:
+            notes.append(short)
         if self.config_changes:
             changed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in self.config_changes.items())
             notes.append(f"resumed with changes allowed by resume.allow_changes: {changed}")
@@ -170,6 +189,8 @@ class Trainer:
             last_checkpoint=self.start_step if self.resumed else None,
             world_size=ctx.world_size,
             **({"notes": notes} if notes else {}),
+            **({"save_seconds": self.save_seconds} if self.save_seconds is not None else {}),
+            **({"step_seconds": self.step_seconds} if self.step_seconds is not None else {}),
         )
         self.logger = MetricsLogger(self.run_dir, ctx.is_main, cfg.logging, config=to_dict(cfg))
         if self.config_changes:
@@ -361,6 +382,7 @@ class Trainer:
             while step < max_steps:
                 step += 1
                 record = self.train_step(step)
+                self.step_seconds = record.t_end - record.t_start
                 if step % log_cfg.every == 0 or step == max_steps:
                     self.logger.log(step, self.step_metrics(record))
                 if step % log_cfg.progress_every == 0:
@@ -405,13 +427,38 @@ class Trainer:
 
     def save(self, step: int) -> bool:
         """Checkpoint ``step``, unless the weights are not finite (then warn, keep the
-        previous checkpoints, and return False)."""
+        previous checkpoints, and return False). The save time goes into ``status.json``
+        and is checked against ``checkpoint.preemption_lead_s``."""
         self.strategy.drain()
         if not self.model_is_finite():
             warnings.warn(f"weights are not finite at step {step}: not checkpointed", stacklevel=2)
             return False
+        started = time.perf_counter()
         checkpointing.save(self.checkpoints, step, self.strategy, self.scheduler, self.scaler)
+        self.save_seconds = time.perf_counter() - started
+        self.status.update(save_seconds=self.save_seconds, step_seconds=self.step_seconds)
+        short = self._lead_check()
+        if short and not self._lead_warned:
+            self._lead_warned = True
+            warnings.warn(short, stacklevel=2)
+            self.status.update(lead_warning=short)
         return True
+
+    def _previous_save_time(self) -> tuple[float | None, float | None]:
+        """The save and step seconds the last launch of this run recorded (resumes only)."""
+        if not self.resumed:
+            return None, None
+        try:
+            previous = outputs.read_status(self.run_dir) or {}
+        except outputs.StatusUnreadable:
+            return None, None
+        return previous.get("save_seconds"), previous.get("step_seconds")
+
+    def _lead_check(self) -> str | None:
+        lead = self.cfg.checkpoint.preemption_lead_s
+        if lead is None or self.save_seconds is None:
+            return None
+        return lead_shortfall(lead, self.save_seconds, self.step_seconds or 0.0)
 
     def _diverged(self, step: int, cause: str, last_saved: int | None) -> None:
         """Stop: status ``diverged``, nothing saved or exported, :class:`TrainingDiverged`."""

@@ -180,6 +180,7 @@ def test_sbatch_scripts_are_rendered_and_chained(tmp_path, capsys):
     for expected in (
         "#SBATCH --nodes=2",
         "#SBATCH --signal=B:USR1@60",
+        "checkpoint.preemption_lead_s=60",  # the run checks its save time against the lead
         "#SBATCH --requeue",
         "--nproc-per-node=2",
         "scontrol requeue",
