@@ -26,15 +26,16 @@ def _cfg(corpus, run_dir, steps, **overrides):
 
 
 @pytest.mark.slow
-def test_lamb_resumed_on_one_process_continues_the_two_process_trajectory(tiny_corpus, tmp_path):
+def test_lamb_goes_two_one_four_on_the_two_process_trajectory(tiny_corpus, tmp_path):
     reference = tmp_path / "reference"
-    run_ranks(train_in_process, 2, _cfg(tiny_corpus, reference, 6))
+    run_ranks(train_in_process, 2, _cfg(tiny_corpus, reference, 9))
     resumed = tmp_path / "resumed"
-    run_ranks(train_in_process, 2, _cfg(tiny_corpus, resumed, 6, stop_after=3))
+    run_ranks(train_in_process, 2, _cfg(tiny_corpus, resumed, 9, stop_after=3))
     with pytest.warns(UserWarning, match="different world size"):
-        run_ranks(train_in_process, 1, _cfg(tiny_corpus, resumed, 6))
+        run_ranks(train_in_process, 1, _cfg(tiny_corpus, resumed, 9, stop_after=3))
+    run_ranks(train_in_process, 4, _cfg(tiny_corpus, resumed, 9))
     want, got = mlm_losses(reference), mlm_losses(resumed)
-    assert len(want) == len(got) == 6
+    assert len(want) == len(got) == 9
     assert got[:3] == want[:3]
     # the same global batches; only the order of the gradient sum differs
     torch.testing.assert_close(got[3:], want[3:], rtol=1e-4, atol=0)
