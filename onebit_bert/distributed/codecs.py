@@ -39,7 +39,6 @@ On a world of one every codec is a no-op: there is nothing to send.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Sequence
 
@@ -135,9 +134,17 @@ class TwoPhaseCodec(Codec):
         raise NotImplementedError
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
+        run = self.start(tensors, key)
+        if run is not None:
+            run.exchange(block=True)
+            run.finish()
+
+    def start(self, tensors: Sequence[torch.Tensor], key: str) -> TwoPhaseRun | None:
+        """Begin :meth:`all_reduce` of ``tensors``: encode and issue the all-to-all; the
+        returned :class:`TwoPhaseRun` does the rest (None: nothing to send)."""
         p = self.comm.world_size
         if p == 1 or not tensors:
-            return
+            return None
         flat = self._flatten(tensors)
         numel = flat.numel()
         x = torch.zeros(self.padded(numel), dtype=torch.float32, device=flat.device)
@@ -151,18 +158,8 @@ class TwoPhaseCodec(Codec):
         if worker_error is not None:
             torch.sub(x, decoded.view(-1), out=worker_error)
         incoming = torch.empty_like(outgoing)
-        self.comm.all_to_all(incoming, outgoing)
-        # this rank's chunk: the p copies summed in fp32, in rank order
-        mine = self._decode(incoming).sum(dim=0, keepdim=True).div_(p)
-        if server_error is not None:
-            mine.add_(server_error.view(1, -1))
-        reply, decoded_mine = self._encode(mine)
-        if server_error is not None:
-            torch.sub(mine.view(-1), decoded_mine.view(-1), out=server_error)
-        gathered = torch.empty(p, reply.shape[1], dtype=torch.uint8, device=x.device)
-        self.comm.all_gather(gathered, reply.view(-1))
-        result = self._decode(gathered).reshape(-1)[:numel]
-        self._unflatten(result, tensors)
+        pending = self.comm.all_to_all_async(incoming, outgoing)
+        return TwoPhaseRun(self, list(tensors), numel, server_error, outgoing, incoming, pending)
 
     def _errors(self, key: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self.errors or self.errors[key][0].numel() != x.numel():
@@ -197,6 +194,53 @@ class TwoPhaseCodec(Codec):
 
     def _decode(self, messages: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+class TwoPhaseRun:
+    """One :meth:`TwoPhaseCodec.all_reduce` in flight, every collective issued from the
+    caller's thread: :meth:`TwoPhaseCodec.start` issued the all-to-all; :meth:`exchange`
+    (once that is done) reduces this rank's chunk and issues the all-gather; :meth:`finish`
+    waits for it and writes the averages into the tensors."""
+
+    def __init__(self, codec, tensors, numel, server_error, outgoing, incoming, pending):
+        self.codec = codec
+        self.tensors = tensors
+        self.numel = numel
+        self.server_error = server_error
+        self.outgoing, self.incoming = outgoing, incoming  # alive until the collective ends
+        self.pending = pending
+        self.stage = "exchanging"
+
+    def exchange(self, block: bool = False) -> bool:
+        """Average this rank's chunk (the p copies summed in fp32, in rank order), encode
+        it and issue the all-gather; False (nothing done) while the all-to-all is in flight
+        and not ``block``."""
+        if self.stage != "exchanging":
+            raise RuntimeError(f"exchange() on a run in stage {self.stage}")
+        if not block and not self.pending.ready():
+            return False
+        self.pending.wait()
+        codec, p = self.codec, self.codec.comm.world_size
+        mine = codec._decode(self.incoming).sum(dim=0, keepdim=True).div_(p)
+        if self.server_error is not None:
+            mine.add_(self.server_error.view(1, -1))
+        self.reply, decoded_mine = codec._encode(mine)
+        if self.server_error is not None:
+            torch.sub(mine.view(-1), decoded_mine.view(-1), out=self.server_error)
+        self.gathered = torch.empty(
+            p, self.reply.shape[1], dtype=torch.uint8, device=self.incoming.device
+        )
+        self.pending = codec.comm.all_gather_async(self.gathered, self.reply.view(-1))
+        self.stage = "gathering"
+        return True
+
+    def finish(self) -> None:
+        if self.stage != "gathering":
+            raise RuntimeError(f"finish() on a run in stage {self.stage}")
+        self.pending.wait()
+        result = self.codec._decode(self.gathered).reshape(-1)[: self.numel]
+        self.codec._unflatten(result, self.tensors)
+        self.stage = "done"
 
 
 class HalfCodec(TwoPhaseCodec):
@@ -533,12 +577,16 @@ def bits_per_element(name: str, int8_block: int = 1024) -> float:
 
 
 class AsyncCodecAllReduce:
-    """``codec.all_reduce(tensors, key)`` of a :class:`TwoPhaseCodec` running on a
-    background thread (its collectives on the codec's own process group), with the
-    interface of :class:`~onebit_bert.distributed.comm.AsyncAllReduce`: the bytes are
-    filed in ``stats`` under ``kind`` at launch (:meth:`TwoPhaseCodec.wire_bytes`, checked
-    against what the codec's own communicator counted when waited), the seconds when
-    waited (the time the caller blocked); ``in_flight_seconds`` is how long it took."""
+    """``codec.all_reduce(tensors, key)`` of a :class:`TwoPhaseCodec` in flight, with the
+    interface of :class:`~onebit_bert.distributed.comm.AsyncAllReduce`. No thread: the
+    constructor issues the all-to-all (on the codec's own process group), :meth:`advance`
+    issues the all-gather, and :meth:`wait` ends it, all on the caller's thread; a caller
+    that calls :meth:`advance` at the same point of every rank's step keeps the order of
+    collectives identical on every rank. The bytes are filed in ``stats`` under ``kind`` at
+    launch (:meth:`TwoPhaseCodec.wire_bytes`, checked against what the codec's own
+    communicator counted when waited), the seconds the caller blocked in :meth:`advance`
+    and :meth:`wait` when waited; ``in_flight_seconds`` runs from launch to the end of the
+    all-gather as this rank saw it."""
 
     def __init__(
         self, codec: TwoPhaseCodec, tensors: Sequence[torch.Tensor], key: str, kind: str, stats
@@ -551,41 +599,44 @@ class AsyncCodecAllReduce:
         stats.add(kind, self.nbytes, 0.0)
         self.started_at = time.perf_counter()
         self.finished_at: float | None = None
-        self.error: BaseException | None = None
+        self.blocked = 0.0
         self.waited = False
-        self.thread = threading.Thread(target=self._run, args=(list(tensors), key), daemon=True)
-        self.thread.start()
+        with codec.comm.traffic(kind):
+            self.run = codec.start(tensors, key)
 
-    def _run(self, tensors, key) -> None:
-        try:
-            with self.codec.comm.traffic(self.kind):
-                self.codec.all_reduce(tensors, key)
-        except BaseException as exc:  # re-raised in the caller's thread by wait()
-            self.error = exc
-        finally:
-            self.finished_at = time.perf_counter()
+    def advance(self) -> None:
+        """Issue the all-gather if it is not issued yet (blocking, on CPU, for the rest of
+        the all-to-all; on CUDA the device stream waits instead)."""
+        if self.run is None or self.run.stage != "exchanging":
+            return
+        start = time.perf_counter()
+        with self.codec.comm.traffic(self.kind):
+            self.run.exchange(block=True)
+        self.blocked += time.perf_counter() - start
 
     def is_completed(self) -> bool:
-        return not self.thread.is_alive()
+        """Whether :meth:`wait` would return without blocking for the network."""
+        return self.run is None or (self.run.stage == "gathering" and self.run.pending.ready())
 
     def wait(self) -> float:
-        """Block until done; the seconds blocked (0 on later calls)."""
+        """Finish; the seconds blocked in :meth:`advance` and here (0 on later calls)."""
         if self.waited:
             return 0.0
+        self.advance()
         start = time.perf_counter()
-        self.thread.join()
-        blocked = time.perf_counter() - start
+        if self.run is not None:
+            self.run.finish()
+        self.finished_at = time.perf_counter()
+        self.blocked += self.finished_at - start
         self.waited = True
-        if self.error is not None:
-            raise RuntimeError(f"the background {self.codec.name} average failed") from self.error
         sent = (self.codec.comm.snapshot() - self.before).bytes_sent
         if sent != self.nbytes:
             raise RuntimeError(
                 f"the {self.codec.name} average sent {sent} bytes where {self.nbytes} were "
                 f"counted at launch"
             )
-        self.stats.add_seconds(self.kind, blocked)
-        return blocked
+        self.stats.add_seconds(self.kind, self.blocked)
+        return self.blocked
 
     @property
     def in_flight_seconds(self) -> float:

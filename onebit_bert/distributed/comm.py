@@ -26,7 +26,6 @@ compression policy can choose a codec per kind.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -62,33 +61,28 @@ class CommStats:
     seconds: float = 0.0
     calls: int = 0
     by_kind: dict[str, list] = field(default_factory=dict)
-    # a collective running on a background thread adds while the main thread reads
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            self.bytes_sent += nbytes
-            self.seconds += seconds
-            self.calls += 1
-            entry = self.by_kind.setdefault(kind, [0, 0.0, 0])
-            entry[0] += nbytes
-            entry[1] += seconds
-            entry[2] += 1
+        self.bytes_sent += nbytes
+        self.seconds += seconds
+        self.calls += 1
+        entry = self.by_kind.setdefault(kind, [0, 0.0, 0])
+        entry[0] += nbytes
+        entry[1] += seconds
+        entry[2] += 1
 
     def add_seconds(self, kind: str, seconds: float) -> None:
         """Time spent on a collective already counted (an asynchronous one, waited)."""
-        with self._lock:
-            self.seconds += seconds
-            self.by_kind.setdefault(kind, [0, 0.0, 0])[1] += seconds
+        self.seconds += seconds
+        self.by_kind.setdefault(kind, [0, 0.0, 0])[1] += seconds
 
     def copy(self) -> CommStats:
-        with self._lock:
-            return CommStats(
-                self.bytes_sent,
-                self.seconds,
-                self.calls,
-                {k: list(v) for k, v in self.by_kind.items()},
-            )
+        return CommStats(
+            self.bytes_sent,
+            self.seconds,
+            self.calls,
+            {k: list(v) for k, v in self.by_kind.items()},
+        )
 
     def __sub__(self, other: CommStats) -> CommStats:
         by_kind = {}
@@ -456,43 +450,152 @@ class Communicator:
     ) -> None:
         """:meth:`compressed_all_reduce` on bucket ``index`` of ``feedback``'s plan only
         (the buckets are independent: one bucket at a time gives the same numbers)."""
-        bucket = feedback.buckets[index]
-        p = self.world_size
-        x = buffer[bucket.start : bucket.start + bucket.size]
-        chunk = bucket.size // p
-        server_slice = slice(bucket.start // p, (bucket.start + bucket.size) // p)
-        self._compressed_bucket(
-            x,
-            feedback.worker_error[bucket.start : bucket.start + bucket.size],
-            feedback.server_error[server_slice],
-            bucket.real,
-            bucket.chunk_real(self.rank, p),
-            chunk,
-            self._table(buffer.device),
+        run = CompressedBucket(self, buffer, feedback, index)
+        run.start()
+        run.exchange(block=True)
+        run.finish()
+
+    def all_to_all_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
+        """:meth:`all_to_all`, started and returned at once (:class:`Issued`)."""
+        if tensor.shape[0] != self.world_size or output.shape != tensor.shape:
+            raise ValueError(
+                f"all_to_all needs input and output of equal shape with first dimension "
+                f"{self.world_size}, got {tuple(tensor.shape)} and {tuple(output.shape)}"
+            )
+        if self.world_size == 1:
+            output.copy_(tensor)
+        row_bytes = tensor[0].numel() * tensor.element_size()
+        return self._issue(
+            (self.world_size - 1) * row_bytes,
+            lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True),
         )
 
-    def _compressed_bucket(self, x, worker_error, server_error, real, my_real, chunk, table):
-        p = self.world_size
-        # Worker: compress the local buffer; chunk j of the signs is addressed to rank j.
-        signs, scale = compress_in_place(x, worker_error, real, table)
-        outgoing = frame(signs, scale, p)
-        incoming = torch.empty_like(outgoing)
-        self.all_to_all(incoming, outgoing)
-        # Server: average this rank's chunk over all ranks and compress it again.
-        mine = torch.empty(chunk, dtype=x.dtype, device=x.device)
-        combine_chunks(incoming, p, table, mine)
-        mine[my_real:].zero_()
-        server_signs, server_scale = compress_in_place(mine, server_error, my_real, table)
-        gathered = torch.empty(p, outgoing.shape[1], dtype=torch.uint8, device=x.device)
-        self.all_gather(gathered, frame(server_signs, server_scale, 1).view(-1))
-        # Everyone: expand every server's chunk; the padding is zeroed again.
-        body = outgoing.shape[1] - SCALE_BYTES
-        server_scales = read_scales(gathered)
-        for i in range(p):
-            unpack_signs(
-                gathered[i, :body],
-                server_scales[i],
-                out=x[i * chunk : (i + 1) * chunk],
-                table=table,
+    def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
+        """:meth:`all_gather`, started and returned at once (:class:`Issued`)."""
+        if output.numel() != tensor.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather output has {output.numel()} elements; it needs "
+                f"{self.world_size} x {tensor.numel()}"
             )
-        x[real:].zero_()
+        if self.world_size == 1:
+            output.view(-1).copy_(tensor.reshape(-1))
+        return self._issue(
+            (self.world_size - 1) * tensor.numel() * tensor.element_size(),
+            lambda: all_gather_flat(
+                output.view(-1), tensor.reshape(-1), group=self.group, async_op=True
+            ),
+        )
+
+    def _issue(self, nbytes: int, launch) -> Issued:
+        """Start a collective (``launch(async_op)``), counting ``nbytes`` under the current
+        kind now and the seconds the caller later blocks on it."""
+        kind = self.kind
+        if self.world_size == 1:
+            return Issued(self, None, kind)
+        self.stats.add(kind, int(nbytes), 0.0)
+        return Issued(self, launch(), kind)
+
+
+class Issued:
+    """A collective in flight, started on the caller's thread (``async_op=True``); its
+    bytes were counted at launch, the seconds the caller blocks in :meth:`wait` are counted
+    there."""
+
+    def __init__(self, comm: Communicator, work, kind: str):
+        self.comm, self.work, self.kind = comm, work, kind
+
+    def ready(self) -> bool:
+        """Whether the caller may use the result without blocking the host: the
+        collective has finished, or on CUDA always (:meth:`wait` then orders the device
+        stream after it instead of blocking)."""
+        if self.work is None or self.comm.device.type == "cuda":
+            return True
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        start = time.perf_counter()
+        self.work.wait()
+        if self.comm.synchronize_timing and self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+        self.comm.stats.add_seconds(self.kind, time.perf_counter() - start)
+        self.work = None
+
+
+class CompressedBucket:
+    """One bucket's error-compensated 1-bit average as two asynchronous collectives, all
+    issued from the caller's thread: :meth:`start` compresses this rank's slice and issues
+    the all-to-all of the workers' signs; :meth:`exchange` (once that is done) runs the
+    server step on this rank's chunk and issues the all-gather of the servers' signs;
+    :meth:`finish` waits for it and expands every server's chunk into the buffer.
+
+    A caller that runs several buckets at once must issue their collectives in one order
+    on every rank (NCCL and gloo match collectives by their order on a group)."""
+
+    def __init__(self, comm: Communicator, buffer: torch.Tensor, feedback: ErrorFeedback, index):
+        bucket = feedback.buckets[index]
+        p = comm.world_size
+        self.comm = comm
+        self.x = buffer[bucket.start : bucket.start + bucket.size]
+        self.worker_error = feedback.worker_error[bucket.start : bucket.start + bucket.size]
+        self.server_error = feedback.server_error[
+            bucket.start // p : (bucket.start + bucket.size) // p
+        ]
+        self.real = bucket.real
+        self.my_real = bucket.chunk_real(comm.rank, p)
+        self.chunk = bucket.size // p
+        self.table = comm._table(buffer.device)
+        self.pending: Issued | None = None
+        self.stage = "new"
+
+    def start(self) -> None:
+        """Worker: compress the local slice; chunk j of the signs is addressed to rank j."""
+        comm, p = self.comm, self.comm.world_size
+        signs, scale = compress_in_place(self.x, self.worker_error, self.real, self.table)
+        self.outgoing = frame(signs, scale, p)
+        self.incoming = torch.empty_like(self.outgoing)
+        self.pending = comm.all_to_all_async(self.incoming, self.outgoing)
+        self.stage = "exchanging"
+
+    def exchange(self, block: bool = False) -> bool:
+        """Server: once the all-to-all is done (``block``: wait for it), average this
+        rank's chunk over all ranks, compress it again and issue the all-gather. Returns
+        whether it did (False: the all-to-all is still in flight)."""
+        if self.stage != "exchanging":
+            raise RuntimeError(f"exchange() on a bucket in stage {self.stage}")
+        if not block and not self.pending.ready():
+            return False
+        self.pending.wait()
+        comm, p = self.comm, self.comm.world_size
+        mine = torch.empty(self.chunk, dtype=self.x.dtype, device=self.x.device)
+        combine_chunks(self.incoming, p, self.table, mine)
+        mine[self.my_real :].zero_()
+        server_signs, server_scale = compress_in_place(
+            mine, self.server_error, self.my_real, self.table
+        )
+        self.gathered = torch.empty(
+            p, self.outgoing.shape[1], dtype=torch.uint8, device=self.x.device
+        )
+        self.own = frame(server_signs, server_scale, 1).view(-1)  # alive until finish()
+        self.pending = comm.all_gather_async(self.gathered, self.own)
+        self.stage = "gathering"
+        return True
+
+    def finish(self) -> None:
+        """Everyone: wait for the all-gather and expand every server's chunk; the padding
+        is zeroed again."""
+        if self.stage != "gathering":
+            raise RuntimeError(f"finish() on a bucket in stage {self.stage}")
+        self.pending.wait()
+        body = self.outgoing.shape[1] - SCALE_BYTES
+        server_scales = read_scales(self.gathered)
+        for i in range(self.comm.world_size):
+            unpack_signs(
+                self.gathered[i, :body],
+                server_scales[i],
+                out=self.x[i * self.chunk : (i + 1) * self.chunk],
+                table=self.table,
+            )
+        self.x[self.real :].zero_()
+        self.stage = "done"

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import warnings
 from collections.abc import Iterable
 
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_bert.distributed.comm import Communicator
+from onebit_bert.distributed.comm import Communicator, CompressedBucket
 from onebit_bert.distributed.compression import ErrorFeedback, padded_size
 from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig, FreezeDetector
 from onebit_bert.optim.lamb import check_params_and_grads
@@ -360,6 +359,10 @@ class CompressedOptimizer(Optimizer):
             self._feedback.load_state_dict(saved)
 
 
+STAGES = ("start", "exchange")
+"""The two collectives of a bucket's 1-bit all-reduce, in issue order."""
+
+
 class OverlappedCompression:
     """One compression step whose bucket all-reduces start during the backward pass.
 
@@ -367,11 +370,14 @@ class OverlappedCompression:
     as each parameter's gradient is complete (its post-accumulate-grad hook), the
     optimizer folds it into the momentum (the same per-group arithmetic, one parameter at
     a time); once every parameter overlapping a bucket of the fused buffer is folded, the
-    bucket is ready. A worker thread compresses and all-reduces the buckets in a fixed
-    order (last bucket first: the order the backward pass completes them, the same on
-    every rank), on a process group of its own. The step then folds what got no gradient
-    and waits (:meth:`finish`). The buckets are independent, so the numbers are those of
-    the step without overlap."""
+    bucket is ready. No thread of its own: the hooks (which run on the thread running the
+    backward pass) and :meth:`finish` issue the buckets' asynchronous collectives
+    (:class:`~onebit_bert.distributed.comm.CompressedBucket`) in one fixed order, the same
+    on every rank: for the last bucket first (the order the backward pass completes them),
+    its all-to-all, then its all-gather once the all-to-all is done, then the next
+    bucket's. Each hook issues what it can without blocking; :meth:`finish` folds what got
+    no gradient and issues and waits for the rest. The buckets are independent, so the
+    numbers are those of the step without overlap."""
 
     def __init__(self, opt: CompressedOptimizer, layout, flat: torch.Tensor, comm: Communicator):
         self.opt = opt
@@ -393,30 +399,33 @@ class OverlappedCompression:
                     self.pending[k] += 1
                 self.where[id(p)] = (group, p, hit)
                 offset += p.numel()
-        self.ready = [threading.Event() for _ in buckets]
-        for k, count in enumerate(self.pending):
-            if count == 0:  # padding only
-                self.ready[k].set()
-        self.lock = threading.Lock()
+        # The collectives in issue order: (bucket, "start" | "exchange"), last bucket first.
+        self.order = [(k, op) for k in reversed(range(len(buckets))) for op in STAGES]
+        self.next = 0
+        self.runs: dict[int, CompressedBucket] = {}
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=flat.device)
-        self.error: BaseException | None = None
         self.before = comm.snapshot()
-        self.worker = threading.Thread(target=self._run, daemon=True)
-        self.worker.start()
 
-    def _run(self) -> None:
-        try:
-            with self.comm.traffic("momentum"):
-                for k in reversed(range(len(self.ready))):
-                    self.ready[k].wait()
+    def _progress(self, block: bool) -> None:
+        """Issue the collectives whose turn has come, in :attr:`order`, until one must wait
+        (a bucket not ready yet, or, unless ``block``, an all-to-all still in flight)."""
+        with self.comm.traffic("momentum"):
+            while self.next < len(self.order):
+                k, op = self.order[self.next]
+                if op == "start":
+                    if self.pending[k] > 0:
+                        return
                     b = self.feedback.buckets[k]
-                    x = self.flat[b.start : b.start + b.size]
-                    self.norm_sq += torch.linalg.vector_norm(x).double() ** 2
-                    self.comm.compressed_all_reduce_bucket(self.flat, self.feedback, k)
-        except BaseException as exc:  # re-raised by finish() in the caller's thread
-            self.error = exc
-            for event in self.ready:
-                event.set()
+                    self.norm_sq += (
+                        torch.linalg.vector_norm(self.flat[b.start : b.start + b.size]).double()
+                        ** 2
+                    )
+                    run = CompressedBucket(self.comm, self.flat, self.feedback, k)
+                    run.start()
+                    self.runs[k] = run
+                elif not self.runs[k].exchange(block):
+                    return
+                self.next += 1
 
     def grad_ready(self, p: torch.Tensor) -> None:
         entry = self.where.pop(id(p), None)
@@ -424,20 +433,19 @@ class OverlappedCompression:
             return
         group, param, hit = entry
         self.opt._fold_for_compression(group, [param])
-        with self.lock:
-            for k in hit:
-                self.pending[k] -= 1
-                if self.pending[k] == 0:
-                    self.ready[k].set()
+        for k in hit:
+            self.pending[k] -= 1
+        self._progress(block=False)
 
     def finish(self) -> None:
-        """Fold the parameters that got no gradient, wait for every bucket; set the
-        optimizer's error and byte figures."""
+        """Fold the parameters that got no gradient, issue every remaining collective and
+        wait for every bucket; set the optimizer's error and byte figures."""
         for _group, param, _hit in list(self.where.values()):
             self.grad_ready(param)
-        self.worker.join()
-        if self.error is not None:
-            raise RuntimeError("the overlapped compressed all-reduce failed") from self.error
+        self._progress(block=True)
+        with self.comm.traffic("momentum"):
+            for k in reversed(range(len(self.feedback.buckets))):
+                self.runs[k].finish()
         opt = self.opt
         opt.last_compression_error = torch.linalg.vector_norm(
             opt._feedback.worker_error

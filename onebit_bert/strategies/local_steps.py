@@ -142,8 +142,8 @@ class LocalSteps(Strategy):
         # round's anchor (x_i - x0, identical x0 on every rank), not the parameters
         self.outer_codec = None
         if policy is not None and policy.codec_name("outer") != "none":
-            # asynchronous: on a group of its own, on a background thread, its counts
-            # filed when waited (AsyncCodecAllReduce)
+            # asynchronous: on a group of its own, its second collective issued one step
+            # after the first, its counts filed when waited (AsyncCodecAllReduce)
             codec_comm = self.comm.side_channel(shared_stats=False) if self.asynchronous else None
             self.outer_codec = policy.codec("outer", comm=codec_comm)
         # comm.hierarchy node: the node's ranks average gradients every step (a node of one
@@ -190,6 +190,10 @@ class LocalSteps(Strategy):
         self.at_round_end = False
 
     def after_step(self, step: int) -> None:
+        if isinstance(self.pending, AsyncCodecAllReduce):
+            # the second collective of a lossy outer average: at the same point of every
+            # rank's step, so every rank issues its collectives in one order
+            self.pending.advance()
         if step % self.every or self.anchor is None:
             return
         if self.asynchronous:
