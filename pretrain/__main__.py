@@ -1,5 +1,6 @@
 """``python -m pretrain --config CONFIG [section.field=value ...]``; launch with torchrun or
-srun for several processes."""
+srun for several processes. ``python -m pretrain export RUN_DIR [--step N] [--out DIR]``
+writes one checkpoint in HF format (:mod:`pretrain.export`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,36 @@ from pretrain.config import PretrainConfig
 from pretrain.train import TrainingDiverged, train
 
 
+def export_main(argv: list[str]) -> int:
+    from pretrain.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pretrain export",
+        description="Write one training checkpoint of a pretraining run in HF format, with "
+        "its tokenizer (default: the newest, to RUN_DIR/exports/step_<N>)",
+    )
+    parser.add_argument("run_dir", help="the pretraining run directory (its run_dir)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    parser.add_argument("--out", default=None, help="output directory")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.run_dir, args.step, args.out)
+    except (ValueError, FileNotFoundError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m pretrain",
-        description="BERT pretraining with LAMB / 1-bit LAMB",
+        description="BERT pretraining with any optimizer and strategy of the harness (and "
+        "`python -m pretrain export "
+        "RUN_DIR --step N` for a checkpoint in HF format)",
         epilog=config_help(PretrainConfig),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
