@@ -1,5 +1,6 @@
 """The fine-tuning loop shared by every task: AdamW, linear warmup and decay, clipping,
-mixed precision on GPUs; and batched prediction."""
+mixed precision on GPUs (bf16, or fp16 with a dynamic loss scale that skips steps whose
+gradients overflow); and batched prediction."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 import numpy as np
 import torch
 
+from onebit_bert.distributed import Communicator
 from onebit_bert.optim.build import weight_decay_groups
-from onebit_bert.precision import autocast
+from onebit_bert.precision import LossScaler, autocast
 
 
 def seed_everything(seed: int) -> None:
@@ -40,7 +42,8 @@ def fit(
     max_grad_norm: float = 1.0,
 ) -> list[float]:
     """Train ``model`` (its forward returns ``.loss`` given the features' label keys);
-    returns the loss of every step."""
+    returns the loss of every step. With fp16 the loss is scaled; a step whose gradients
+    are not finite is skipped and the scale halved (the schedule still advances)."""
     n = len(next(iter(features.values())))
     steps_per_epoch = math.ceil(n / batch_size)
     total = max(1, math.ceil(steps_per_epoch * epochs))
@@ -57,6 +60,8 @@ def fit(
             s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
         ),
     )
+    scaler = LossScaler(precision, Communicator(None, device=device))
+    params = [p for p in model.parameters() if p.requires_grad]
     rng = np.random.default_rng(seed)
     model.train()
     losses: list[float] = []
@@ -66,10 +71,13 @@ def fit(
             batch = {k: v.to(device) for k, v in batch.items()}
             with autocast(precision, device):
                 loss = model(**batch).loss
-            loss.backward()
-            if max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
+            scaler.scaled(loss).backward()
+            ok = scaler.unscale_and_check(params)
+            if ok:
+                if max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+                optimizer.step()
+            scaler.update(ok)
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
