@@ -257,6 +257,13 @@ def task_signal(reference: dict, baseline: dict, task: str, metric: str) -> dict
     return {"metric": metric, "gap": gap, "spread": spread, "signal": signal, "why": why}
 
 
+def fine_tuned(arms: list[dict]) -> list[dict]:
+    """The arms restricted to their fine-tuned pretraining seeds; [] unless every arm has
+    one (the table's ``n`` says how many scores each arm's row rests on)."""
+    kept = [{**a, "seeds": [r for r in a["seeds"] if r["finetune"]]} for a in arms]
+    return kept if all(a["seeds"] for a in kept) else []
+
+
 def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:
     """Per task and metric: each arm's mean ± std over pretraining × fine-tuning seeds, its
     per-pretraining-seed means, and the verdict against the first arm. With a randomly
@@ -510,6 +517,17 @@ def _finetuning_section(arms: list[dict], finetuning: dict, names: list[str]) ->
     others = [a["name"] for a in arms[1:]]
     ref = arms[0]["name"]
     lines = ["## Fine-tuning", "", "Mean ± std over pretraining × fine-tuning seeds.", ""]
+    missing = [
+        f"{a['name']} {sum(1 for r in a['seeds'] if r['finetune'])} of {len(a['seeds'])}"
+        for a in arms
+        if not all(r["finetune"] for r in a["seeds"])
+    ]
+    if missing:
+        lines += [
+            "Not every pretraining seed is fine-tuned yet; the table rests on the fine-tuned "
+            f"ones ({', '.join(missing)}).",
+            "",
+        ]
     columns = [
         "task",
         "metric",
@@ -719,8 +737,7 @@ def write_report(
     baseline = load_baseline(baseline_spec) if baseline_spec else None
     sensitivity_runs = [load_run(parse_run(s, finetune_optional=True)) for s in sensitivity_specs]
     pretraining = compare_pretraining(arms)
-    with_finetune = all(r["finetune"] for a in arms for r in a["seeds"])
-    finetuning = compare_finetuning(arms, baseline) if with_finetune else {}
+    finetuning = compare_finetuning(finetuned, baseline) if (finetuned := fine_tuned(arms)) else {}
     gate = gate_table(arms, target, margin, alpha, min_seeds) if target else None
     sensitivity = sensitivity_rows(sensitivity_runs, target) if sensitivity_runs else None
     out = Path(out)

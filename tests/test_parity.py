@@ -207,3 +207,19 @@ def test_sensitivity_runs_are_shown_apart(tmp_path):
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "## Sensitivity (not gated)" in markdown
     assert (tmp_path / "report" / "sensitivity.png").stat().st_size > 0
+
+
+def test_fine_tuning_rests_on_the_seeds_fine_tuned_so_far(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 0.2, 0.9, 0.4])
+    runs = []
+    for i, spec in enumerate([*lamb, *onebit]):
+        if i == len(lamb) + 1:  # one 1-bit seed without fine-tuning yet
+            runs.append(spec)
+            continue
+        runs.append(f"{spec}:{_finetune(tmp_path / f'ft{i}', {'sst2': [0.80, 0.81]})}")
+    report = write_report(runs, tmp_path / "report")
+    rows = report["finetune"]["sst2"]["metrics"]["accuracy"]
+    assert rows["lamb"]["n"] == 2 * len(lamb)
+    assert rows["onebit"]["n"] == 2 * (len(onebit) - 1)
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert f"onebit {len(onebit) - 1} of {len(onebit)}" in markdown
