@@ -246,9 +246,12 @@ def test_collectives_and_their_byte_counts(world_size):
 
 
 def _gather_and_scatter(comm, hide_new_names: bool):
-    """Communicator.all_gather and reduce_scatter, optionally with torch's post-2.13 names
+    """Communicator.all_gather, reduce_scatter, the asynchronous all_gather and a 1-bit
+    all-reduce (whose all-gather is asynchronous), optionally with torch's post-2.13 names
     removed, as on an older torch."""
     import torch.distributed as dist
+
+    from onebit_bert.distributed.compression import ErrorFeedback
 
     if hide_new_names:
         for name in ("all_gather_single", "reduce_scatter_single"):
@@ -259,7 +262,13 @@ def _gather_and_scatter(comm, hide_new_names: bool):
     gathered = comm.all_gather(torch.empty(3 * p), mine)
     full = torch.arange(2 * p, dtype=torch.float32) * (rank + 1)
     averaged = comm.reduce_scatter(torch.empty(2), full)
-    return gathered, averaged, hasattr(dist, "all_gather_single")
+    later = torch.empty(3 * p)
+    comm.all_gather_async(later, mine).wait()
+    feedback = ErrorFeedback(4096, p, rank=rank, bucket_numel=1024)
+    onebit = torch.zeros(feedback.padded_numel)
+    onebit[:4096] = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    comm.compressed_all_reduce(onebit, feedback)
+    return gathered, averaged, hasattr(dist, "all_gather_single"), later, onebit
 
 
 def test_collectives_work_under_older_torch_names():
@@ -269,5 +278,8 @@ def test_collectives_work_under_older_torch_names():
     for a, b in zip(new, old, strict=True):
         torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+        torch.testing.assert_close(a[3], b[3], rtol=0, atol=0)
+        torch.testing.assert_close(a[4], b[4], rtol=0, atol=0)
+        torch.testing.assert_close(a[3], a[0], rtol=0, atol=0)
     torch.testing.assert_close(new[0][0], torch.tensor([0.0, 1, 2, 10, 11, 12]))
     torch.testing.assert_close(new[1][1], torch.tensor([2.0, 3.0]) * 1.5)
