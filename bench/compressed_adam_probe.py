@@ -33,7 +33,7 @@ from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, make_batch
 from pretrain.model import PretrainingLoss, build_model
 from pretrain.schedule import lr_multiplier
-from pretrain.train import _to_device, _token_ids
+from pretrain.train import _to_device, token_ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(PretrainConfig, args.config, [])
     torch.set_num_threads(1)
     rows = PretrainingShards(cfg.data.path, "train")
-    ids = _token_ids(rows)
+    ids = token_ids(rows)
     batch = cfg.batch.global_batch_size
     schedule = BatchSchedule(len(rows), batch, batch, 1, 1, cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -18,7 +18,7 @@ from pretrain import outputs
 from pretrain.checkpointing import export_hf
 from pretrain.config import PretrainConfig
 from pretrain.model import build_model
-from pretrain.train import _token_ids
+from pretrain.train import token_ids
 
 
 def finished_steps(run_dir: Path) -> dict[int, Path]:
@@ -53,7 +53,7 @@ def export_checkpoint(run_dir: str | Path, step: int | None = None, out=None) ->
         raise ValueError(f"{checkpoint / SHARED} does not match its sha256: not exported")
     cfg = load_config(PretrainConfig, config)
     shards = PretrainingShards(cfg.data.path, "train")
-    ids = _token_ids(shards)
+    ids = token_ids(shards)
     model = build_model(cfg.model, ids.vocab_size, ids.pad)
     model.load_state_dict(load_file(checkpoint / SHARED)["model"])
     if not all(torch.isfinite(p).all() for p in model.parameters()):

@@ -97,7 +97,7 @@ def single_process_notes(cfg: PretrainConfig, world_size: int) -> list[str]:
     ]
 
 
-def _token_ids(shards: PretrainingShards) -> TokenIds:
+def token_ids(shards: PretrainingShards) -> TokenIds:
     from transformers import AutoTokenizer
 
     if not (shards.tokenizer_dir / "tokenizer.json").is_file():
@@ -244,7 +244,7 @@ class Trainer:
                 f"data has sequence length {self.seq_length} but the model has "
                 f"{cfg.model.max_position_embeddings} positions"
             )
-        self.ids = _token_ids(self.train_rows)
+        self.ids = token_ids(self.train_rows)
         interface = resolve_interface(cfg.logging.net_interface)
         self.net = InterfaceCounter(interface) if interface is not None else None
         self.schedule = BatchSchedule(
@@ -438,7 +438,7 @@ class Trainer:
         self.save_seconds = time.perf_counter() - started
         self.status.update(save_seconds=self.save_seconds, step_seconds=self.step_seconds)
         short = self._lead_check()
-        if short and not self._lead_warned:
+        if short and not self._lead_warned and self.ctx.is_main:  # rank 0 writes the most
             self._lead_warned = True
             warnings.warn(short, stacklevel=2)
             self.status.update(lead_warning=short)

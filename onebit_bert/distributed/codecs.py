@@ -614,10 +614,6 @@ class AsyncCodecAllReduce:
             self.run.exchange(block=True)
         self.blocked += time.perf_counter() - start
 
-    def is_completed(self) -> bool:
-        """Whether :meth:`wait` would return without blocking for the network."""
-        return self.run is None or (self.run.stage == "gathering" and self.run.pending.ready())
-
     def wait(self) -> float:
         """Finish; the seconds blocked in :meth:`advance` and here (0 on later calls)."""
         if self.waited:

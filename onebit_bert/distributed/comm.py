@@ -293,16 +293,7 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Gather equal-size tensors from every rank into ``output`` (rank-major)."""
-        if output.numel() != tensor.numel() * self.world_size:
-            raise ValueError(
-                f"all_gather output has {output.numel()} elements; it needs "
-                f"{self.world_size} x {tensor.numel()}"
-            )
-        if self.world_size == 1:
-            output.view(-1).copy_(tensor.reshape(-1))
-            return output
-        with self._count((self.world_size - 1) * tensor.numel() * tensor.element_size()):
-            all_gather_flat(output.view(-1), tensor.reshape(-1), group=self.group)
+        self.all_gather_async(output, tensor).wait()
         return output
 
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -325,17 +316,7 @@ class Communicator:
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Row ``j`` of ``tensor`` (first dim = world size) goes to rank ``j``; row ``i`` of
         ``output`` comes from rank ``i``."""
-        if tensor.shape[0] != self.world_size or output.shape != tensor.shape:
-            raise ValueError(
-                f"all_to_all needs input and output of equal shape with first dimension "
-                f"{self.world_size}, got {tuple(tensor.shape)} and {tuple(output.shape)}"
-            )
-        if self.world_size == 1:
-            output.copy_(tensor)
-            return output
-        row_bytes = tensor[0].numel() * tensor.element_size()
-        with self._count((self.world_size - 1) * row_bytes):
-            dist.all_to_all_single(output, tensor, group=self.group)
+        self.all_to_all_async(output, tensor).wait()
         return output
 
     def neighbour_exchange(
@@ -456,7 +437,8 @@ class Communicator:
         run.finish()
 
     def all_to_all_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
-        """:meth:`all_to_all`, started and returned at once (:class:`Issued`)."""
+        """:meth:`all_to_all`, started and returned at once (:class:`Issued`); the
+        synchronous one waits on it."""
         if tensor.shape[0] != self.world_size or output.shape != tensor.shape:
             raise ValueError(
                 f"all_to_all needs input and output of equal shape with first dimension "
@@ -471,7 +453,8 @@ class Communicator:
         )
 
     def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
-        """:meth:`all_gather`, started and returned at once (:class:`Issued`)."""
+        """:meth:`all_gather`, started and returned at once (:class:`Issued`); the
+        synchronous one waits on it."""
         if output.numel() != tensor.numel() * self.world_size:
             raise ValueError(
                 f"all_gather output has {output.numel()} elements; it needs "
@@ -487,8 +470,9 @@ class Communicator:
         )
 
     def _issue(self, nbytes: int, launch) -> Issued:
-        """Start a collective (``launch(async_op)``), counting ``nbytes`` under the current
-        kind now and the seconds the caller later blocks on it."""
+        """Start a collective (``launch()``, which issues it with ``async_op=True``; nothing on
+        a world of one), counting ``nbytes`` under the current kind now and the seconds the
+        caller later blocks on it."""
         kind = self.kind
         if self.world_size == 1:
             return Issued(self, None, kind)
