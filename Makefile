@@ -121,7 +121,7 @@ bench-train: setup
 # fp16, eager and torch.compile: samples/s, peak memory, ratios; JSON last line. Needs CUDA.
 # ARGS: e.g. --precisions bf16 --compile off --batch-size 32
 bench-gpu: setup
-	$(PY) -m bench.gpu --data-root $(DATA_ROOT) $(ARGS)
+	$(PY) -m bench.gpu $(ARGS)
 
 # data_prep on one single-line document of MB megabytes (linear time, bounded memory); JSON.
 MB ?= 50

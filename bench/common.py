@@ -27,6 +27,7 @@ def pretrain_config(
     micro: int,
     freeze_step: int = 5,
     model: str = "bert-mini",
+    vocab_size: int | None = None,
     stop_after: int | None = None,
     net_interface: str | None = None,
     strategy: dict | None = None,
@@ -44,7 +45,7 @@ def pretrain_config(
     the ``comm`` section (codecs per kind of traffic, hierarchy, overlap)."""
     cfg = {
         "run_dir": str(run_dir),
-        "model": {"preset": model},
+        "model": {"preset": model, "vocab_size": vocab_size},
         "data": {"path": str(data)},
         "batch": {"global_batch_size": batch, "micro_batch_size": micro},
         "optimizer": {
@@ -103,18 +104,59 @@ def data_prep_command(
     ]
 
 
-def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 3000) -> Path:
-    """Prepare ``max_documents`` articles of the shared Wikipedia sample at sequence length
-    128 with BERT's uncased vocabulary (the data stage's own CLI); returns the shard folder."""
+def _run_data_stage(command: list[str], what: str) -> None:
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:  # the stage's own one-line error, not a traceback
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
+        raise SystemExit(f"preparing {what} failed: {lines[-1]}")
+
+
+def prepare_wikipedia(
+    data_root: Path, out: Path, seq_lengths=(128,), max_documents: int = 3000
+) -> Path:
+    """Prepare ``max_documents`` articles of the shared Wikipedia sample at ``seq_lengths``
+    with BERT's uncased vocabulary (the data stage's own CLI); returns the output folder."""
+    lengths = ",".join(str(n) for n in seq_lengths)
     command = data_prep_command(
         data_root,
         out,
-        "instances.seq_lengths=[128]",
+        f"instances.seq_lengths=[{lengths}]",
         "sequences_per_shard=1024",
         max_documents=max_documents,
     )
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:  # the data stage's own one-line error, not a traceback
-        lines = (done.stderr or done.stdout).strip().splitlines() or ["(no output)"]
-        raise SystemExit(f"preparing the Wikipedia sample failed: {lines[-1]}")
-    return seq_dir(out, 128)
+    _run_data_stage(command, "the Wikipedia sample")
+    return out
+
+
+def prepare_wikipedia_seq128(data_root: Path, out: Path, max_documents: int = 3000) -> Path:
+    """:func:`prepare_wikipedia` at sequence length 128; returns its shard folder."""
+    return seq_dir(prepare_wikipedia(data_root, out, (128,), max_documents), 128)
+
+
+GENERATED_VOCAB = 30522
+"""The WordPiece vocabulary asked of the generated corpus (BERT's size; the small corpus
+yields fewer, so the benchmarks pad the model to this width: ``model.vocab_size``)."""
+
+
+def prepare_generated(out: Path, seq_lengths=(128,)) -> Path:
+    """The smoke corpus (``python -m smoke_data``, no input files), prepared at
+    ``seq_lengths`` with a WordPiece vocabulary trained on it; returns the output folder."""
+    from smoke_data.documents import write_corpus
+
+    inputs = out.parent / f"{out.name}-inputs"
+    write_corpus(inputs)
+    lengths = ",".join(str(n) for n in seq_lengths)
+    command = [
+        sys.executable,
+        "-m",
+        "data_prep",
+        "--config",
+        str(REPO / "configs/data/smoke.yaml"),
+        f"output={out}",
+        f"data_root={inputs}",
+        f"instances.seq_lengths=[{lengths}]",
+        f"tokenizer.vocab_size={GENERATED_VOCAB}",
+        "sequences_per_shard=256",
+    ]
+    _run_data_stage(command, "the generated corpus")
+    return out

@@ -1,7 +1,8 @@
-"""BERT-Large (seq 128) training throughput and peak memory on one GPU, ours vs HF Trainer.
+"""BERT-Large training throughput and peak memory on one GPU at sequence lengths 128 and
+512, ours vs HF Trainer.
 
-For every precision (bf16, fp16) and compile setting (eager, ``torch.compile``), in this
-one run on the same GPU, model, micro-batch and precision:
+For every sequence length, precision (bf16, fp16) and compile setting (eager,
+``torch.compile``), in this one run on the same GPU, model, micro-batch and precision:
 
 - the project's training loop with LAMB, 1-bit LAMB and AdamW. The loop is
   ``pretrain.train.Trainer.train_step``, the step its ``run()`` repeats (batch assembly and
@@ -15,8 +16,10 @@ one run on the same GPU, model, micro-batch and precision:
   compares the loops; its MLM head runs on every position, ours on the masked ones only.
 
 Each configuration runs ``--warmup-steps`` untimed steps (compilation, the 1-bit switch,
-the fp16 loss scale settling), then ``--steps`` timed ones, the GPU synchronised after
-each; ``samples_per_s`` is the micro-batch over the median step, ``peak_memory_gib``
+the fp16 loss scale settling), then ``--steps`` timed ones. The clock is the device's:
+on CUDA every step is timed by two CUDA events on the current stream (read after the GPU
+synchronised), on the CPU by ``time.perf_counter``; ``clock`` says which.
+``samples_per_s`` is the micro-batch over the median step, ``peak_memory_gib``
 ``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). One
 more, untimed step of our loop runs under torch's CUDA sync debug mode:
 ``host_syncs_per_step`` counts the times it made the host wait for the GPU
@@ -27,10 +30,14 @@ configuration failed.
 ``--device cpu`` runs the same code on the CPU, in fp32, as a dry run of the benchmark's
 plumbing (a small ``--model`` makes it quick): its figures measure nothing about a GPU.
 
-The data: the Wikipedia sample of ``--data-root`` prepared at sequence length 128 with
-BERT's uncased vocabulary, as bench/train.py uses it. One JSON object is the last line of
-stdout; ``reference`` carries NVIDIA's published single-GPU figure for scale (another GPU,
-batch and software stack: not a like-for-like comparison).
+The data needs nothing outside the repository: by default (``--corpus generated``) the
+smoke corpus that ``python -m smoke_data`` writes, prepared by the data stage at both
+sequence lengths with a WordPiece vocabulary trained on it (``vocab_size`` in the output:
+the model's embedding and MLM head are that wide). ``--corpus wikipedia`` prepares the
+Wikipedia sample of ``--data-root`` with BERT's uncased vocabulary instead; ``--prepared``
+reuses a folder the data stage already wrote. One JSON object is the last line of stdout;
+``reference`` carries NVIDIA's published single-GPU figures for scale (another GPU, batch
+and software stack: not a like-for-like comparison).
 """
 
 from __future__ import annotations
@@ -55,25 +62,19 @@ NO_CUDA = "bench-gpu needs a CUDA GPU; none found (torch.cuda.is_available() is 
 OPTIMIZERS = ("lamb", "onebit_lamb", "adamw")
 PRECISIONS = ("bf16", "fp16", "fp32")
 MODELS = ("bert-large", "bert-base", "bert-small", "bert-mini", "bert-tiny")
-SEQ_LENGTH = 128
+SEQ_LENGTHS = (128, 512)
 HF_OPTIMIZER = "adamw_torch_fused"
 ADAMW_LR = 1e-4  # what bench.common.pretrain_config gives our AdamW
 
 NVIDIA_REFERENCE = {
-    "sequences_per_s_per_gpu": 574,
+    "sequences_per_s_per_gpu": {"128": 580, "512": 210},
     "gpu": "A100 80GB",
-    "phase": 1,
-    "seq_length": SEQ_LENGTH,
     "precision": "mixed precision (fp16)",
-    "derivation": "4591 sequences/s on 8 GPUs / 8 (580 on 1 GPU)",
     "setup": (
-        "NVIDIA's BERT-Large pretraining (LAMB, fused kernels), pytorch:21.11-py3 NGC "
-        "container, DGX A100; 256 sequences per GPU micro-batch, 32 accumulation steps"
+        "NVIDIA's BERT-Large pretraining (LAMB, fused kernels) on one A100 80GB, phase 1 "
+        "(seq 128) and phase 2 (seq 512), with gradient accumulation"
     ),
-    "source": (
-        "NVIDIA DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md, "
-        "'Pre-training NVIDIA DGX A100 (8x A100 80GB)'"
-    ),
+    "source": "NVIDIA DeepLearningExamples, PyTorch/LanguageModeling/BERT/README.md",
     "measured_here": False,
 }
 
@@ -101,10 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
         "visible GPU is used; choose it with CUDA_VISIBLE_DEVICES.",
     )
     parser.add_argument(
+        "--corpus",
+        choices=("generated", "wikipedia"),
+        default="generated",
+        help="generated (default): the smoke corpus, written here, no files needed; "
+        "wikipedia: the sample under --data-root with BERT's vocabulary",
+    )
+    parser.add_argument(
         "--data-root",
         default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data"),
-        help="folder holding the Wikipedia sample and the BERT vocabulary (default: "
-        "$DATA_ROOT or ../shared/data)",
+        help="with --corpus wikipedia: folder holding the Wikipedia sample and the BERT "
+        "vocabulary (default: $DATA_ROOT or ../shared/data)",
+    )
+    parser.add_argument(
+        "--prepared",
+        type=Path,
+        default=None,
+        help="a folder the data stage already wrote with the sequence lengths asked for "
+        "(skips preparing)",
+    )
+    parser.add_argument(
+        "--seq-lengths",
+        type=comma_list(tuple(str(n) for n in SEQ_LENGTHS)),
+        default=[str(n) for n in SEQ_LENGTHS],
+        help="comma list of 128, 512 (default: both)",
     )
     parser.add_argument(
         "--steps", type=int, default=20, help="timed steps per configuration (default: 20)"
@@ -120,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size",
         type=int,
         default=64,
-        help="sequences per step, one micro-batch (default: 64)",
+        help="sequences per step at length 128, one micro-batch (default: 64); length 512 "
+        "takes a quarter of it (the same tokens per step)",
     )
     parser.add_argument(
         "--precisions",
@@ -157,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("cuda", "cpu"),
         default="cuda",
         help="cuda (default), or cpu: a dry run of the plumbing in fp32, no GPU figure",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=30522,
+        help="the model's embedding and MLM head rows, at least the tokenizer's (default: "
+        "30522, BERT's uncased vocabulary, whatever the corpus's tokenizer learned)",
     )
     parser.add_argument(
         "--max-documents",
@@ -207,6 +236,26 @@ class Device:
         if self.cuda:
             self.torch.cuda.empty_cache()
 
+    @property
+    def clock(self) -> str:
+        return "cuda_events" if self.cuda else "perf_counter"
+
+    def time_step(self, step) -> float:
+        """Seconds ``step()`` took on the device: between two CUDA events on the current
+        stream (the GPU idle before the first), or by the host's clock on the CPU."""
+        torch = self.torch
+        if not self.cuda:
+            start = time.perf_counter()
+            step()
+            return time.perf_counter() - start
+        self.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
     def reset_peak(self) -> None:
         if self.cuda:
             self.torch.cuda.reset_peak_memory_stats()
@@ -244,7 +293,7 @@ def rate(step_seconds: list[float], batch: int) -> dict:
 
 
 def our_loop(
-    data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, args, device
+    data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, batch, args, device
 ) -> dict:
     """Samples/s of the project's loop on the device (see the module docstring)."""
     from bench.common import pretrain_config
@@ -260,10 +309,11 @@ def our_loop(
         run_dir,
         optimizer,
         steps=total + 1,
-        batch=args.batch_size,
-        micro=args.batch_size,
+        batch=batch,
+        micro=batch,
         freeze_step=1,
         model=args.model,
+        vocab_size=args.vocab_size,
         strategy={"force_compression": True} if optimizer == "onebit_lamb" else None,
     )
     settings["precision"] = precision
@@ -274,16 +324,13 @@ def our_loop(
             # The encoder, where the time goes; the MLM head on masked positions has a
             # shape that changes with every batch and stays eager.
             trainer.model.bert.compile()
-        seconds = []
-        device.synchronize()
-        for step in range(1, total + 1):
-            start = time.perf_counter()
-            trainer.train_step(step)
-            device.synchronize()
-            seconds.append(time.perf_counter() - start)
+        seconds = [
+            device.time_step(partial(trainer.train_step, step)) for step in range(1, total + 1)
+        ]
         _, syncs = count_host_syncs(lambda: trainer.train_step(total + 1), ctx.device)
         return {
-            **rate(seconds[args.warmup_steps :], args.batch_size),
+            **rate(seconds[args.warmup_steps :], batch),
+            "clock": device.clock,
             "host_syncs_per_step": syncs,
             "stage": getattr(trainer.strategy.optimizer, "stage", None),
             "skipped_steps": trainer.scaler.skipped_steps,
@@ -293,7 +340,7 @@ def our_loop(
         trainer.release()
 
 
-def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args, device) -> dict:
+def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, batch, args, device) -> dict:
     """Samples/s of HF Trainer with AdamW on the device."""
     from bench.hf_trainer import hf_trainer_step_seconds
 
@@ -301,8 +348,9 @@ def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args, dev
         data,
         out_dir,
         preset=args.model,
+        vocab_size=args.vocab_size,
         steps=args.warmup_steps + args.steps,
-        batch=args.batch_size,
+        batch=batch,
         learning_rate=ADAMW_LR,
         weight_decay=0.01,
         adam_epsilon=1e-6,
@@ -313,49 +361,63 @@ def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, args, dev
         use_cpu=not device.cuda,
     )
     # seconds[i] is step i + 2's: the first timed step is warmup_steps + 1
-    return rate(seconds[args.warmup_steps - 1 :], args.batch_size)
+    # its clock: the host's, read at each step's end after the GPU synchronised
+    return {**rate(seconds[args.warmup_steps - 1 :], batch), "clock": "perf_counter"}
 
 
-def run_all(data: Path, tmp: Path, args, device: Device) -> list[dict]:
+def batch_for(seq_length: int, batch_size: int) -> int:
+    """The micro-batch at ``seq_length``: ``batch_size`` at 128, as many tokens longer."""
+    return max(1, batch_size * 128 // seq_length)
+
+
+def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict]:
+    """Every configuration on ``data`` (sequence length -> the data stage's shard folder)."""
     compile_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     runs = []
-    for compiled in compile_settings:
-        for precision in args.precisions:
-            mode = "compiled" if compiled else "eager"
-            hf = None
-            if args.hf_baseline:
-                name = f"hf_trainer_{precision}_{mode}"
-                run = partial(hf_loop, data, tmp / name, precision, compiled, args, device)
-                hf = measure(name, run, device)
-                runs.append(
-                    {
-                        "loop": "hf_trainer",
-                        "optimizer": "adamw",
-                        "precision": precision,
-                        "compile": compiled,
-                        **hf,
-                    }
-                )
-            for optimizer in args.optimizers:
-                name = f"ours_{optimizer}_{precision}_{mode}"
-                run = partial(
-                    our_loop, data, tmp / name, optimizer, precision, compiled, args, device
-                )
-                result = measure(name, run, device)
-                if hf and "samples_per_s" in hf and "samples_per_s" in result:
-                    result["ratio_vs_hf_trainer"] = round(
-                        result["samples_per_s"] / hf["samples_per_s"], 3
+    for seq_length, shards in data.items():
+        batch = batch_for(seq_length, args.batch_size)
+        for compiled in compile_settings:
+            for precision in args.precisions:
+                mode = "compiled" if compiled else "eager"
+                common = {"seq_length": seq_length, "batch_size": batch, "precision": precision}
+                common["compile"] = compiled
+                hf = None
+                if args.hf_baseline:
+                    name = f"hf_trainer_{seq_length}_{precision}_{mode}"
+                    run = partial(
+                        hf_loop, shards, tmp / name, precision, compiled, batch, args, device
                     )
-                runs.append(
-                    {
-                        "loop": "ours",
-                        "optimizer": optimizer,
-                        "precision": precision,
-                        "compile": compiled,
-                        **result,
-                    }
-                )
+                    hf = measure(name, run, device)
+                    runs.append({"loop": "hf_trainer", "optimizer": "adamw", **common, **hf})
+                for optimizer in args.optimizers:
+                    name = f"ours_{optimizer}_{seq_length}_{precision}_{mode}"
+                    run = partial(
+                        our_loop,
+                        shards,
+                        tmp / name,
+                        optimizer,
+                        precision,
+                        compiled,
+                        batch,
+                        args,
+                        device,
+                    )
+                    result = measure(name, run, device)
+                    if hf and "samples_per_s" in hf and "samples_per_s" in result:
+                        result["ratio_vs_hf_trainer"] = round(
+                            result["samples_per_s"] / hf["samples_per_s"], 3
+                        )
+                    runs.append({"loop": "ours", "optimizer": optimizer, **common, **result})
     return runs
+
+
+def prepared_vocab_size(out: Path) -> int:
+    """The vocabulary the data stage's tokenizer under ``out`` has (the model's width)."""
+    from tokenizers import Tokenizer
+
+    from data_prep.outputs import tokenizer_dir
+
+    return Tokenizer.from_file(str(tokenizer_dir(out) / "tokenizer.json")).get_vocab_size()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,18 +430,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 1
-    from bench.common import prepare_wikipedia_seq128, shared_data_error
+    from bench.common import prepare_generated, prepare_wikipedia, shared_data_error
+    from data_prep.outputs import seq_dir
 
-    data_root = Path(args.data_root).resolve()
-    error = shared_data_error(data_root)
-    if error:
-        parser.error(error)
+    seq_lengths = [int(n) for n in args.seq_lengths]
+    if args.prepared is None and args.corpus == "wikipedia":
+        error = shared_data_error(Path(args.data_root).resolve())
+        if error:
+            parser.error(error)
     import transformers
 
     device = Device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = prepare_wikipedia_seq128(data_root, tmp / "data", args.max_documents)
+        if args.prepared is not None:
+            out = args.prepared.resolve()
+        elif args.corpus == "wikipedia":
+            out = prepare_wikipedia(
+                Path(args.data_root).resolve(), tmp / "data", seq_lengths, args.max_documents
+            )
+        else:
+            out = prepare_generated(tmp / "data", seq_lengths)
+        data = {n: seq_dir(out, n) for n in seq_lengths}
+        missing = [str(path) for path in data.values() if not path.is_dir()]
+        if missing:
+            parser.error(f"no prepared shards at {', '.join(missing)}: prepare those lengths")
+        vocab_size = prepared_vocab_size(out)
         runs = run_all(data, tmp, args, device)
     eager_failures = [r for r in runs if "error" in r and not r["compile"]]
     if device.cuda:
@@ -395,11 +471,15 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "transformers": transformers.__version__,
         "model": args.model,
-        "seq_length": SEQ_LENGTH,
-        "batch_size": args.batch_size,
+        "corpus": "prepared" if args.prepared is not None else args.corpus,
+        "tokenizer_vocab_size": vocab_size,
+        "model_vocab_size": args.vocab_size,
+        "seq_lengths": seq_lengths,
+        "batch_size_at_128": args.batch_size,
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
         "hf_trainer_optimizer": HF_OPTIMIZER,
+        "clock": device.clock,
         "runs": runs,
         "failures": sum("error" in r for r in runs),
         "reference": NVIDIA_REFERENCE,

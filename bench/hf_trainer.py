@@ -15,10 +15,19 @@ from pathlib import Path
 
 
 def hf_trainer_step_seconds(
-    data: Path, out_dir: Path, *, preset: str, steps: int, batch: int, **training_args
+    data: Path,
+    out_dir: Path,
+    *,
+    preset: str,
+    steps: int,
+    batch: int,
+    vocab_size: int | None = None,
+    **training_args,
 ) -> list[float]:
     """Train ``steps`` optimizer steps with HF ``Trainer`` on the shards in ``data``; returns
     the seconds of every step after the first (``steps - 1`` values, end to end).
+    ``vocab_size``: the model's embedding rows (``model.vocab_size``; default the
+    tokenizer's).
 
     ``training_args`` go to ``TrainingArguments`` on top of a quiet, checkpoint-free base
     (learning rate, device, precision, optimizer, ``torch_compile``, ...). On a GPU the
@@ -53,7 +62,9 @@ def hf_trainer_step_seconds(
 
     collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     torch.manual_seed(0)
-    model = build_model(ModelConfig(preset=preset), len(tokenizer), tokenizer.pad_token_id)
+    model = build_model(
+        ModelConfig(preset=preset, vocab_size=vocab_size), len(tokenizer), tokenizer.pad_token_id
+    )
     times: list[float] = []
 
     class StepTimes(TrainerCallback):

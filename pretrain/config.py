@@ -29,6 +29,10 @@ class ModelConfig:
     4/512/8; bert-mini: 4/256/4; bert-tiny: 2/128/2."""
     max_position_embeddings: int = 512
     """Positions the model has (512 in both phases; phase 1 only trains the first 128)."""
+    vocab_size: int | None = None
+    """Rows of the embedding and the MLM head; default the tokenizer's vocabulary. A larger
+    value pads them with rows no token uses (NVIDIA pads BERT's 30522 to 30528, a multiple
+    of 8 for tensor cores); a smaller one is an error."""
     dropout: float = 0.1
     attention: Literal["sdpa", "eager"] = "sdpa"
     init_from: str | None = None

@@ -40,8 +40,14 @@ def bert_config(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0) -> Ber
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0) -> BertForPreTraining:
-    """A freshly initialised model (``init_from`` is applied by the trainer)."""
-    return BertForPreTraining(bert_config(cfg, vocab_size, pad_token_id))
+    """A freshly initialised model for a tokenizer of ``vocab_size`` tokens, with
+    ``cfg.vocab_size`` rows if set (``init_from`` is applied by the trainer)."""
+    if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size is {cfg.vocab_size}, but the tokenizer has {vocab_size} "
+            f"tokens: set it to at least {vocab_size}, or leave it unset"
+        )
+    return BertForPreTraining(bert_config(cfg, cfg.vocab_size or vocab_size, pad_token_id))
 
 
 def untrained_position_rows(model: BertForPreTraining, seq_length: int) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shlex
@@ -123,11 +124,11 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
     args = parser.parse_args(
         shlex.split(
             "--device cpu --model bert-tiny --precisions fp32 --compile off "
-            "--steps 1 --warmup-steps 2 --batch-size 8"
+            "--steps 1 --warmup-steps 2 --batch-size 8 --vocab-size 2000"
         )
     )
     gpu.check_arguments(parser, args)
-    runs = gpu.run_all(tiny_corpus, tmp_path, args, gpu.Device("cpu"))
+    runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
     assert [(r["loop"], r["optimizer"]) for r in runs] == [
         ("hf_trainer", "adamw"),
         ("ours", "lamb"),
@@ -138,6 +139,8 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
         assert "error" not in run, run
         assert run["samples_per_s"] > 0 and run["steps_timed"] == 1, run
         assert run["precision"] == "fp32" and run["compile"] is False
+        assert run["seq_length"] == 128 and run["batch_size"] == 8
+        assert run["clock"] == "perf_counter"
         assert run["peak_memory_gib"] is None  # no device memory counter on the CPU
     ours = {r["optimizer"]: r for r in runs if r["loop"] == "ours"}
     assert ours["onebit_lamb"]["stage"] == "compression"
@@ -146,6 +149,26 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
         assert run["host_syncs_per_step"] > 0  # the gradient norm, at least
     with pytest.raises(SystemExit):  # half precision is the GPU's
         gpu.check_arguments(parser, parser.parse_args(["--device", "cpu"]))
+
+
+def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
+    """bench-gpu's default corpus is generated, prepared at both sequence lengths, and the
+    model padded to BERT's vocabulary whatever the tokenizer learned (CPU dry run)."""
+    from bench import gpu
+
+    status = gpu.main(
+        shlex.split(
+            "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
+            "--warmup-steps 2 --batch-size 8 --optimizers lamb --no-hf-baseline"
+        )
+    )
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status == 0 and summary["failures"] == 0
+    assert summary["corpus"] == "generated" and summary["seq_lengths"] == [128, 512]
+    assert summary["tokenizer_vocab_size"] < summary["model_vocab_size"] == 30522
+    assert [(r["seq_length"], r["batch_size"]) for r in summary["runs"]] == [(128, 8), (512, 2)]
+    assert all(r["samples_per_s"] > 0 for r in summary["runs"])
+    assert summary["reference"]["sequences_per_s_per_gpu"] == {"128": 580, "512": 210}
 
 
 def test_checkpoint_io_bench_saves_loads_and_reports_rates(tmp_path):

@@ -368,3 +368,15 @@ def test_a_compressing_optimizer_on_one_process_says_it_compresses_nothing():
     assert single_process_notes(cfg(name="lamb"), world_size=1) == []
     forced = cfg(name="onebit_lamb", strategy={"force_compression": True})
     assert single_process_notes(forced, world_size=1) == []
+
+
+def test_model_vocab_size_pads_the_embedding_and_refuses_to_cut_it():
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    padded = build_model(ModelConfig(preset="bert-tiny", vocab_size=128), 70)
+    assert padded.get_input_embeddings().weight.shape[0] == 128
+    assert padded.cls.predictions.decoder.weight.shape[0] == 128
+    assert build_model(ModelConfig(preset="bert-tiny"), 70).config.vocab_size == 70
+    with pytest.raises(ValueError, match="model.vocab_size is 64, but the tokenizer has 70"):
+        build_model(ModelConfig(preset="bert-tiny", vocab_size=64), 70)
