@@ -29,12 +29,19 @@ CPU_SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero")
 
 def count_host_syncs(fn: Callable[[], T], device: torch.device | str) -> tuple[T, int]:
     """``fn()``'s result and the host synchronisations it made on ``device``."""
+    result, sites = find_host_syncs(fn, device)
+    return result, len(sites)
+
+
+def find_host_syncs(fn: Callable[[], T], device: torch.device | str) -> tuple[T, list[str]]:
+    """``fn()``'s result and one entry per host synchronisation it made on ``device``:
+    on CUDA the Python line that made it (``file:line``), on the CPU the operation."""
     if torch.device(device).type == "cuda":
-        return _count_on_cuda(fn)
-    return _count_on_cpu(fn)
+        return _find_on_cuda(fn)
+    return _find_on_cpu(fn)
 
 
-def _count_on_cuda(fn: Callable[[], T]) -> tuple[T, int]:
+def _find_on_cuda(fn: Callable[[], T]) -> tuple[T, list[str]]:
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -43,12 +50,17 @@ def _count_on_cuda(fn: Callable[[], T]) -> tuple[T, int]:
             result = fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return result, sum("synchronizing" in str(w.message) for w in caught)
+    return result, [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
 
 
-def _count_on_cpu(fn: Callable[[], T]) -> tuple[T, int]:
+def _find_on_cpu(fn: Callable[[], T]) -> tuple[T, list[str]]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as trace:
         result = fn()
-    return result, sum(event.count for event in trace.key_averages() if event.key in CPU_SYNC_OPS)
+    return result, [
+        event.key
+        for event in trace.key_averages()
+        if event.key in CPU_SYNC_OPS
+        for _ in range(event.count)
+    ]

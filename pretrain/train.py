@@ -30,6 +30,7 @@ from onebit_bert.precision import LossScaler, autocast, resolve_precision
 from onebit_bert.run_lock import RunLock, RunLocked
 from onebit_bert.shards import PretrainingShards
 from onebit_bert.strategies import build_strategy
+from onebit_bert.timing import PENDING, DeviceClock, resolve_pending
 from pretrain import checkpointing, outputs
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, TokenIds, make_batch
@@ -136,6 +137,8 @@ class Trainer:
         init = checkpointing.resolve_init(cfg)
         self.run_dir = Path(cfg.run_dir)
         self.precision = resolve_precision(cfg.precision, ctx.device)
+        self.clock = DeviceClock(ctx.device)
+        """Phase and communication seconds on the device's clock (CUDA events on a GPU)."""
         if cfg.comm.overlap and self.precision == "fp16":
             raise ValueError(
                 "comm.overlap folds gradients into the momentum during the backward pass, "
@@ -282,7 +285,8 @@ class Trainer:
         the checkpoints, ``schedule.max_steps``): step N is the N-th optimizer step. Only
         the data schedule counts its batches from 0 (``step - 1``)."""
         cfg, ctx, comm, strategy = self.cfg, self.ctx, self.ctx.comm, self.strategy
-        t0 = time.perf_counter()
+        clock, pending_before = self.clock, len(PENDING)
+        marks = [clock.mark()]  # start, backward done, gradients synced, end
         grad_sync = strategy.gradient_sync()  # the strategy's hooks act on the same answer
         comm_before, intra_before = comm.snapshot(), comm.intra_stats.copy()
         net_before = self.net.snapshot() if self.net is not None else None
@@ -303,9 +307,9 @@ class Trainer:
                 if key in stats:
                     totals[i] += stats[key].double()
             totals[TOKENS] += float(raw["attention_mask"].sum())  # host copy: no GPU sync
-        t1 = time.perf_counter()
+        marks.append(clock.mark())
         strategy.after_backward()
-        t2 = time.perf_counter()
+        marks.append(clock.mark())
         ok = self.scaler.unscale_and_check(strategy.params)
         grad_norm = float("nan")
         bad_grads = not ok and self.scaler.scale <= 1.0  # overflow at the smallest scale
@@ -326,8 +330,9 @@ class Trainer:
             self.scheduler.step()
         strategy.optimizer.zero_grad(set_to_none=True)
         strategy.after_step(step)
-        t3 = time.perf_counter()
+        marks.append(clock.mark())
         comm_step = comm.snapshot() - comm_before
+        pending_step = len(PENDING)
         intra_step = comm.intra_stats.copy() - intra_before
         net_step = self.net.snapshot() - net_before if self.net is not None else None
         stop_requested = self.preemption is not None and self.preemption.requested
@@ -335,7 +340,11 @@ class Trainer:
         totals[STOP_REQUESTED] = 1.0 if stop_requested else 0.0
         with comm.traffic("statistics"):
             comm.all_reduce(totals, op="sum")
-        values = totals.tolist()
+        values = totals.tolist()  # the step's wait for the device: its events are done
+        t0, t1, t2, t3 = (clock.seconds(marks[0], m) for m in marks)
+        resolved = resolve_pending(since=pending_before, upto=pending_step)
+        for kind, seconds in resolved.get(id(comm.stats), {}).items():
+            comm_step.add_seconds(kind, seconds)
         stats = dict(zip(STAT_KEYS, values, strict=False))
         bad = None
         if not (math.isfinite(stats["mlm_loss_sum"]) and math.isfinite(stats["nsp_loss_sum"])):
@@ -360,6 +369,7 @@ class Trainer:
 
     def step_metrics(self, record: StepRecord) -> dict:
         extra = {
+            "clock": self.clock.name,
             "loss_scale": self.scaler.scale,
             "skipped_steps": self.scaler.skipped_steps,
             **self.strategy.metrics(),

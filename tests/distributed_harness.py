@@ -10,6 +10,10 @@ world-of-one communicator (no process group), the path single-process runs take.
 ``comm.device``. With ``device="cuda:0"`` every rank shares the one GPU; gloo carries
 CUDA tensors for all-reduce, all-to-all, all-gather and broadcast, where NCCL would refuse
 two ranks on one device.
+
+Naming ``backend`` always builds a process group, of one rank too (its collectives then
+really run instead of returning at once): ``"gloo"``, or ``"nccl"``, where each rank
+takes its own GPU (``cuda:<rank>``) whatever ``device`` says.
 """
 
 from __future__ import annotations
@@ -27,14 +31,19 @@ from onebit_bert.distributed import Communicator
 TIMEOUT_S = 120
 
 
-def _entry(rank, world_size, store_path, out_dir, device, fn, args):
+def _entry(rank, world_size, store_path, out_dir, device, fn, args, backend="gloo"):
     torch.set_num_threads(1)  # 4 ranks on 2 cores: avoid oversubscribing the thread pools
+    device_id = None
+    if backend == "nccl":
+        device = device_id = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store_path}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        device_id=device_id,
     )
     try:
         result = fn(Communicator(dist.group.WORLD, device=device), *args)
@@ -44,13 +53,22 @@ def _entry(rank, world_size, store_path, out_dir, device, fn, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, device: str = "cpu"):
-    if world_size == 1:
+def run_ranks(fn, world_size: int, *args, device: str = "cpu", backend: str | None = None):
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(
+            f"{world_size} NCCL ranks need {world_size} GPUs; {torch.cuda.device_count()} found"
+        )
+    if world_size == 1 and backend is None:
         return [fn(Communicator(None, device=device), *args)]
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         mp.spawn(
-            _entry, args=(world_size, store, tmp, device, fn, args), nprocs=world_size, join=True
+            _entry,
+            args=(world_size, store, tmp, device, fn, args, backend or "gloo"),
+            nprocs=world_size,
+            join=True,
         )
         return [
             torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)

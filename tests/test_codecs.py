@@ -398,3 +398,11 @@ def test_hierarchy_needs_ranks_numbered_node_by_node():
         node_layout(5, 8, 0, 4)
     with pytest.raises(ValueError, match="do not split into nodes"):
         node_layout(0, 6, 0, 4)
+
+
+def test_powersgd_on_cpu_tensors_is_refused_where_cuda_exists(monkeypatch):
+    # torch's PowerSGD hook synchronises the tensors' device whenever CUDA is available,
+    # which fails for CPU tensors: one clear error at build time instead
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="powersgd on CPU tensors .* CUDA_VISIBLE_DEVICES"):
+        build_codec("powersgd", Communicator(None))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onebit_bert.distributed import Communicator, ErrorFeedback
+from onebit_bert.distributed import Communicator, ErrorFeedback, packing
 from onebit_bert.distributed.packing import pack_signs, unpack_signs
 from tests.distributed_harness import run_ranks
 from tests.helpers.compression import compressed_calls, rank_inputs, simulate
@@ -26,6 +26,20 @@ def test_pack_round_trip(numel):
     out = torch.empty(numel)
     unpack_signs(packed, torch.tensor(0.5), out=out)
     assert torch.equal(out, 0.5 * expected)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.5, 0.0, -0.0, 1e-30, 3e38, -0.75])
+def test_unpacking_by_shifts_gives_the_table_lookups_bits(scale):
+    # The path GPUs take (bits shifted out, an elementwise select), run on the CPU against
+    # the CPU's table lookup: the same bits for every byte value, scale and output form.
+    packed = torch.cat([torch.arange(256, dtype=torch.uint8), torch.tensor([0, 255, 170, 85])])
+    packed = packed.to(torch.uint8)
+    want = unpack_signs(packed, torch.tensor(scale))
+    got = packing._unpack_by_shifts(packed, torch.tensor(scale), None)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    out = torch.full((8 * packed.numel(),), float("nan"))
+    assert packing._unpack_by_shifts(packed, scale, out) is out
+    assert torch.equal(out.view(torch.int32), unpack_signs(packed, scale).view(torch.int32))
 
 
 def test_pack_bit_order():

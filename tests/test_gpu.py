@@ -26,6 +26,7 @@ from pretrain.model import PretrainingLoss, build_model
 from tests.distributed_harness import run_ranks
 from tests.helpers.compression import compressed_calls, run_onebit_lamb
 from tests.helpers.loss_scaling import overflow_on_rank_one
+from tests.helpers.nccl import every_collective
 from tests.helpers.runs import mlm_losses, tiny_config, train_in_process
 from tests.helpers.syncs import OURS, optimizer_step_syncs, training_step_syncs
 
@@ -37,6 +38,7 @@ pytestmark = [
 ]
 
 GPU = "cuda:0"
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for 2 NCCL ranks")
 
 
 def assert_states_close(got: dict, want: dict, **tolerance) -> None:
@@ -234,7 +236,7 @@ def test_optimizer_steps_make_no_host_sync_on_cuda(name):
     """torch's sync debug mode sees no wait in any optimizer's step, in any stage; AdamW
     runs torch's fused kernel."""
     counts, stages, optimizer = optimizer_step_syncs(name, GPU)
-    assert counts == [0] * 8, counts
+    assert counts == [0] * 8, optimizer.sync_sites
     if name == "adamw":
         assert optimizer.defaults["fused"] is True
     if name in ("onebit_lamb", "onebit_adam"):
@@ -315,3 +317,95 @@ def test_a_resumed_rank_draws_the_same_dropout_masks_on_its_gpu():
     older = {**state, "cuda": [state["cuda"]] * torch.cuda.device_count()}  # older files
     checkpointing.set_rng_state(older)
     assert torch.equal(torch.rand(4, device=GPU), expected)
+
+
+# ----------------------------------------------------------------------------- NCCL
+
+
+def assert_results_close(got: dict, want: dict) -> None:
+    """Every result of tests/helpers/nccl.py's every_collective: integers exact, floats
+    within CUDA's other summation order (matrix products, norms, QR)."""
+    for key, value in want.items():
+        if key in ("calls", "off_main_thread", "backend", "comm_seconds"):
+            continue
+        values = value if isinstance(value, list) else [value]
+        others = got[key] if isinstance(got[key], list) else [got[key]]
+        for a, b in zip(others, values, strict=True):
+            if b.dtype.is_floating_point:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=key)
+            else:
+                assert torch.equal(a, b), key
+
+
+def test_every_collective_on_a_one_rank_nccl_group_matches_gloo_on_the_cpu():
+    # A one-rank group is not short-circuited: each call below really runs on NCCL.
+    (nccl,) = run_ranks(every_collective, 1, backend="nccl")
+    (gloo,) = run_ranks(every_collective, 1, backend="gloo")
+    assert (nccl["backend"], gloo["backend"]) == ("nccl", "gloo")
+    assert nccl["calls"] == gloo["calls"]
+    assert "all_to_all_single" in nccl["calls"]
+    assert nccl["comm_seconds"] > 0  # from CUDA events, resolved after a synchronisation
+    # CUDA futures complete at launch: even PowerSGD's chained all-reduces are issued on
+    # the caller's thread
+    assert all(calls == [] for calls in nccl["off_main_thread"].values())
+    assert_results_close(nccl, gloo)
+
+
+@TWO_GPUS
+def test_every_collective_over_two_nccl_ranks_matches_gloo_on_the_cpu():
+    on_nccl = run_ranks(every_collective, 2, backend="nccl")
+    on_cpu = run_ranks(every_collective, 2)
+    for nccl, cpu in zip(on_nccl, on_cpu, strict=True):
+        assert "batch_isend_irecv" in nccl["calls"]
+        assert all(calls == [] for calls in nccl["off_main_thread"].values())
+        assert_results_close(nccl, cpu)
+
+
+@TWO_GPUS
+def test_compressed_allreduce_over_two_nccl_ranks_matches_gloo_on_the_cpu():
+    on_cpu = run_ranks(compressed_calls, 2, 5000, 5, 1024)
+    on_nccl = run_ranks(compressed_calls, 2, 5000, 5, 1024, backend="nccl")
+    for cpu, nccl in zip(on_cpu, on_nccl, strict=True):
+        assert nccl["bytes"] == cpu["bytes"]
+        for got, want in zip(nccl["outs"], cpu["outs"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert all(
+        torch.equal(a, b) for a, b in zip(on_nccl[0]["outs"], on_nccl[1]["outs"], strict=True)
+    )
+
+
+@TWO_GPUS
+def test_onebit_lamb_over_two_nccl_ranks_matches_gloo_on_the_cpu():
+    on_cpu = run_ranks(run_onebit_lamb, 2, 8, 2, None)
+    on_nccl = run_ranks(run_onebit_lamb, 2, 8, 2, None, backend="nccl")
+    for cpu, nccl in zip(on_cpu, on_nccl, strict=True):
+        assert nccl["stages"] == cpu["stages"] == ["warmup"] * 3 + ["compression"] * 5
+        assert nccl["bytes"] == cpu["bytes"]
+        for got, want in zip(nccl["params"], cpu["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- device clock
+
+
+def test_training_step_seconds_come_from_cuda_events(tiny_corpus, tmp_path):
+    from onebit_bert.config import from_dict
+    from onebit_bert.distributed import init_distributed
+    from onebit_bert.timing import CUDA_EVENTS, PENDING
+    from pretrain.config import PretrainConfig
+    from pretrain.train import Trainer
+
+    cfg = tiny_config(tiny_corpus, tmp_path / "run", **{"schedule.max_steps": 3})
+    trainer = Trainer(from_dict(PretrainConfig, cfg), init_distributed(env={}))
+    try:
+        records = [trainer.step_metrics(trainer.train_step(step)) for step in (1, 2, 3)]
+    finally:
+        trainer.logger.close()
+        trainer.release()
+    assert len(PENDING) == 0  # every collective's events were resolved with its step
+    for metrics in records:
+        assert metrics["clock"] == CUDA_EVENTS
+        phases = ("forward_backward_seconds", "grad_sync_seconds", "optimizer_seconds")
+        assert all(metrics[k] >= 0 for k in phases)
+        assert sum(metrics[k] for k in phases) == pytest.approx(metrics["step_seconds"])
+        assert 0 < metrics["step_seconds"] < 60

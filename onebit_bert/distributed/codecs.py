@@ -33,7 +33,8 @@ for the chunk this rank reduces; so nothing is lost over time, only delayed. The
 are per-rank state (:meth:`Codec.state_dict`), keyed by the buffer's name, and restored
 on resume.
 
-On a world of one every codec is a no-op: there is nothing to send.
+Without a process group (a world of one) every codec is a no-op: there is nothing to
+send. On a one-rank group the codecs run, as their collectives do.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class TwoPhaseCodec(Codec):
         """Begin :meth:`all_reduce` of ``tensors``: encode and issue the all-to-all; the
         returned :class:`TwoPhaseRun` does the rest (None: nothing to send)."""
         p = self.comm.world_size
-        if p == 1 or not tensors:
+        if self.comm.alone or not tensors:
             return None
         flat = self._flatten(tensors)
         numel = flat.numel()
@@ -318,11 +319,12 @@ class OneBitCodec(Codec):
 
     def __init__(self, comm, bucket_numel: int | None = None):
         super().__init__(comm)
+        comm.prepare_packing()
         self.bucket_numel = bucket_numel
         self.feedback: dict[str, ErrorFeedback] = {}
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
-        if self.comm.world_size == 1 or not tensors:
+        if self.comm.alone or not tensors:
             return
         flat = self._flatten(tensors)
         feedback = self.feedback.get(key)
@@ -406,6 +408,13 @@ class PowerSGDCodec(Codec):
         super().__init__(comm)
         if rank < 1:
             raise ValueError(f"comm.powersgd_rank must be >= 1, got {rank}")
+        if comm.device.type == "cpu" and torch.cuda.is_available():
+            # torch's hook synchronises CUDA on the tensors' device whenever CUDA exists
+            raise RuntimeError(
+                "comm.compression.grad=powersgd on CPU tensors fails inside PyTorch's "
+                "PowerSGD hook on a machine with CUDA: train on the GPU, or hide it with "
+                "CUDA_VISIBLE_DEVICES="
+            )
         if start_step < 2:
             raise ValueError(
                 f"comm.powersgd_start_step must be >= 2 (the hook's error feedback and warm "
@@ -424,7 +433,7 @@ class PowerSGDCodec(Codec):
                 warm_start=True,
                 random_seed=0,
             )
-            if comm.world_size > 1
+            if not comm.alone
             else None
         )
         self._buckets: dict[str, int] = {}
@@ -442,7 +451,7 @@ class PowerSGDCodec(Codec):
         return total
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
-        if self.comm.world_size == 1 or not tensors:
+        if self.comm.alone or not tensors:
             return
         index = self._buckets.setdefault(key, len(self._buckets))
         bucket = _Bucket(index, tensors, last)

@@ -43,7 +43,8 @@ from onebit_bert.distributed.compression import (
     frame,
     read_scales,
 )
-from onebit_bert.distributed.packing import sign_table, unpack_signs
+from onebit_bert.distributed.packing import prepare, sign_table, unpack_signs
+from onebit_bert.timing import PENDING, DeviceClock
 
 TRAFFIC_KINDS = ("gradients", "momentum", "parameters", "neighbour", "statistics", "other")
 """What a collective carries: averaged gradients, compressed optimizer momentum, model
@@ -127,6 +128,8 @@ class AsyncAllReduce:
         """Block until done; returns the seconds blocked (0 on later calls)."""
         if self.waited:
             return 0.0
+        events = self.comm.timed_by_events
+        device_start = self.comm._clock.mark() if events else None
         start = time.perf_counter()
         if self.work is not None:
             self.work.wait()
@@ -137,7 +140,10 @@ class AsyncAllReduce:
         if self.finished_at is None:
             self.finished_at = time.perf_counter()
         self.waited = True
-        self.comm.stats.add_seconds(self.kind, blocked)
+        if events:  # the stream's stall, filed once the step has waited for the device
+            self.comm._device_seconds(self.comm.stats, self.kind, device_start)
+        else:
+            self.comm.stats.add_seconds(self.kind, blocked)
         return blocked
 
     @property
@@ -149,7 +155,9 @@ class AsyncAllReduce:
 class Communicator:
     """Collectives over ``group`` for tensors on ``device``.
 
-    ``group=None`` means a world of one: nothing is sent and nothing is counted.
+    ``group=None`` means a world of one: nothing is sent and nothing is counted. A process
+    group of one rank is not short-circuited: its collectives run (a one-rank NCCL group
+    exercises every NCCL path on one GPU); they send nothing, so they count no bytes.
     ``synchronize_timing`` makes CUDA timings exact (a device sync around each collective);
     leave it off in production runs, where it would serialise compute and communication.
     """
@@ -171,8 +179,12 @@ class Communicator:
         self.stats = CommStats()
         self.intra_stats = CommStats()
         """Traffic inside a node under ``comm.hierarchy: node`` (kept out of ``stats``)."""
+        self.alone = group is None
+        """No process group: every collective returns at once (a copy where it has an
+        output)."""
         self.kind = "other"
         self._tables: dict[torch.device, torch.Tensor] = {}
+        self._clock = DeviceClock(self.device)
 
     # ------------------------------------------------------------------ bookkeeping
     def snapshot(self) -> CommStats:
@@ -189,8 +201,24 @@ class Communicator:
         finally:
             self.kind = previous
 
+    @property
+    def timed_by_events(self) -> bool:
+        """Whether collectives' seconds come from CUDA events (on CUDA, unless
+        ``synchronize_timing``), resolved once per step (:mod:`onebit_bert.timing`)."""
+        return self.device.type == "cuda" and not self.synchronize_timing
+
+    def _device_seconds(self, stats: CommStats, kind: str, start) -> None:
+        """File the seconds from ``start`` (an event) to now, on the current stream."""
+        PENDING.add(stats, kind, start, self._clock.mark())
+
     @contextmanager
     def _count(self, nbytes: int):
+        if self.timed_by_events:
+            start = self._clock.mark()
+            yield
+            self.stats.add(self.kind, int(nbytes), 0.0)
+            self._device_seconds(self.stats, self.kind, start)
+            return
         sync = self.synchronize_timing and self.device.type == "cuda"
         if sync:
             torch.cuda.synchronize(self.device)
@@ -213,12 +241,20 @@ class Communicator:
             self._tables[device] = sign_table(device)
         return self._tables[device]
 
+    def prepare_packing(self, device: torch.device | None = None) -> None:
+        """Do the 1-bit path's one-time set-up for buffers on ``device`` (default: this
+        communicator's) now, not in the first compressed step: the packer's check waits
+        for the device once."""
+        device = torch.device(device) if device is not None else self.device
+        prepare(device)
+        self._table(device)
+
     # ------------------------------------------------------------------ plain collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce. ``op`` is ``sum``, ``avg``, ``max`` or ``min``."""
         if op not in ("sum", "avg", "max", "min"):
             raise ValueError(f"all_reduce op must be sum, avg, max or min, got {op!r}")
-        if self.world_size == 1:
+        if self.alone:
             return tensor
         p = self.world_size
         reduce_op = {
@@ -238,7 +274,7 @@ class Communicator:
     ) -> None:
         """All-reduce many tensors as a few flat messages of at most ``bucket_bytes`` (one
         collective per bucket, not one per tensor; the copy stays bounded)."""
-        if self.world_size == 1 or not tensors:
+        if self.alone or not tensors:
             return
         bucket: list[torch.Tensor] = []
         size = 0
@@ -270,12 +306,17 @@ class Communicator:
 
         def hook(_state, bucket):
             buffer = bucket.buffer()
-            start = time.perf_counter()
+            events = self.timed_by_events
+            start = self._clock.mark() if events else time.perf_counter()
             nbytes = 2 * (p - 1) * buffer.numel() * buffer.element_size() // p
             future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
 
             def finish(fut):
-                self.stats.add("gradients", nbytes, time.perf_counter() - start)
+                if events:  # runs with the collective's stream current: its end
+                    self.stats.add("gradients", nbytes, 0.0)
+                    self._device_seconds(self.stats, "gradients", start)
+                else:
+                    self.stats.add("gradients", nbytes, time.perf_counter() - start)
                 return fut.value()[0].div_(p)
 
             return future.then(finish)
@@ -283,7 +324,7 @@ class Communicator:
         return hook
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        if self.world_size == 1:
+        if self.alone:
             return tensor
         last_of_chain = (src - 1) % self.world_size
         nbytes = 0 if self.rank == last_of_chain else tensor.numel() * tensor.element_size()
@@ -304,7 +345,7 @@ class Communicator:
                 f"reduce_scatter input has {tensor.numel()} elements; it needs "
                 f"{self.world_size} x {output.numel()}"
             )
-        if self.world_size == 1:
+        if self.alone:
             output.view(-1).copy_(tensor.reshape(-1))
             return output
         p = self.world_size
@@ -375,7 +416,7 @@ class Communicator:
         nbytes = 2 * (p - 1) * tensor.numel() * tensor.element_size() // p if p > 1 else 0
         handle = AsyncAllReduce(self, tensor, self.kind, nbytes)
         self.stats.add(self.kind, nbytes, 0.0)
-        if p > 1:
+        if not self.alone:
             handle.work = dist.all_reduce(tensor, group=self.group, async_op=True)
             handle.work.get_future().add_done_callback(handle._finished)
         else:
@@ -396,7 +437,7 @@ class Communicator:
         return side
 
     def barrier(self) -> None:
-        if self.world_size > 1:
+        if not self.alone:
             dist.barrier(group=self.group)
 
     # ------------------------------------------------------------------ 1-bit all-reduce
@@ -444,7 +485,7 @@ class Communicator:
                 f"all_to_all needs input and output of equal shape with first dimension "
                 f"{self.world_size}, got {tuple(tensor.shape)} and {tuple(output.shape)}"
             )
-        if self.world_size == 1:
+        if self.alone:
             output.copy_(tensor)
         row_bytes = tensor[0].numel() * tensor.element_size()
         return self._issue(
@@ -460,7 +501,7 @@ class Communicator:
                 f"all_gather output has {output.numel()} elements; it needs "
                 f"{self.world_size} x {tensor.numel()}"
             )
-        if self.world_size == 1:
+        if self.alone:
             output.view(-1).copy_(tensor.reshape(-1))
         return self._issue(
             (self.world_size - 1) * tensor.numel() * tensor.element_size(),
@@ -474,7 +515,7 @@ class Communicator:
         a world of one), counting ``nbytes`` under the current kind now and the seconds the
         caller later blocks on it."""
         kind = self.kind
-        if self.world_size == 1:
+        if self.alone:
             return Issued(self, None, kind)
         self.stats.add(kind, int(nbytes), 0.0)
         return Issued(self, launch(), kind)
@@ -497,13 +538,22 @@ class Issued:
         return self.work.is_completed()
 
     def wait(self) -> None:
+        """Wait for the collective: the host on the CPU; on CUDA the current stream (the
+        seconds it stalls are the event pair's, filed once the step has waited)."""
         if self.work is None:
+            return
+        comm = self.comm
+        if comm.timed_by_events:
+            start = comm._clock.mark()
+            self.work.wait()
+            comm._device_seconds(comm.stats, self.kind, start)
+            self.work = None
             return
         start = time.perf_counter()
         self.work.wait()
-        if self.comm.synchronize_timing and self.comm.device.type == "cuda":
-            torch.cuda.synchronize(self.comm.device)
-        self.comm.stats.add_seconds(self.kind, time.perf_counter() - start)
+        if comm.synchronize_timing and comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        comm.stats.add_seconds(self.kind, time.perf_counter() - start)
         self.work = None
 
 

@@ -216,7 +216,7 @@ class HierarchicalCodec(Codec):
         self.lossy = inner.lossy
 
     def all_reduce(self, tensors, key: str, last: bool = True) -> None:
-        if self.comm.world_size == 1 or not tensors:
+        if self.comm.alone or not tensors:
             return
         intra = self.groups.intra
         local = intra.world_size

@@ -75,6 +75,7 @@ class CompressedOptimizer(Optimizer):
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
             comm = Communicator(group=group, device=self._device)
         self.comm = comm
+        self.comm.prepare_packing(self._device)
         self._step = 0
         # Masks describe this run (e.g. the phase's sequence length), not its history, so
         # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.

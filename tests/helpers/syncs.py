@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bench.host_syncs import count_host_syncs
+from bench.host_syncs import count_host_syncs, find_host_syncs
 from onebit_bert.config import from_dict
 from onebit_bert.distributed import Communicator, init_distributed
 from onebit_bert.optim.build import OptimizerConfig, build_optimizer
@@ -33,17 +33,20 @@ def _model(device: str) -> nn.Module:
 
 
 def optimizer_step_syncs(name: str, device: str) -> tuple[list[int], list, torch.optim.Optimizer]:
-    """Host syncs of 8 steps of optimizer ``name`` on ``device``, and its stage at each."""
+    """Host syncs of 8 steps of optimizer ``name`` on ``device``, and its stage at each
+    (where each sync happened: ``optimizer.sync_sites``, per step)."""
     model = _model(device)
     cfg = from_dict(OptimizerConfig, {"name": name, **STAGES})
     comm = Communicator(None, device=device)
     optimizer = build_optimizer(cfg, model, comm, force_compression=True)
-    stages, counts = [], []
+    stages, counts, optimizer.sync_sites = [], [], []
     for step in range(8):
         gen = torch.Generator().manual_seed(step)
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=gen).to(device)
-        counts.append(count_host_syncs(optimizer.step, device)[1])
+        sites = find_host_syncs(optimizer.step, device)[1]
+        counts.append(len(sites))
+        optimizer.sync_sites.append(sites)
         stages.append(getattr(optimizer, "stage", None))
     return counts, stages, optimizer
 
