@@ -60,6 +60,10 @@ class DataConfig:
     """Run a validation pass every this many steps (0: only at the end)."""
     validation_batches: int = 10
     """Micro-batches (per rank) of the validation split in one pass."""
+    prefetch: bool = True
+    """Build the next training micro-batch on a background thread while this one trains
+    (host work only; pinned and copied without blocking on CUDA). false: build each on
+    the main thread when it is needed. The batches are the same either way."""
 
     def max_predictions(self, seq_length: int) -> int:
         """Masked tokens per sequence at most, for sequences of ``seq_length``."""

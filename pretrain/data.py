@@ -16,9 +16,12 @@ draws exactly the batches an uninterrupted one would, without replaying anything
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from onebit_bert.shards import PretrainingShards
 from pretrain.config import DataConfig
@@ -150,3 +153,50 @@ def make_batch(
         "mlm_positions": np.flatnonzero(labels != -100),
         "nsp_rows": np.flatnonzero(nsp_labels >= 0),
     }
+
+
+class Prefetcher:
+    """Micro-batches built one ahead on a background thread.
+
+    ``build(*args)`` makes the host arrays of one micro-batch (numpy only: it must not
+    touch the device or ``torch.distributed``, so that no collective ever leaves the main
+    thread). :meth:`get` returns the micro-batch called ``key`` (built from ``args``) as
+    ``(arrays, tensors)`` (CPU tensors sharing the arrays' memory, or pinned copies with
+    ``pin``) and starts building ``then = (next key, next args)`` behind it. Without a
+    thread (``enabled=False``) every batch is built in :meth:`get`; the batches are the
+    same either way. While it lives, only this object may read ``build``'s data source
+    (its thread does)."""
+
+    def __init__(self, build: Callable[..., dict], pin: bool, enabled: bool = True):
+        self._build, self._pin = build, pin
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="prefetch-batches") if enabled else None
+        )
+        self._ahead: tuple[Hashable, Future] | None = None
+
+    def _make(self, args: tuple) -> tuple[dict, dict]:
+        arrays = self._build(*args)
+        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        if self._pin:
+            tensors = {k: t.pin_memory() for k, t in tensors.items()}
+        return arrays, tensors
+
+    def get(
+        self, key: Hashable, args: tuple, then: tuple[Hashable, tuple] | None = None
+    ) -> tuple[dict, dict]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == key:
+            made = ahead[1].result()  # its exception, if building failed, is raised here
+        else:
+            if ahead is not None:
+                ahead[1].result()  # a batch nobody wants: let it finish before rebuilding
+            made = self._make(args)
+        if then is not None and self._pool is not None:
+            self._ahead = (then[0], self._pool.submit(self._make, then[1]))
+        return made
+
+    def close(self) -> None:
+        """Stop the thread (after the batch in progress)."""
+        self._ahead = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

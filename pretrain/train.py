@@ -33,7 +33,7 @@ from onebit_bert.strategies import build_strategy
 from onebit_bert.timing import PENDING, DeviceClock, resolve_pending
 from pretrain import checkpointing, outputs
 from pretrain.config import PretrainConfig
-from pretrain.data import BatchSchedule, TokenIds, make_batch
+from pretrain.data import BatchSchedule, Prefetcher, TokenIds, make_batch
 from pretrain.model import PretrainingLoss, build_model, untrained_position_rows
 from pretrain.records import (
     BAD_STEP,
@@ -233,7 +233,11 @@ class Trainer:
             )
 
     def release(self) -> None:
-        """Give the run directory's lock back (rank 0; the others hold none)."""
+        """Stop the batch prefetcher and give the run directory's lock back (rank 0; the
+        others hold none)."""
+        prefetcher = getattr(self, "prefetcher", None)
+        if prefetcher is not None:
+            prefetcher.close()
         if self.lock is not None:
             self.lock.release()
 
@@ -258,6 +262,25 @@ class Trainer:
             ctx.world_size,
             cfg.seed,
         )
+        self.prefetcher = Prefetcher(
+            self._build_micro_batch, pin=ctx.device.type == "cuda", enabled=cfg.data.prefetch
+        )
+
+    def _build_micro_batch(self, rows: np.ndarray, step: int, micro: int) -> dict:
+        """Micro-batch ``micro`` of global batch ``step`` (host arrays; the prefetcher's
+        thread runs this, and nothing else reads ``train_rows`` while it lives)."""
+        cfg = self.cfg
+        return make_batch(
+            self.train_rows, rows, self.ids, cfg.data, seed=cfg.seed, step=step, micro=micro
+        )
+
+    def _micro_batches(self, batch_index: int) -> list[tuple[tuple, tuple]]:
+        """This rank's micro-batches of global batch ``batch_index`` as prefetcher jobs:
+        ``((batch_index, k), (rows, step, micro))``."""
+        return [
+            ((batch_index, k), (rows, batch_index, k))
+            for k, rows in self.schedule.micro_indices(batch_index, self.ctx.rank)
+        ]
 
     def _setup_model(self) -> None:
         cfg, ctx = self.cfg, self.ctx
@@ -293,12 +316,13 @@ class Trainer:
         # every STEP_TOTALS entry, summed over ranks in one all-reduce
         totals = torch.zeros(len(STEP_TOTALS), device=ctx.device, dtype=torch.float64)
         batch_index = step - 1
-        micro = self.schedule.micro_indices(batch_index, ctx.rank)
-        for a, (k, rows) in enumerate(micro):
-            raw = make_batch(
-                self.train_rows, rows, self.ids, cfg.data, seed=cfg.seed, step=batch_index, micro=k
-            )
-            batch = _to_device(raw, ctx.device)
+        micro = self._micro_batches(batch_index)
+        # the batch after this step's last one is built while that one trains
+        following = self._micro_batches(step)[0] if step < cfg.schedule.max_steps else None
+        for a, (key, args) in enumerate(micro):
+            then = micro[a + 1] if a + 1 < len(micro) else following
+            raw, tensors = self.prefetcher.get(key, args, then)
+            batch = {k: t.to(ctx.device, non_blocking=True) for k, t in tensors.items()}
             with strategy.backward_context(a == len(micro) - 1):
                 with autocast(self.precision, ctx.device):
                     loss, stats = strategy.forward_module(**batch)
