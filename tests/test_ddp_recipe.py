@@ -1,0 +1,274 @@
+"""1-bit LAMB in users' own scripts: 2 gloo ranks train a tiny BERT through a plain
+``DistributedDataParallel`` script with the compression hook (onebit_bert.ddp), through HF
+``Trainer`` with the mixin (onebit_bert.hf_trainer), through a hand-written Accelerate
+loop, and through the harness's own strategy, with the same optimizer, data and seed. The
+parameters agree bit for bit, and no gradient byte is sent once compression starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from onebit_bert.ddp import merge_state_dict, register_compression_hook, split_state_dict
+from onebit_bert.distributed import Communicator
+from onebit_bert.optim import OneBitLamb
+from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
+from tests.distributed_harness import run_ranks
+from tests.helpers.runs import dist_context
+
+STEPS, FREEZE = 6, 3
+HYPER = {"lr": 0.02, "freeze_step": FREEZE, "max_coeff": 0.3, "weight_decay": 0.01}
+
+
+def tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForMaskedLM(config)
+
+
+def batch(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(5, 60, (4, 16), generator=g)
+    labels = torch.where(torch.rand(4, 16, generator=g) < 0.3, ids, -100)
+    return {"input_ids": ids, "labels": labels}
+
+
+def _gradient_bytes(comm) -> int:
+    return comm.stats.by_kind.get("gradients", [0])[0]
+
+
+def ddp_script(comm):
+    """What a user's DDP + LAMB script becomes with 1-bit LAMB (the recipe of
+    docs/guide/library.md)."""
+    torch.set_num_threads(1)
+    model = DistributedDataParallel(tiny_bert(), process_group=comm.group)
+    optimizer = OneBitLamb(model.parameters(), comm=comm, **HYPER)
+    register_compression_hook(model, optimizer, comm)
+    sent = []
+    for step in range(1, STEPS + 1):
+        model(**batch(comm.rank, step)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        sent.append((_gradient_bytes(comm), comm.stats.by_kind.get("momentum", [0])[0]))
+    shared, per_rank = split_state_dict(optimizer)
+    return {
+        "params": [p.detach().clone() for p in model.module.parameters()],
+        "sent": sent,
+        "stage": optimizer.stage,
+        "shared": shared,
+        "per_rank": per_rank,
+    }
+
+
+class MaskedLMLoss(nn.Module):
+    """The harness's forward-module contract: ``(loss, statistics)``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, **inputs):
+        return self.model(**inputs).loss, {}
+
+
+def harness_run(comm):
+    torch.set_num_threads(1)
+    model = tiny_bert()
+    optimizer = OneBitLamb(model.parameters(), comm=comm, **HYPER)
+    strategy = SelfSyncingDataParallel(
+        model, MaskedLMLoss(model), optimizer, dist_context(comm), use_ddp=False
+    )
+    for step in range(1, STEPS + 1):
+        with strategy.backward_context(True):
+            loss, _ = strategy.forward_module(**batch(comm.rank, step))
+            loss.backward()
+        strategy.after_backward()
+        strategy.step()
+        optimizer.zero_grad()
+        strategy.after_step(step)
+    return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.fixture(scope="module")
+def script():
+    """The DDP script's run on 2 ranks, the reference of every test here."""
+    return run_ranks(ddp_script, 2)
+
+
+def test_a_ddp_script_with_the_hook_trains_as_the_harness_does_and_sends_no_gradients(script):
+    harness = run_ranks(harness_run, 2)
+    for mine, theirs in zip(script, harness, strict=True):
+        assert mine["stage"] == "compression"
+        for a, b in zip(mine["params"], theirs["params"], strict=True):
+            assert torch.equal(a, b)
+    for rank in script:
+        gradients = [g for g, _ in rank["sent"]]
+        momentum = [m for _, m in rank["sent"]]
+        # warmup steps 1..3 average gradients; steps 4..6 send only compressed momentum
+        assert gradients[0] > 0 and gradients[FREEZE - 1] == FREEZE * gradients[0]
+        assert gradients[FREEZE:] == [gradients[FREEZE - 1]] * (STEPS - FREEZE)
+        assert momentum[FREEZE - 1] == 0 and momentum[FREEZE] > 0
+        assert momentum[-1] == (STEPS - FREEZE) * momentum[FREEZE]
+    # the replicas agree, and each rank's compression errors are its own
+    assert all(torch.equal(a, b) for a, b in zip(*(r["params"] for r in script), strict=True))
+    errors = [r["per_rank"]["optimizer"]["error_feedback"]["worker_error"] for r in script]
+    assert not torch.equal(errors[0], errors[1])
+
+
+def hf_trainer_run(comm, out_dir):
+    """The same training under HF Trainer with the mixin (Accelerate wraps the model in
+    DDP on the process group this harness made)."""
+    import os
+
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    from onebit_bert.hf_trainer import OneBitTrainerMixin
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(comm.rank),
+        LOCAL_RANK=str(comm.rank),
+        WORLD_SIZE=str(comm.world_size),
+        LOCAL_WORLD_SIZE=str(comm.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
+    )
+
+    class Examples(Dataset):
+        """Global batch i of 4 rows goes to rank i % 2 (Accelerate's sharding of a
+        sequential sampler): row order step by step, rank by rank."""
+
+        def __init__(self):
+            self.rows = [
+                {k: v[i] for k, v in batch(rank, step).items()}
+                for step in range(1, STEPS + 1)
+                for rank in range(comm.world_size)
+                for i in range(4)
+            ]
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]
+
+    class OneBitTrainer(OneBitTrainerMixin, Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    args = TrainingArguments(
+        output_dir=str(out_dir),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=HYPER["lr"],
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = OneBitTrainer(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=Examples(),
+        make_optimizer=lambda model, c: OneBitLamb(model.parameters(), comm=c, **HYPER),
+    )
+    # the model's own mean loss, as the script takes it (not Trainer's token-count one)
+    trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    optimizer = trainer.optimizer.optimizer  # Accelerate's wrapper
+    return {
+        "params": [p.detach().clone() for p in trainer.model.parameters()],
+        "gradients": optimizer.comm.stats.by_kind.get("gradients", [0])[0],
+        "momentum": optimizer.comm.stats.by_kind.get("momentum", [0])[0],
+        "stage": optimizer.stage,
+    }
+
+
+def test_hf_trainer_with_the_mixin_trains_as_the_ddp_script_does(script, tmp_path):
+    trainer = run_ranks(hf_trainer_run, 2, tmp_path)
+    for mine, theirs in zip(trainer, script, strict=True):
+        assert mine["stage"] == "compression"
+        for a, b in zip(mine["params"], theirs["params"], strict=True):
+            assert torch.equal(a, b)
+        # the warmup's gradients and the compression stage's momentum, nothing more
+        assert (mine["gradients"], mine["momentum"]) == theirs["sent"][-1]
+
+
+def accelerate_run(comm):
+    """The recipe for a hand-written Accelerate loop."""
+    import os
+
+    from accelerate import Accelerator
+
+    from onebit_bert.hf_trainer import unwrap_optimizer
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(comm.rank),
+        LOCAL_RANK=str(comm.rank),
+        WORLD_SIZE=str(comm.world_size),
+        LOCAL_WORLD_SIZE=str(comm.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29556",
+    )
+    accelerator = Accelerator(cpu=True)
+    model = tiny_bert()
+    optimizer = OneBitLamb(model.parameters(), comm=comm, **HYPER)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    register_compression_hook(model, unwrap_optimizer(optimizer), comm)
+    for step in range(1, STEPS + 1):
+        accelerator.backward(model(**batch(comm.rank, step)).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = unwrap_optimizer(optimizer)
+    return {
+        "params": [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()],
+        "sent": (_gradient_bytes(comm), comm.stats.by_kind.get("momentum", [0])[0]),
+        "stage": inner.stage,
+    }
+
+
+def test_an_accelerate_loop_with_the_hook_trains_as_the_ddp_script_does(script):
+    loop = run_ranks(accelerate_run, 2)
+    for mine, theirs in zip(loop, script, strict=True):
+        assert mine["stage"] == "compression"
+        for a, b in zip(mine["params"], theirs["params"], strict=True):
+            assert torch.equal(a, b)
+        assert mine["sent"] == theirs["sent"][-1]
+
+
+def test_split_state_dicts_merge_back_for_loading():
+    model = tiny_bert()
+    optimizer = OneBitLamb(model.parameters(), comm=Communicator(None), **HYPER)
+    model(**batch(0, 1)).loss.backward()
+    optimizer.step()
+    shared, per_rank = split_state_dict(optimizer)
+    assert "per_rank" not in shared["optimizer"] and per_rank["optimizer"] is not None
+    fresh = OneBitLamb(tiny_bert().parameters(), comm=Communicator(None), **HYPER)
+    fresh.load_state_dict(merge_state_dict(shared, per_rank))
+    assert fresh.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_the_hook_needs_the_ddp_wrapper():
+    model = tiny_bert()
+    optimizer = OneBitLamb(model.parameters(), comm=Communicator(None), **HYPER)
+    with pytest.raises(TypeError, match="needs the DistributedDataParallel wrapper"):
+        register_compression_hook(model, optimizer, Communicator(None))
