@@ -101,6 +101,11 @@ class SlurmSpec:
     """Shell lines run first in every job (module load ..., source a venv, ...)."""
     env: dict = field(default_factory=dict)
     """Environment for the jobs, e.g. NCCL_SOCKET_IFNAME or NCCL_IB_HCA."""
+    offline: bool = False
+    """Compute nodes without internet: every job runs with HF_HUB_OFFLINE=1 and
+    HF_DATASETS_OFFLINE=1, and with the Hugging Face cache variables (HF_HOME,
+    HF_HUB_CACHE, HF_DATASETS_CACHE) that were set when the chain was submitted. Fill
+    that cache on a login node first (docs/guide/clusters.md)."""
     extra_sbatch: list[str] = field(default_factory=list)
     """More #SBATCH options, e.g. --qos=high."""
     master_port: int = 29500

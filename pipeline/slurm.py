@@ -8,6 +8,7 @@ Placeholders in the templates are ``{{name}}``; everything else (``$SLURM_JOB_ID
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -20,6 +21,23 @@ from pipeline.experiment import Experiment, Stage
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = REPO / "slurm"
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+HF_CACHE_VARIABLES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE")
+"""Where the Hugging Face cache is; passed to the jobs of an offline chain as submitted."""
+
+
+def job_environment(spec, environ: dict | None = None) -> dict[str, str]:
+    """What every job exports: ``slurm.env``, and with ``slurm.offline`` the hub's offline
+    switches and the cache variables set in ``environ`` (default: this process's), so that
+    the jobs read the cache a login node filled. ``slurm.env`` wins where both set one."""
+    environ = os.environ if environ is None else environ
+    env: dict[str, str] = {}
+    if spec.offline:
+        env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        env.update({k: environ[k] for k in HF_CACHE_VARIABLES if environ.get(k)})
+    env.update({k: str(v) for k, v in spec.env.items()})
+    return env
 
 
 def render(template: str, values: dict[str, object]) -> str:
@@ -53,7 +71,9 @@ class SlurmChain:
         extra = [f"#SBATCH --partition={spec.partition}"] if spec.partition else []
         extra += [f"#SBATCH --account={spec.account}"] if spec.account else []
         extra += [f"#SBATCH {opt}" for opt in spec.extra_sbatch]
-        env = "\n".join(f"export {k}={shlex.quote(str(v))}" for k, v in spec.env.items())
+        env = "\n".join(
+            f"export {k}={shlex.quote(str(v))}" for k, v in job_environment(spec).items()
+        )
         common = render(
             _template("common.sh"),
             {"repo": REPO, "setup": "\n".join(spec.setup), "env": env, "stage": stage.name},

@@ -571,3 +571,44 @@ def test_real_qnli(real_glue: Path):
     dev = _load_real(real_glue, "qnli", "validation")
     assert len(dev) == 5_463
     assert Counter(ex.label for ex in dev) == {0: 2_702, 1: 5_463 - 2_702}
+
+
+def test_download_fetches_every_split_of_every_task_from_the_hub(monkeypatch):
+    """``python -m finetune download`` (the login-node step of an offline cluster) loads
+    each split the config's tasks use from the hub, through the loaders a run uses."""
+    datasets = pytest.importorskip("datasets")
+    from finetune.__main__ import download, main
+    from finetune.config import FinetuneConfig
+
+    calls = []
+
+    def fake_load_dataset(path, config=None, split=None):
+        calls.append((path, config, split))
+        if path == "rajpurkar/squad":
+            answers = {"text": ["a"], "answer_start": [0]}
+            return [{"id": 1, "title": "t", "context": "a b", "question": "q", "answers": answers}]
+        return datasets.Dataset.from_dict({"sentence1": ["A."], "sentence2": ["B."], "label": [1]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = FinetuneConfig(checkpoint="unused", tasks=["mrpc", "squad"])
+    result = download(cfg)
+    assert result["downloaded"] == {
+        "mrpc/train": 1,
+        "mrpc/validation": 1,
+        "squad/train": 1,
+        "squad/validation": 1,
+    }
+    assert calls == [
+        ("nyu-mll/glue", "mrpc", "train"),
+        ("nyu-mll/glue", "mrpc", "validation"),
+        ("rajpurkar/squad", None, "train"),
+        ("rajpurkar/squad", None, "validation"),
+    ]
+    # local files: nothing to fetch
+    assert download(FinetuneConfig(checkpoint="unused", data_root="x"))["downloaded"] == {}
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert main(["download", "checkpoint=unused", "tasks=[sst2]"]) == 2

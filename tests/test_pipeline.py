@@ -239,3 +239,23 @@ def test_local_stage_threads_share_the_cores():
     assert stage_threads("pretrain", 2, cores=16) == 8
     assert stage_threads("finetune", 4, cores=2) == 2
     assert stage_threads("data", 1, cores=16) == 16
+
+
+def test_an_offline_chain_exports_the_hubs_switches_and_the_submitters_cache(tmp_path, monkeypatch):
+    from pipeline.slurm import job_environment
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf cache"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    exp = smoke(tmp_path, "slurm.offline=true")
+    assert exp.cfg.slurm.offline
+    env = job_environment(exp.cfg.slurm)
+    assert env["HF_HUB_OFFLINE"] == env["HF_DATASETS_OFFLINE"] == "1"
+    assert env["HF_HOME"] == str(tmp_path / "hf cache") and "HF_DATASETS_CACHE" not in env
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"  # slurm.env still there
+    SlurmChain(exp).submit([s for s in exp.stages if s.kind != "inputs"], dry_run=True)
+    for script in (tmp_path / "work" / "slurm").glob("*.sbatch"):
+        text = script.read_text()
+        assert "export HF_HUB_OFFLINE=1" in text and "export HF_DATASETS_OFFLINE=1" in text
+        assert f"export HF_HOME='{tmp_path / 'hf cache'}'" in text
+    # online (the default): none of it
+    assert "HF_HUB_OFFLINE" not in job_environment(smoke(tmp_path / "b").cfg.slurm)
