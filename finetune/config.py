@@ -79,6 +79,16 @@ class FinetuneConfig:
     and the rest for training. The scores are then not comparable with published GLUE dev
     results."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    save_model: bool = False
+    """Save every fine-tuned model with its tokenizer (HF format; a mean-pooling model as
+    its encoder in HF format plus ``classifier.pt``) under
+    ``<output>/<task>/models/lr<lr>_ep<epochs>_seed<seed>/``."""
+    predictions: bool = False
+    """Write every evaluation split's predictions under
+    ``<output>/<task>/predictions/lr<lr>_ep<epochs>_seed<seed>/``: GLUE as ``<split>.tsv``
+    in the GLUE submission format (``index``, ``prediction``: the label as GLUE's files
+    spell it, a number for STS-B), SQuAD as ``validation.json`` (question id -> answer
+    text, the format of SQuAD's evaluation script)."""
     n_best_size: int = 20
     max_answer_length: int = 30
 

@@ -44,6 +44,12 @@ def run_path(output: str | Path, task: str, lr: float, epochs: float, seed: int)
     return Path(output) / task / "runs" / f"lr{lr:g}_ep{epochs:g}_seed{seed}.json"
 
 
+def artifact_dir(output: str | Path, task: str, lr: float, epochs: float, seed: int, kind: str):
+    """Where one run's ``kind`` (``models`` or ``predictions``) goes:
+    ``<output>/<task>/<kind>/lr<lr>_ep<epochs>_seed<seed>/``."""
+    return Path(output) / task / kind / f"lr{lr:g}_ep{epochs:g}_seed{seed}"
+
+
 def write_results(output: str | Path, results: dict) -> Path:
     """Write ``results.json`` (``{task: summary}``) atomically."""
     path = results_path(output)

@@ -12,8 +12,10 @@ import json
 import logging
 import math
 import random
+import shutil
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +24,16 @@ import torch
 from finetune.config import RECIPES, FinetuneConfig
 from finetune.glue_tasks import get_task
 from finetune.metrics import compute_glue, compute_squad
-from finetune.outputs import config_path, run_path, write_results, write_task_results
+from finetune.outputs import (
+    artifact_dir,
+    config_path,
+    run_path,
+    write_results,
+    write_task_results,
+)
 from finetune.trainer import fit, predict, seed_everything
 from onebit_bert.config import save_config
-from onebit_bert.io import atomic_write_json
+from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.precision import resolve_precision
 
 log = logging.getLogger("finetune")
@@ -169,17 +177,31 @@ class GlueRunner:
             problem_type="regression" if self.task.is_regression else "single_label_classification",
         )
 
-    def evaluate(self, model, tokenizer, device, precision, batch_size) -> dict[str, float]:
+    def evaluate(
+        self, model, tokenizer, device, precision, batch_size, predictions: Path | None = None
+    ) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for split, examples in self.evals.items():
             features = self._encode(tokenizer, examples)
             labels = features.pop("labels").numpy()
             logits = predict(model, features, batch_size, device, precision, ("logits",))["logits"]
             preds = logits[:, 0] if self.task.is_regression else logits.argmax(-1)
+            if predictions is not None:
+                self.write_predictions(predictions / f"{split}.tsv", examples, preds.tolist())
             scores = compute_glue(self.name, preds.tolist(), labels.tolist())
             suffix = "_mismatched" if split.endswith("mismatched") else ""
             metrics.update({f"{k}{suffix}": float(v) for k, v in scores.items()})
         return metrics
+
+    def write_predictions(self, path: Path, examples, preds: list) -> None:
+        """GLUE's submission format: ``index<TAB>prediction``, the label as the task's
+        files spell it (a number with 3 decimals for a regression task)."""
+        names = self.task.file_labels or self.task.labels
+        lines = ["index\tprediction"]
+        for ex, pred in zip(examples, preds, strict=True):
+            index = ex.guid.rsplit("-", 1)[-1]
+            lines.append(f"{index}\t{pred:.3f}" if names is None else f"{index}\t{names[pred]}")
+        atomic_write_text(path, "\n".join(lines) + "\n")
 
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), **{s: len(e) for s, e in self.evals.items()}}
@@ -227,7 +249,9 @@ class SquadRunner:
 
         return load_model(AutoModelForQuestionAnswering, checkpoint, random_init)
 
-    def evaluate(self, model, tokenizer, device, precision, batch_size) -> dict[str, float]:
+    def evaluate(
+        self, model, tokenizer, device, precision, batch_size, predictions: Path | None = None
+    ) -> dict[str, float]:
         from finetune import squad
 
         encoded = squad.prepare_eval_features(
@@ -245,11 +269,35 @@ class SquadRunner:
             n_best_size=self.cfg.n_best_size,
             max_answer_length=self.cfg.max_answer_length,
         )
+        if predictions is not None:  # {id: answer}, as SQuAD's evaluation script reads
+            atomic_write_json(predictions / "validation.json", answers)
         references = [{"id": e.id, "answers": e.answers} for e in self.eval]
         return {k: float(v) for k, v in compute_squad(answers, references).items()}
 
     def sizes(self) -> dict[str, int]:
         return {"train": len(self.train), "validation": len(self.eval)}
+
+
+def save_model(model, tokenizer, directory: Path) -> None:
+    """The fine-tuned model with its tokenizer, in HF format (a mean-pooling classifier:
+    its encoder in HF format and its head in ``classifier.pt``), written to a temporary
+    sibling first and renamed: a directory is either complete or absent."""
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp)
+    else:
+        model.bert.save_pretrained(tmp)
+        torch.save(
+            {"classifier": model.classifier.state_dict(), "num_labels": model.num_labels},
+            tmp / "classifier.pt",
+        )
+    tokenizer.save_pretrained(tmp)
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
 
 
 def make_runner(task: str, cfg: FinetuneConfig):
@@ -300,7 +348,17 @@ def run(cfg: FinetuneConfig) -> dict:
                     warmup_proportion=cfg.warmup_proportion,
                     max_grad_norm=cfg.max_grad_norm,
                 )
-                metrics = runner.evaluate(model, tokenizer, device, precision, batch_size)
+                where = partial(artifact_dir, out, runner.name, lr, epochs, seed)
+                metrics = runner.evaluate(
+                    model,
+                    tokenizer,
+                    device,
+                    precision,
+                    batch_size,
+                    predictions=where("predictions") if cfg.predictions else None,
+                )
+                if cfg.save_model:
+                    save_model(model, tokenizer, where("models"))
                 atomic_write_json(
                     path,
                     {

@@ -460,3 +460,67 @@ def test_mean_pooling_head_fine_tunes_and_ignores_padding(setup, tmp_path):
     torch.testing.assert_close(padded, trimmed, rtol=1e-5, atol=1e-5)
     out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([2.5]))
     assert out.loss.item() == pytest.approx((out.logits.item() - 2.5) ** 2, rel=1e-5)
+
+
+def test_saved_models_and_predictions_in_the_formats_users_expect(setup, tmp_path):
+    """save_model and predictions: GLUE dev predictions in the submission format that
+    reproduce the reported score, SQuAD answers by question id, and models that load back
+    (HF format; a mean-pooling classifier as its encoder plus classifier.pt)."""
+    import torch
+    from transformers import AutoModel, AutoModelForQuestionAnswering
+
+    from finetune.glue_tasks import get_task
+    from finetune.heads import MeanPoolingClassifier
+
+    checkpoint, data = setup
+    cfg = finetune_config(
+        checkpoint,
+        data,
+        tmp_path / "out",
+        tasks=["sst2", "squad"],
+        seeds=[1],
+        pooling="mean",
+        save_model=True,
+        predictions=True,
+        max_train_samples=32,
+    )
+    results = run(cfg)
+    out = Path(cfg.output)
+
+    def artifacts(task: str, kind: str) -> Path:
+        return out / task / kind / f"lr{results[task]['lr']:g}_ep1_seed1"
+
+    # SST-2: the labels as SST-2's files spell them, and the reported accuracy from them
+    lines = (artifacts("sst2", "predictions") / "validation.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction"
+    dev = get_task("sst2").load("validation", str(data))
+    rows = [line.split("\t") for line in lines[1:]]
+    assert [int(i) for i, _ in rows] == list(range(len(dev)))
+    assert {p for _, p in rows} <= {"0", "1"}
+    accuracy = sum(int(p) == ex.label for (_, p), ex in zip(rows, dev, strict=True)) / len(dev)
+    assert accuracy == pytest.approx(results["sst2"]["accuracy"])
+    # SQuAD: {question id: answer text}
+    answers = json.loads((artifacts("squad", "predictions") / "validation.json").read_text())
+    assert answers and all(isinstance(a, str) for a in answers.values())
+    # the models load back
+    saved = artifacts("sst2", "models")
+    head = torch.load(saved / "classifier.pt", weights_only=True)
+    model = MeanPoolingClassifier(AutoModel.from_pretrained(saved), head["num_labels"])
+    model.classifier.load_state_dict(head["classifier"])
+    assert (saved / "tokenizer.json").is_file() or (saved / "vocab.txt").is_file()
+    AutoModelForQuestionAnswering.from_pretrained(artifacts("squad", "models"))
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_glue_predictions_spell_labels_as_the_task_files_do(tmp_path):
+    from finetune.glue_tasks import Example
+    from finetune.run import GlueRunner
+
+    cfg = FinetuneConfig(checkpoint="unused", tasks=["stsb", "rte"])
+    examples = [Example("validation-0", "a", "b", 0.0), Example("validation-1", "c", "d", 0.0)]
+    GlueRunner("stsb", cfg).write_predictions(tmp_path / "stsb.tsv", examples, [3.14159, 0.5])
+    GlueRunner("rte", cfg).write_predictions(tmp_path / "rte.tsv", examples, [0, 1])
+    assert (tmp_path / "stsb.tsv").read_text() == "index\tprediction\n0\t3.142\n1\t0.500\n"
+    assert (tmp_path / "rte.tsv").read_text() == (
+        "index\tprediction\n0\tentailment\n1\tnot_entailment\n"
+    )
