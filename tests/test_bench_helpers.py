@@ -181,3 +181,15 @@ def test_checkpoint_io_bench_saves_loads_and_reports_rates(tmp_path):
     assert len(result["save_seconds"]) == len(result["load_seconds"]) == 2
     assert result["save_gb_per_s"] > 0 and result["load_gb_per_s"] > 0
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
+
+
+def test_finetune_loop_benchmark_times_both_loops():
+    from bench import finetune_loop
+
+    result = finetune_loop.main(
+        ["--model", "bert-tiny", "--examples", "32", "--length", "16", "--batch", "16"]
+        + ["--repeats", "1"]
+    )
+    assert set(result["seconds"]) == {"ours", "hf_trainer"}
+    assert all(len(v) == 1 and v[0] > 0 for v in result["seconds"].values())
+    assert result["hf_trainer_over_ours"] > 0
