@@ -46,8 +46,10 @@ def batch(rank: int, step: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _gradient_bytes(comm) -> int:
-    return comm.stats.by_kind.get("gradients", [0])[0]
+def _sent(comm, before) -> tuple[int, int]:
+    """Gradient and momentum bytes this rank sent since the snapshot ``before``."""
+    delta = comm.snapshot() - before
+    return tuple(delta.by_kind.get(kind, [0])[0] for kind in ("gradients", "momentum"))
 
 
 def ddp_script(comm):
@@ -57,12 +59,12 @@ def ddp_script(comm):
     model = DistributedDataParallel(tiny_bert(), process_group=comm.group)
     optimizer = OneBitLamb(model.parameters(), comm=comm, **HYPER)
     register_compression_hook(model, optimizer, comm)
-    sent = []
+    before, sent = comm.snapshot(), []
     for step in range(1, STEPS + 1):
         model(**batch(comm.rank, step)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        sent.append((_gradient_bytes(comm), comm.stats.by_kind.get("momentum", [0])[0]))
+        sent.append(_sent(comm, before))
     shared, per_rank = split_state_dict(optimizer)
     return {
         "params": [p.detach().clone() for p in model.module.parameters()],
@@ -102,14 +104,31 @@ def harness_run(comm):
     return {"params": [p.detach().clone() for p in model.parameters()]}
 
 
+def every_path(comm, out_dir):
+    """All four ways on each rank, one after the other (one spawn of the ranks for all)."""
+    return {
+        "script": ddp_script(comm),
+        "harness": harness_run(comm),
+        "trainer": hf_trainer_run(comm, out_dir),
+        "accelerate": accelerate_run(comm),
+    }
+
+
 @pytest.fixture(scope="module")
-def script():
-    """The DDP script's run on 2 ranks, the reference of every test here."""
-    return run_ranks(ddp_script, 2)
+def runs(tmp_path_factory):
+    """Every path's results on 2 ranks: ``runs[path][rank]``."""
+    ranks = run_ranks(every_path, 2, tmp_path_factory.mktemp("trainer"))
+    return {path: [r[path] for r in ranks] for path in ranks[0]}
 
 
-def test_a_ddp_script_with_the_hook_trains_as_the_harness_does_and_sends_no_gradients(script):
-    harness = run_ranks(harness_run, 2)
+@pytest.fixture(scope="module")
+def script(runs):
+    """The DDP script's run, the reference of every test here."""
+    return runs["script"]
+
+
+def test_a_ddp_script_with_the_hook_trains_as_the_harness_does_and_sends_no_gradients(script, runs):
+    harness = runs["harness"]
     for mine, theirs in zip(script, harness, strict=True):
         assert mine["stage"] == "compression"
         for a, b in zip(mine["params"], theirs["params"], strict=True):
@@ -202,8 +221,8 @@ def hf_trainer_run(comm, out_dir):
     }
 
 
-def test_hf_trainer_with_the_mixin_trains_as_the_ddp_script_does(script, tmp_path):
-    trainer = run_ranks(hf_trainer_run, 2, tmp_path)
+def test_hf_trainer_with_the_mixin_trains_as_the_ddp_script_does(script, runs):
+    trainer = runs["trainer"]
     for mine, theirs in zip(trainer, script, strict=True):
         assert mine["stage"] == "compression"
         for a, b in zip(mine["params"], theirs["params"], strict=True):
@@ -234,6 +253,7 @@ def accelerate_run(comm):
     optimizer = OneBitLamb(model.parameters(), comm=comm, **HYPER)
     model, optimizer = accelerator.prepare(model, optimizer)
     register_compression_hook(model, unwrap_optimizer(optimizer), comm)
+    before = comm.snapshot()
     for step in range(1, STEPS + 1):
         accelerator.backward(model(**batch(comm.rank, step)).loss)
         optimizer.step()
@@ -241,13 +261,13 @@ def accelerate_run(comm):
     inner = unwrap_optimizer(optimizer)
     return {
         "params": [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()],
-        "sent": (_gradient_bytes(comm), comm.stats.by_kind.get("momentum", [0])[0]),
+        "sent": _sent(comm, before),
         "stage": inner.stage,
     }
 
 
-def test_an_accelerate_loop_with_the_hook_trains_as_the_ddp_script_does(script):
-    loop = run_ranks(accelerate_run, 2)
+def test_an_accelerate_loop_with_the_hook_trains_as_the_ddp_script_does(script, runs):
+    loop = runs["accelerate"]
     for mine, theirs in zip(loop, script, strict=True):
         assert mine["stage"] == "compression"
         for a, b in zip(mine["params"], theirs["params"], strict=True):
