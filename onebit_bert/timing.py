@@ -53,16 +53,32 @@ class DeviceClock:
 
 class PendingTimings:
     """Event pairs (start, end) of collectives, each with the statistics object and kind
-    of traffic its seconds go to (``stats.add_seconds(kind, seconds)``)."""
+    of traffic its seconds go to (``stats.add_seconds(kind, seconds)``).
 
-    def __init__(self):
+    Code that never resolves them (a user's own loop) does not make the list grow without
+    bound: past ``limit`` pairs, the finished ones at its head are filed into their
+    statistics (checked with ``query()``, which never waits)."""
+
+    def __init__(self, limit: int = 4096):
         self._pairs: list[tuple[object, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.limit = limit
 
     def __len__(self) -> int:
         return len(self._pairs)
 
     def add(self, stats, kind: str, start, end) -> None:
         self._pairs.append((stats, kind, start, end))
+        if len(self._pairs) > self.limit:
+            self._file_finished_head()
+
+    def _file_finished_head(self) -> None:
+        done = 0
+        for stats, kind, start, end in self._pairs:
+            if not end.query():
+                break
+            stats.add_seconds(kind, start.elapsed_time(end) / 1000)
+            done += 1
+        del self._pairs[:done]
 
     def resolve(self, since: int = 0, upto: int | None = None) -> dict[int, dict[str, float]]:
         """Add every pending pair's seconds to its statistics and forget them; returns the

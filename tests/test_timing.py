@@ -11,13 +11,13 @@ from onebit_bert.timing import PERF_COUNTER, DeviceClock, PendingTimings
 
 
 class FakeEvent:
-    """A completed CUDA event at ``ms`` milliseconds."""
+    """A CUDA event at ``ms`` milliseconds, completed unless ``done=False``."""
 
-    def __init__(self, ms: float):
-        self.ms = ms
+    def __init__(self, ms: float, done: bool = True):
+        self.ms, self.done = ms, done
 
     def query(self) -> bool:
-        return True
+        return self.done
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return end.ms - self.ms
@@ -47,6 +47,16 @@ def test_pending_pairs_go_to_their_stats_and_only_the_chosen_ones_are_returned()
     assert mine.by_kind["statistics"][1] == pytest.approx(0.01)
     assert mine.seconds == pytest.approx(0.76) and other.seconds == pytest.approx(2.0)
     assert pending.resolve() == {}
+
+
+def test_unresolved_pairs_do_not_pile_up_in_a_loop_that_never_resolves():
+    pending, stats = PendingTimings(limit=3), CommStats()
+    for i in range(3):
+        pending.add(stats, "gradients", FakeEvent(10 * i), FakeEvent(10 * i + 2))
+    assert len(pending) == 3 and stats.seconds == 0.0
+    pending.add(stats, "gradients", FakeEvent(100), FakeEvent(101, done=False))
+    # the finished head was filed; the unfinished pair waits
+    assert len(pending) == 1 and stats.seconds == pytest.approx(0.006)
 
 
 def test_training_metrics_name_their_clock_and_add_up(tiny_corpus, tmp_path):
