@@ -211,13 +211,25 @@ class Communicator:
         """File the seconds from ``start`` (an event) to now, on the current stream."""
         PENDING.add(stats, kind, start, self._clock.mark())
 
+    def _start(self):
+        """A mark to time a collective from: a CUDA event, or the host's clock."""
+        return self._clock.mark() if self.timed_by_events else time.perf_counter()
+
+    def _file(self, kind: str, nbytes: int, start) -> None:
+        """Count ``nbytes`` under ``kind`` with the seconds since ``start`` (from
+        :meth:`_start`): on CUDA an event pair resolved once the step has waited."""
+        if self.timed_by_events:
+            self.stats.add(kind, int(nbytes), 0.0)
+            self._device_seconds(self.stats, kind, start)
+        else:
+            self.stats.add(kind, int(nbytes), time.perf_counter() - start)
+
     @contextmanager
     def _count(self, nbytes: int):
         if self.timed_by_events:
-            start = self._clock.mark()
+            start = self._start()
             yield
-            self.stats.add(self.kind, int(nbytes), 0.0)
-            self._device_seconds(self.stats, self.kind, start)
+            self._file(self.kind, nbytes, start)
             return
         sync = self.synchronize_timing and self.device.type == "cuda"
         if sync:
@@ -306,17 +318,13 @@ class Communicator:
 
         def hook(_state, bucket):
             buffer = bucket.buffer()
-            events = self.timed_by_events
-            start = self._clock.mark() if events else time.perf_counter()
+            start = self._start()
             nbytes = 2 * (p - 1) * buffer.numel() * buffer.element_size() // p
             future = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
 
             def finish(fut):
-                if events:  # runs with the collective's stream current: its end
-                    self.stats.add("gradients", nbytes, 0.0)
-                    self._device_seconds(self.stats, "gradients", start)
-                else:
-                    self.stats.add("gradients", nbytes, time.perf_counter() - start)
+                # on CUDA this runs with the collective's stream current: the event is its end
+                self._file("gradients", nbytes, start)
                 return fut.value()[0].div_(p)
 
             return future.then(finish)

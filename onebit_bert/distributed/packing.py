@@ -27,6 +27,16 @@ def _pack_by_shifts(nonneg: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_shift_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    """0..7 as uint8 on ``device`` (bit ``k`` of a byte is ``byte >> k & 1``), built once."""
+    if device not in _shift_tables:
+        _shift_tables[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _shift_tables[device]
+
+
 def _multiply_is_exact(device: torch.device) -> bool:
     # The multiply relies on int64 products wrapping modulo 2**64, which every torch
     # backend does in practice; check once per device and fall back if one does not.
@@ -53,8 +63,8 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 def sign_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(256, 8) table: row ``b`` holds the eight ±1 signs that byte ``b`` encodes. Built on
     ``device`` itself: no copy from the host."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    bits = (torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(1) >> shifts) & 1
+    device = torch.device(device)
+    bits = (torch.arange(256, dtype=torch.uint8, device=device).unsqueeze(1) >> _shifts(device)) & 1
     return torch.where(bits.bool(), 1.0, -1.0).to(dtype)
 
 
@@ -94,18 +104,10 @@ def unpack_signs(
     return out
 
 
-_shift_tables: dict[torch.device, torch.Tensor] = {}
-
-
 def _unpack_by_shifts(
     packed: torch.Tensor, scale: torch.Tensor | float, out: torch.Tensor | None
 ) -> torch.Tensor:
-    shifts = _shift_tables.get(packed.device)
-    if shifts is None:
-        shifts = _shift_tables[packed.device] = torch.arange(
-            8, dtype=torch.uint8, device=packed.device
-        )
-    positive = (packed.unsqueeze(1) >> shifts).bitwise_and_(1).bool()
+    positive = (packed.unsqueeze(1) >> _shifts(packed.device)).bitwise_and_(1).bool()
     if not isinstance(scale, torch.Tensor):
         scale = torch.full((), float(scale), device=packed.device)
     if out is None:
