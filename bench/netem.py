@@ -59,9 +59,7 @@ from pathlib import Path
 from bench.common import REPO, prepare_wikipedia_seq128, shared_data_error
 from bench.netem_cluster import Cluster, check_privileges, remove_stale_clusters
 from bench.netem_runs import (  # noqa: F401 (re-exported: the benchmark's public pieces)
-    DECENTRALIZED_STRATEGIES,
     DEFAULT_TOPOLOGIES,
-    LOCAL_STEP_STRATEGIES,
     MEASURE,
     STRATEGIES,
     _bytes_per_step,
@@ -73,6 +71,7 @@ from bench.netem_runs import (  # noqa: F401 (re-exported: the benchmark's publi
     step_records,
     summarize,
 )
+from onebit_bert.recipes import RECIPES, get_recipe
 
 BERT_LARGE_PARAMS = 335_000_000  # BERT-Large with its MLM/NSP heads, about
 DEFAULT_OUTER_EVERY = 8
@@ -136,24 +135,6 @@ def _bandwidth_label(row: dict) -> str:
     return label
 
 
-STRATEGY_LABELS = {
-    "lamb": "LAMB",
-    "onebit_lamb": "1-bit LAMB compression",
-    "adamw": "AdamW",
-    "onebit_adam": "1-bit Adam compression",
-    "zero_one_adam": "0/1 Adam",
-    "co2": "CO2",
-    "slowmo": "SlowMo",
-    "local_sgd": "local SGD",
-    "decentlam": "DecentLaM",
-    "dmsgd": "DmSGD",
-    "hybrid_onebit_lamb": "hybrid 1-bit LAMB compression",
-    "onebit_lamb_overlap": "1-bit LAMB overlapped",
-    "powersgd": "PowerSGD (LAMB)",
-    "lamb_node": "LAMB, node hierarchy",
-    "onebit_lamb_node": "1-bit LAMB, node hierarchy",
-    "hybrid_onebit_lamb_node": "hybrid 1-bit LAMB, node hierarchy",
-}
 TOPOLOGY_LABELS = {"one_peer_exponential": "one-peer exp.", "ring": "ring", "exponential": "exp."}
 
 
@@ -163,10 +144,11 @@ def plot_series(row: dict) -> list[tuple[str, tuple[str, ...]]]:
     series = []
     for name, run in row["runs"].items():
         if "warmup" in run:
-            label = STRATEGY_LABELS[name].replace("compression", "warmup")
+            label = f"{get_recipe(name).label} warmup"
             series.append((label, ("runs", name, "warmup", "samples_per_s")))
         strategy, _, topology = name.partition("/")
-        label = STRATEGY_LABELS[strategy]
+        recipe = get_recipe(strategy)
+        label = recipe.label + (" compression" if recipe.measure == "onebit" else "")
         if topology:
             label += f" ({TOPOLOGY_LABELS.get(topology, topology)})"
         if "outer_every" in run:
@@ -306,13 +288,13 @@ def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         )
     if len(set(names)) < len(names):
         parser.error(f"--strategies: each name once (got {args.strategies})")
-    if any(n.endswith("_node") for n in names) and args.ranks_per_host < 2:
+    if any(RECIPES[n].node_hierarchy for n in names) and args.ranks_per_host < 2:
         parser.error("--strategies: the *_node strategies need --ranks-per-host 2 or more")
     if args.hybrid_codec not in ("bf16", "fp16", "int8", "onebit"):
         parser.error("--hybrid-codec: one of bf16, fp16, int8, onebit")
     if args.outer_every < 1:
         parser.error("--outer-every must be >= 1")
-    if set(names) & set(DECENTRALIZED_STRATEGIES):
+    if any(RECIPES[n].measure == "decentralized" for n in names):
         from onebit_bert.distributed.topology import TOPOLOGIES
 
         graphs = [t.strip() for t in args.topologies.split(",") if t.strip()]
@@ -335,7 +317,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPla
         parser.error("--world-sizes: each between 2 and 250")
     if args.ranks_per_host < 1 or any(w % args.ranks_per_host for w in worlds):
         parser.error("--ranks-per-host must divide every world size")
-    if set(strategies) & set(DECENTRALIZED_STRATEGIES):
+    if any(RECIPES[n].measure == "decentralized" for n in strategies):
         from onebit_bert.distributed.topology import check_topology
 
         for topology in args.topologies.split(","):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.common import pretrain_config
 from bench.netem_cluster import Cluster, run_compute_only, run_distributed
-from onebit_bert.strategies.registry import family
+from onebit_bert.recipes import RECIPES, get_recipe
 from pretrain.outputs import metrics_path
 
 # ----------------------------------------------------------------------------- the runs
@@ -196,8 +196,8 @@ class SweepPoint:
 
 
 def _measure_data_parallel(point: SweepPoint, name: str) -> dict:
-    """LAMB or AdamW (or a variant of :data:`VARIANTS`) with the gradient all-reduce every
-    step: medians after the warmup steps."""
+    """A recipe with the gradient all-reduce every step (LAMB, AdamW, PowerSGD, ...):
+    medians after the warmup steps."""
     args = point.args
     optimizer, comm = variant(name, args)
     # PowerSGD's first steps are full precision: measure from its first compressed one
@@ -208,8 +208,8 @@ def _measure_data_parallel(point: SweepPoint, name: str) -> dict:
 
 
 def _measure_onebit(point: SweepPoint, name: str = "onebit_lamb") -> dict:
-    """1-bit LAMB or 1-bit Adam (or a variant of :data:`VARIANTS`): the compression stage's
-    summary, with the warmup stage's under ``warmup`` (first step of each skipped)."""
+    """A 1-bit LAMB or 1-bit Adam recipe: the compression stage's summary, with the
+    warmup stage's under ``warmup`` (first step of each skipped)."""
     args = point.args
     run = "onebit" if name == "onebit_lamb" else name
     optimizer, comm = variant(name, args)
@@ -224,35 +224,29 @@ def _measure_onebit(point: SweepPoint, name: str = "onebit_lamb") -> dict:
     }
 
 
-VARIANTS = {
-    "hybrid_onebit_lamb": "1-bit LAMB whose warmup gradients travel in --hybrid-codec",
-    "onebit_lamb_overlap": "1-bit LAMB with comm.overlap (buckets of --bucket-mb)",
-    "powersgd": "LAMB on gradients averaged by PowerSGD (rank --powersgd-rank)",
-    "lamb_node": "LAMB with comm.hierarchy node (needs --ranks-per-host > 1)",
-    "onebit_lamb_node": "1-bit LAMB with comm.hierarchy node",
-    "hybrid_onebit_lamb_node": "hybrid 1-bit LAMB with comm.hierarchy node",
-}
-"""Strategies of the comm layer, measured as the strategy they vary."""
-
-
 def variant(name: str, args: argparse.Namespace) -> tuple[str, dict | None]:
-    """(optimizer, comm section) of a measured strategy name."""
-    base = name.removesuffix("_node")
-    comm: dict = {"hierarchy": "node"} if name.endswith("_node") else {}
-    if base == "hybrid_onebit_lamb":
-        comm["compression"] = {"grad": args.hybrid_codec}
-        base = "onebit_lamb"
-    elif base == "onebit_lamb_overlap":
-        comm.update(overlap=True, bucket_mb=args.bucket_mb)
-        base = "onebit_lamb"
-    elif base == "powersgd":
-        comm.update(
-            compression={"grad": "powersgd"},
-            powersgd_rank=args.powersgd_rank,
-            powersgd_start_step=max(2, args.warmup_steps),
-        )
-        base = "lamb"
-    return base, comm or None
+    """(optimizer, comm section) of recipe ``name`` as the benchmark runs it: the recipe's
+    comm settings, with the command line's hybrid codec (``--hybrid-codec``, a recipe whose
+    warmup-gradient codec is open), overlap buckets (``--bucket-mb``) and PowerSGD rank
+    (``--powersgd-rank``, from its first step after ``--warmup-steps``)."""
+    recipe = get_recipe(name)
+    comm: dict = {}
+    for key, value in recipe.settings.items():
+        section, *path, last = key.split(".")
+        if section != "comm":
+            raise ValueError(f"recipe {name}: bench.netem sets only comm fields, not {key}")
+        node = comm
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    compression = comm.get("compression", {})
+    if "comm.compression.grad" in recipe.open_fields:
+        compression["grad"] = args.hybrid_codec
+    if comm.get("overlap"):
+        comm["bucket_mb"] = args.bucket_mb
+    if compression.get("grad") == "powersgd":
+        comm.update(powersgd_rank=args.powersgd_rank, powersgd_start_step=max(2, args.warmup_steps))
+    return recipe.optimizer, comm or None
 
 
 ZERO_ONE_ADAM_BENCH = {
@@ -295,14 +289,15 @@ def local_steps_total(steps: int, every: int) -> int:
 
 
 def _measure_local_steps(point: SweepPoint, name: str) -> dict:
-    """co2, slowmo or local_sgd with inner LAMB, an outer step every ``--outer-every``
-    steps: means over whole rounds (:func:`round_summary`)."""
+    """A local-step recipe (co2, slowmo, local_sgd: inner LAMB), an outer step every
+    ``--outer-every`` steps: means over whole rounds (:func:`round_summary`)."""
     every = point.args.outer_every
+    recipe = get_recipe(name)
     run_dir = point.config(
         name,
-        "lamb",
+        recipe.optimizer,
         local_steps_total(point.args.steps, every),
-        strategy={"name": name, "outer_every": every},
+        strategy={"name": recipe.strategy, "outer_every": every},
     )
     point.run_distributed(name)
     return round_summary(step_records(run_dir), point.batch, every)
@@ -320,17 +315,18 @@ def _measure_decentralized(point: SweepPoint, name: str) -> dict[str, dict]:
 
     args = point.args
     warm = args.warmup_steps
+    strategy = get_recipe(name).strategy
     entries = {}
     for topology in args.topologies.split(","):
         run = f"{name}_{topology}"
         momentum = DECENTRALIZED_MOMENTUM
-        if name == "decentlam":  # the graph may not take 0.9 (strategy build refuses it)
+        if strategy == "decentlam":  # the graph may not take 0.9 (strategy build refuses it)
             momentum = min(momentum, largest_stable_momentum(topology, point.world))
         run_dir = point.config(
             run,
-            "sgd",
+            get_recipe(name).optimizer,
             warm + args.steps,
-            strategy={"name": name, "topology": topology, "consensus_every": 0},
+            strategy={"name": strategy, "topology": topology, "consensus_every": 0},
             momentum=momentum,
         )
         point.run_distributed(run)
@@ -357,27 +353,15 @@ def _single(measure):
 
 
 MEASURE = {
-    "lamb": _single(_measure_data_parallel),
-    "onebit_lamb": _single(_measure_onebit),
-    "adamw": _single(_measure_data_parallel),
-    "onebit_adam": _single(_measure_onebit),
+    "data_parallel": _single(_measure_data_parallel),
+    "onebit": _single(_measure_onebit),
     "zero_one_adam": _single(_measure_zero_one_adam),
-    "co2": _single(_measure_local_steps),
-    "slowmo": _single(_measure_local_steps),
-    "local_sgd": _single(_measure_local_steps),
-    "decentlam": _measure_decentralized,
-    "dmsgd": _measure_decentralized,
-    "hybrid_onebit_lamb": _single(_measure_onebit),
-    "onebit_lamb_overlap": _single(_measure_onebit),
-    "powersgd": _single(_measure_data_parallel),
-    "lamb_node": _single(_measure_data_parallel),
-    "onebit_lamb_node": _single(_measure_onebit),
-    "hybrid_onebit_lamb_node": _single(_measure_onebit),
+    "local_steps": _single(_measure_local_steps),
+    "decentralized": _measure_decentralized,
 }
-"""Strategy name -> measure(point, name) -> {runs entry name: summary}."""
-STRATEGIES = tuple(MEASURE)
-LOCAL_STEP_STRATEGIES = family("local_steps")
-DECENTRALIZED_STRATEGIES = family("decentralized")
+"""A recipe's ``measure`` -> measure(point, name) -> {runs entry name: summary}."""
+STRATEGIES = tuple(RECIPES)
+"""The recipes the benchmark measures: every registered one."""
 DEFAULT_TOPOLOGIES = "one_peer_exponential,ring"
 DECENTRALIZED_MOMENTUM = 0.9
 """decentlam's and dmsgd's momentum; lower for DecentLaM where a graph cannot take it. It
@@ -494,7 +478,7 @@ def measure(
     cluster.shape(bandwidth)
     runs = {}
     for name in strategies:
-        runs.update(MEASURE[name](point, name))
+        runs.update(MEASURE[get_recipe(name).measure](point, name))
     compute_only = _measure_compute_only(point)
     info = {
         "bandwidth_mbit": bandwidth,

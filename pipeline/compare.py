@@ -43,8 +43,7 @@ import sys
 from pathlib import Path
 
 from onebit_bert.io import atomic_write_json, atomic_write_text
-from onebit_bert.optim.build import OptimizerConfig
-from onebit_bert.strategies import StrategyConfig, family, resolve_strategy_name
+from onebit_bert.recipes import field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
@@ -61,6 +60,8 @@ TEST = (
     f"95 % prediction interval for one more seed (mean ± t(0.975, n-1)·s·sqrt(1 + 1/n)); "
     f"the reference needs two or more seeds."
 )
+NO_RECIPE = "no registered recipe"
+"""How tables name the recipe of a run whose settings no registered recipe describes."""
 PLOT_BANDWIDTHS = (25.0, 10_000.0)
 """Mbit/s of the modelled-time plots (when the netem JSON measured them)."""
 
@@ -68,28 +69,23 @@ PLOT_BANDWIDTHS = (25.0, 10_000.0)
 # ----------------------------------------------------------------------------- loading
 
 
-def strategy_key(config: dict) -> str:
-    """The netem benchmark's name for the strategy a pretraining config runs; 1-bit LAMB
-    with compressed warmup gradients is ``hybrid_onebit_lamb:<codec>`` (the benchmark's
-    hybrid entry stands for the codec its JSON names in ``hybrid_codec``)."""
-    optimizer = config["optimizer"]["name"]
-    strategy = config.get("strategy", {}).get("name", "auto")
-    comm = config.get("comm", {})
-    compression = comm.get("compression", {})
-    if strategy == "auto":
-        strategy = resolve_strategy_name(
-            StrategyConfig(name="auto"), OptimizerConfig(name=optimizer)
-        )
-    if strategy in family("decentralized"):
-        topology = config["strategy"].get("topology") or DEFAULT_TOPOLOGY[strategy]
-        return f"{strategy}/{topology}"
-    if strategy == "data_parallel":
-        return "powersgd" if compression.get("grad") == "powersgd" else optimizer
-    if strategy == "onebit_lamb":
-        if compression.get("grad", "none") != "none":
-            return f"hybrid_onebit_lamb:{compression['grad']}"
-        return "onebit_lamb_overlap" if comm.get("overlap") else "onebit_lamb"
-    return strategy
+def strategy_key(config: dict) -> str | None:
+    """The netem benchmark's key for the recipe a pretraining run recorded
+    (:mod:`onebit_bert.recipes`; runs from before the field existed: the recipe their
+    fields match); None for a run no recipe describes. A decentralized recipe's key names
+    its graph (``decentlam/ring``, the benchmark measures each graph), and a recipe whose
+    warmup gradients are compressed names the codec (``hybrid_onebit_lamb:int8``: the
+    benchmark's hybrid entry measured the codec its JSON names in ``hybrid_codec``)."""
+    name = config["recipe"] if "recipe" in config else identify(config)
+    if name is None:
+        return None
+    recipe = get_recipe(name)
+    if recipe.measure == "decentralized":
+        topology = config["strategy"].get("topology") or DEFAULT_TOPOLOGY[recipe.strategy]
+        return f"{name}/{topology}"
+    if recipe.measure == "onebit" and "comm.compression.grad" in recipe.settings:
+        return f"{name}:{field_value(config, 'comm.compression.grad')}"
+    return name
 
 
 def load_run(spec: str) -> dict:
@@ -410,7 +406,7 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
         if "verdict" in loss:
             loss_cell += f" ({loss['verdict']})"
         cells = [
-            f"{row['name']} (`{row['strategy']}`)",
+            f"{row['name']} (`{row['strategy'] or NO_RECIPE}`)",
             ", ".join(map(str, row["seeds"])),
             loss_cell,
             _mean_std(acc["mean"], acc["std"], len(row["seeds"])),
@@ -451,7 +447,11 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
             "number of ranks. A strategy the benchmark did not measure has no time."
         )
         missing = sorted(
-            {r["strategy"] for r in data["runs"] if not r["time_to_target"]["measured_bandwidths"]}
+            {
+                r["strategy"] or NO_RECIPE
+                for r in data["runs"]
+                if not r["time_to_target"]["measured_bandwidths"]
+            }  # fmt: skip
         )
         if missing:
             lines.append(f"Not in the netem JSON: {', '.join(missing)}.")

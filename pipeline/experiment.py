@@ -20,6 +20,7 @@ from typing import Any, Literal
 from data_prep import outputs as data_outputs
 from finetune import outputs as finetune_outputs
 from onebit_bert.config import load_config, save_config
+from onebit_bert.recipes import get_recipe
 from pretrain import outputs as pretrain_outputs
 
 TARGET_FILE = "target.json"
@@ -53,6 +54,9 @@ class RunSpec:
     name: str
     phases: list[PhaseSpec]
     """Phase 2 starts from phase 1 (``model.init_from``), and so on."""
+    recipe: str | None = None
+    """A registered recipe (:mod:`onebit_bert.recipes`): its overrides come before each
+    phase's own, and the runs record it; null: each phase's overrides say what it runs."""
     seeds: list[int] | None = None
     """Pretraining seeds of this run; null: the experiment's ``seeds``."""
     finetune: bool = True
@@ -68,6 +72,8 @@ class RunSpec:
             raise ValueError(f"run name {self.name!r}: use letters, digits, '-' and '_'")
         if not self.phases:
             raise ValueError(f"run {self.name!r} has no phases")
+        if self.recipe is not None:
+            get_recipe(self.recipe)
 
 
 @dataclass
@@ -371,7 +377,10 @@ class Experiment:
                     links.append(f"seed={seed}")
                 if previous is not None:
                     links.append(f"model.init_from={previous.output}")
-                pcfg = self._stage_config(PretrainConfig, phase, links)
+                recipe = get_recipe(run.recipe).overrides() if run.recipe else []
+                if run.recipe:
+                    recipe.append(f"recipe={run.recipe}")
+                pcfg = self._stage_config(PretrainConfig, phase, links, before=recipe)
                 path = configs / f"pretrain_{instance}_phase{i}.yaml"
                 save(pcfg, path)
                 depends = [previous.name] if previous else ["data"]
@@ -462,13 +471,14 @@ class Experiment:
     def _expand(self, text: str) -> str:
         return text.replace("{workdir}", str(self.workdir)).replace("{python}", sys.executable)
 
-    def _stage_config(self, cls, spec: StageSpec, links: list[str]):
+    def _stage_config(self, cls, spec: StageSpec, links: list[str], before: list[str] = ()):
         base = None
         if spec.config:
             base = Path(spec.config)
             if not base.is_absolute() and self.config_path is not None and not base.exists():
                 base = self.config_path.parent / base
-        return load_config(cls, base, [*(self._expand(o) for o in spec.overrides), *links])
+        overrides = [*before, *(self._expand(o) for o in spec.overrides), *links]
+        return load_config(cls, base, overrides)
 
     def check_world_size(self, world_size: int, stages: list[Stage]) -> None:
         """Every pretraining stage's batch must divide over ``world_size`` processes: a clear

@@ -58,10 +58,11 @@ def load_netem(paths: list[str]) -> dict | None:
     return merged
 
 
-def speeds(netem: dict | None, key: str, world: int | None) -> dict[float, dict]:
-    """bandwidth -> {"default": samples/s, stage: samples/s, ...} of strategy ``key`` on
-    ``world`` ranks in a netem JSON (empty when it was not measured)."""
-    if netem is None:
+def speeds(netem: dict | None, key: str | None, world: int | None) -> dict[float, dict]:
+    """bandwidth -> {"default": samples/s, stage: samples/s, ...} of recipe ``key`` on
+    ``world`` ranks in a netem JSON (empty when it was not measured, or ``key`` is None: a
+    run no recipe describes)."""
+    if netem is None or key is None:
         return {}
     key, _, codec = key.partition(":")
     if codec and netem.get("hybrid_codec", "int8") != codec:

@@ -7,12 +7,14 @@ by :meth:`PretrainConfig.batch_plan` at start-up, before the model is built.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 from onebit_bert.distributed.policy import CommConfig
 from onebit_bert.metrics_log import LoggingConfig
 from onebit_bert.optim.build import OptimizerConfig
+from onebit_bert.recipes import check_recipe, identify
 from onebit_bert.strategies import StrategyConfig, check_comm_config, resolve_strategy_name
 
 PRESETS = ("bert-tiny", "bert-mini", "bert-small", "bert-base", "bert-large")
@@ -154,6 +156,7 @@ RESUME_MAY_CHANGE = (
     "collective_timeout_s",
     "resume",
     "strategy.force_compression",
+    "recipe",
 )
 """Settings a resume may change without ``resume.allow_changes``: they do not alter the
 training trajectory (``strategy.force_compression`` acts on one process only, where it keeps
@@ -218,6 +221,10 @@ class PretrainConfig:
     stop_after: int | None = None
     """Stop (with a checkpoint) after this many steps of this invocation; for tests and
     time-boxed jobs."""
+    recipe: str | None = None
+    """The registered recipe this run is (:mod:`onebit_bert.recipes`), checked against the
+    optimizer, strategy and comm fields; null: the recipe those fields match, if any. The
+    run records it in its saved config and ``status.json``."""
 
     def __post_init__(self):
         if not self.collective_timeout_s > 0:
@@ -227,6 +234,12 @@ class PretrainConfig:
         if self.seed < 0:
             raise ValueError("seed must be >= 0")
         check_comm_config(self.comm, resolve_strategy_name(self.strategy, self.optimizer))
+        if self.recipe is not None:
+            check_recipe(self.recipe, dataclasses.asdict(self))
+
+    def resolved_recipe(self) -> str | None:
+        """``recipe``, or the registered recipe the config's fields match (None: none)."""
+        return self.recipe or identify(dataclasses.asdict(self))
 
     def batch_plan(self, world_size: int) -> int:
         """Gradient accumulation steps; a clear error if the batch does not divide."""

@@ -12,6 +12,7 @@ asks which optimizer or strategy it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -171,9 +172,11 @@ class Trainer:
                 )
         self.preemption: Preemption | None = None
         self.status = outputs.RunStatus(self.run_dir, is_writer=ctx.rank == 0)
+        self.recipe = cfg.resolved_recipe()
         if ctx.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, outputs.config_path(self.run_dir))
+            recorded = dataclasses.replace(cfg, recipe=self.recipe)
+            save_config(recorded, outputs.config_path(self.run_dir))
         notes = single_process_notes(cfg, ctx.world_size)
         self.save_seconds, self.step_seconds = self._previous_save_time()
         self._lead_warned = False
@@ -191,6 +194,7 @@ class Trainer:
             self.start_step,
             last_checkpoint=self.start_step if self.resumed else None,
             world_size=ctx.world_size,
+            recipe=self.recipe,
             **({"notes": notes} if notes else {}),
             **({"save_seconds": self.save_seconds} if self.save_seconds is not None else {}),
             **({"step_seconds": self.step_seconds} if self.step_seconds is not None else {}),

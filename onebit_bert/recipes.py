@@ -1,0 +1,251 @@
+"""The recipe registry: the named ways to pretrain that the benchmark, the experiment configs
+and the reports compare.
+
+A recipe is an optimizer, a strategy and the communication settings that make it what it
+is (``hybrid_onebit_lamb`` is 1-bit LAMB whose warmup gradients travel in int8). It is not
+a tuning: learning rates, schedules and a strategy's knobs stay in the configs, and the
+recipe's ``search_space`` says which of them the comparison may tune and over which values.
+
+Who reads it:
+
+- an experiment run names its recipe (``recipe: co2``); the orchestrator turns it into the
+  pretraining overrides of :meth:`Recipe.overrides` and records the name in the config;
+- the pretraining stage records the recipe of every run (``recipe`` in its saved config and
+  in ``status.json``): the one named, checked against the config, or the registered recipe
+  the config matches (:func:`identify`), or None for a setting no recipe describes;
+- ``bench.netem`` measures recipes by name (its rows are keyed by them) with the labels
+  and measurement kinds of this table;
+- the comparison report looks a run's speeds up by its recorded recipe.
+
+Adding a recipe: one :func:`register_recipe` call below (or in user code before the run
+starts); docs/guide/development.md has the checklist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MEASURES = ("data_parallel", "onebit", "zero_one_adam", "local_steps", "decentralized")
+"""How ``bench.netem`` measures a recipe: every step alike (``data_parallel``), a warmup
+and a compression stage (``onebit``), 0/1 Adam's kinds of step, whole rounds of local
+steps, or once per communication graph (``decentralized``)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One registered recipe."""
+
+    name: str
+    label: str
+    """How tables and plots name it."""
+    optimizer: str
+    """``optimizer.name``."""
+    strategy: str = "auto"
+    """``strategy.name``."""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """Further config fields (dotted, e.g. ``comm.compression.grad``) and their values."""
+    measure: str = "data_parallel"
+    """One of :data:`MEASURES`."""
+    search_space: Mapping[str, tuple] = field(default_factory=dict)
+    """Config fields the comparison may tune and the values it tries."""
+    open_fields: tuple[str, ...] = ()
+    """Fields of ``settings`` a run may set to another non-default value and still be this
+    recipe (``hybrid_onebit_lamb`` with bf16 warmup gradients); keys that name a variant
+    (:func:`variant_key`) carry the value."""
+    summary: str = ""
+
+    def __post_init__(self):
+        if self.measure not in MEASURES:
+            raise ValueError(f"recipe {self.name}: measure {self.measure!r} not in {MEASURES}")
+        for key in (*self.settings, *self.search_space, *self.open_fields):
+            if key.count(".") < 1 or key in ("optimizer.name", "strategy.name"):
+                raise ValueError(
+                    f"recipe {self.name}: {key!r} must be a dotted config field other than "
+                    "optimizer.name and strategy.name (those are the recipe's own fields)"
+                )
+
+    def fields(self) -> dict[str, Any]:
+        """Every config field the recipe fixes, dotted."""
+        return {"optimizer.name": self.optimizer, "strategy.name": self.strategy, **self.settings}
+
+    def overrides(self) -> list[str]:
+        """The pretraining config overrides (``section.field=value``) that select it."""
+        return [f"{key}={_override_value(value)}" for key, value in self.fields().items()]
+
+    @property
+    def node_hierarchy(self) -> bool:
+        """Runs with ``comm.hierarchy: node`` (needs more than one rank per node)."""
+        return self.settings.get("comm.hierarchy") == "node"
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+RECIPES: dict[str, Recipe] = {}
+"""Every registered recipe by name, in registration order."""
+
+
+def register_recipe(recipe: Recipe, replace: bool = False) -> Recipe:
+    """Add ``recipe`` to :data:`RECIPES` (``replace``: over an entry of the same name)."""
+    if recipe.name in RECIPES and not replace:
+        raise ValueError(f"recipe {recipe.name} is already registered")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def get_recipe(name: str) -> Recipe:
+    """The entry for ``name``; a clear error naming the registered recipes."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(
+            f"recipe {name!r} is not registered; choose one of {', '.join(RECIPES)} "
+            "(or register it with onebit_bert.recipes.register_recipe)"
+        ) from None
+
+
+def _defaults() -> dict[str, Any]:
+    """The default of every dotted field of the optimizer, strategy and comm sections."""
+    from onebit_bert.distributed.policy import CommConfig
+    from onebit_bert.optim.build import OptimizerConfig
+    from onebit_bert.strategies.base import StrategyConfig
+
+    flat: dict[str, Any] = {}
+    for section, cls in (("optimizer", OptimizerConfig), ("strategy", StrategyConfig),
+                         ("comm", CommConfig)):  # fmt: skip
+        _flatten(dataclasses.asdict(cls()), section, flat)
+    return flat
+
+
+def _flatten(tree: Mapping, prefix: str, out: dict[str, Any]) -> None:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            _flatten(value, f"{prefix}.{key}", out)
+        else:
+            out[f"{prefix}.{key}"] = value
+
+
+def _lookup(config: Mapping, key: str, defaults: Mapping[str, Any]) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return defaults.get(key)
+        node = node[part]
+    return node
+
+
+def mismatches(recipe: Recipe, config: Mapping) -> dict[str, tuple[Any, Any]]:
+    """The fields where a pretraining config (as a nested dict) differs from ``recipe``:
+    ``{field: (recipe's value, config's value)}``, empty when it runs the recipe. Every
+    field any registered recipe sets counts (a recipe that does not set it expects its
+    default), and ``strategy.name: auto`` counts as the strategy it resolves to."""
+    from onebit_bert.optim.build import OptimizerConfig
+    from onebit_bert.strategies import StrategyConfig, resolve_strategy_name
+
+    defaults = _defaults()
+    keys = dict.fromkeys(("optimizer.name", "strategy.name"))
+    for other in RECIPES.values():
+        keys.update(dict.fromkeys(other.settings))
+    keys.update(dict.fromkeys(recipe.settings))
+    wanted = {key: recipe.fields().get(key, defaults.get(key)) for key in keys}
+    found = {key: _lookup(config, key, defaults) for key in keys}
+    for values in (wanted, found):
+        if values["strategy.name"] == "auto":
+            values["strategy.name"] = resolve_strategy_name(
+                StrategyConfig(name="auto"), OptimizerConfig(name=values["optimizer.name"])
+            )
+    return {
+        k: (wanted[k], found[k])
+        for k in keys
+        if wanted[k] != found[k] and not (k in recipe.open_fields and found[k] != defaults.get(k))
+    }
+
+
+def field_value(config: Mapping, key: str) -> Any:
+    """A dotted field of a pretraining config (as a nested dict), its default when unset."""
+    return _lookup(config, key, _defaults())
+
+
+def identify(config: Mapping) -> str | None:
+    """The registered recipe a pretraining config (as a nested dict) runs, or None."""
+    for name, recipe in RECIPES.items():
+        if not mismatches(recipe, config):
+            return name
+    return None
+
+
+def check_recipe(name: str, config: Mapping) -> None:
+    """Refuse a config that names recipe ``name`` but does not run it (one clear error)."""
+    differ = mismatches(get_recipe(name), config)
+    if differ:
+        detail = "; ".join(f"{k}: recipe {a!r}, config {b!r}" for k, (a, b) in differ.items())
+        raise ValueError(
+            f"recipe {name!r} does not match the config ({detail}); set those fields as the "
+            f"recipe does (its overrides: {' '.join(get_recipe(name).overrides())}) or drop "
+            "`recipe` to record the run under the recipe its fields match"
+        )
+
+
+LR = "optimizer.lr"
+_LAMB_LRS = (0.005, 0.01, 0.02)
+_ADAM_LRS = (0.001, 0.002, 0.003)
+_SGD_LRS = (0.1, 0.3, 1.0)
+_TAUS = (4, 8, 16)
+
+for _recipe in (
+    Recipe("lamb", "LAMB", "lamb", search_space={LR: _LAMB_LRS},
+           summary="LAMB, gradients all-reduced in fp32 every step"),
+    Recipe("onebit_lamb", "1-bit LAMB", "onebit_lamb", measure="onebit",
+           search_space={LR: _LAMB_LRS},
+           summary="LAMB warmup, then 1-bit momentum with error feedback (frozen ratios)"),
+    Recipe("adamw", "AdamW", "adamw", search_space={LR: _ADAM_LRS},
+           summary="AdamW, gradients all-reduced in fp32 every step"),
+    Recipe("onebit_adam", "1-bit Adam", "onebit_adam", measure="onebit",
+           search_space={LR: _ADAM_LRS},
+           summary="Adam warmup, then 1-bit momentum with a frozen second moment"),
+    Recipe("zero_one_adam", "0/1 Adam", "zero_one_adam", measure="zero_one_adam",
+           search_space={LR: _ADAM_LRS},
+           summary="0/1 Adam: variance freezing, 1-bit syncs and local steps"),
+    Recipe("co2", "CO2", "lamb", "co2", measure="local_steps",
+           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
+           summary="local LAMB steps, a one-round-stale outer average overlapped"),
+    Recipe("slowmo", "SlowMo", "lamb", "slowmo", measure="local_steps",
+           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
+           summary="local LAMB steps, an exact average and a slow momentum step"),
+    Recipe("local_sgd", "local SGD", "lamb", "local_sgd", measure="local_steps",
+           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
+           summary="local LAMB steps and a parameter average every round"),
+    Recipe("decentlam", "DecentLaM", "sgd", "decentlam", measure="decentralized",
+           search_space={LR: _SGD_LRS},
+           summary="momentum SGD with gossip over a graph, DecentLaM's correction"),
+    Recipe("dmsgd", "DmSGD", "sgd", "dmsgd", measure="decentralized",
+           search_space={LR: _SGD_LRS},
+           summary="decentralised momentum SGD with gossip over a graph"),
+    Recipe("hybrid_onebit_lamb", "hybrid 1-bit LAMB", "onebit_lamb", measure="onebit",
+           settings={"comm.compression.grad": "int8"}, search_space={LR: _LAMB_LRS},
+           open_fields=("comm.compression.grad",),
+           summary="1-bit LAMB whose warmup gradients travel in int8 with error feedback"),
+    Recipe("onebit_lamb_overlap", "1-bit LAMB overlapped", "onebit_lamb", measure="onebit",
+           settings={"comm.overlap": True}, search_space={LR: _LAMB_LRS},
+           summary="1-bit LAMB, the momentum all-reduce in buckets overlapped with compute"),
+    Recipe("powersgd", "PowerSGD (LAMB)", "lamb",
+           settings={"comm.compression.grad": "powersgd"}, search_space={LR: _LAMB_LRS},
+           summary="LAMB on gradients averaged by PowerSGD"),
+    Recipe("lamb_node", "LAMB, node hierarchy", "lamb",
+           settings={"comm.hierarchy": "node"}, search_space={LR: _LAMB_LRS},
+           summary="LAMB; gradients reduced inside each node, then across nodes"),
+    Recipe("onebit_lamb_node", "1-bit LAMB, node hierarchy", "onebit_lamb", measure="onebit",
+           settings={"comm.hierarchy": "node"}, search_space={LR: _LAMB_LRS},
+           summary="1-bit LAMB; momentum reduced inside each node, 1-bit across nodes"),
+    Recipe("hybrid_onebit_lamb_node", "hybrid 1-bit LAMB, node hierarchy", "onebit_lamb",
+           measure="onebit", settings={"comm.compression.grad": "int8", "comm.hierarchy": "node"},
+           search_space={LR: _LAMB_LRS}, open_fields=("comm.compression.grad",),
+           summary="hybrid 1-bit LAMB with the node hierarchy"),
+):  # fmt: skip
+    register_recipe(_recipe)
