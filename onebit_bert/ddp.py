@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit_bert.distributed.codecs import PlainCodec
 from onebit_bert.distributed.comm import Communicator
 
 
@@ -36,7 +37,7 @@ def compression_hook(optimizer, comm: Communicator):
     """A DDP comm hook: on steps whose gradients ``optimizer`` wants averaged, an
     asynchronous all-reduce of each bucket (counted in ``comm``'s stats as ``gradients``);
     on the others nothing is sent and each rank keeps its local gradients."""
-    average = comm.ddp_comm_hook()
+    average = PlainCodec(comm).ddp_hook()
 
     def hook(state, bucket):
         if optimizer.syncs_internally:

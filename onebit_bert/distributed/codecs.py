@@ -81,6 +81,12 @@ class Codec:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (from this rank of the same world size)."""
 
+    def ddp_hook(self):
+        """A ``DistributedDataParallel`` comm hook that averages each gradient bucket with
+        this codec, counted as ``gradients``: synchronously during the backward pass
+        (:func:`codec_ddp_hook`) unless the codec can leave its collective in flight."""
+        return codec_ddp_hook(self)
+
     # helpers shared by the flat codecs
     @staticmethod
     def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -102,6 +108,11 @@ class PlainCodec(Codec):
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
         self.comm.all_reduce_coalesced(list(tensors), op="avg")
+
+    def ddp_hook(self):
+        """Each bucket's all-reduce left in flight while the backward pass goes on
+        (:meth:`~onebit_bert.distributed.comm.Communicator.ddp_comm_hook`)."""
+        return self.comm.ddp_comm_hook()
 
 
 class TwoPhaseCodec(Codec):

@@ -65,12 +65,9 @@ __all__ = [
 
 # ---------------------------------------------------------------------- builders
 def _grad_codec(args: BuildArgs):
-    """The codec of the gradient average where ``comm`` asks for one (else the plain
-    fp32 all-reduce)."""
-    comm = args.comm
-    if args.policy is not None and (comm.compression.grad != "none" or comm.hierarchy == "node"):
-        return args.policy.codec("grad")
-    return None
+    """The codec of the gradient average (the plain fp32 all-reduce by default); None on
+    a world of one."""
+    return args.policy.codec("grad") if args.policy is not None else None
 
 
 def _averaging(cls: type[DataParallel]):
@@ -321,7 +318,7 @@ def build_strategy(
     comm_cfg = comm_cfg or CommConfig()
     check_comm_config(comm_cfg, name)
     policy = None
-    if not comm_cfg.is_default and ctx.world_size > 1:
+    if ctx.world_size > 1:
         launch = ctx.launch
         policy = CommPolicy(comm_cfg, ctx.comm, launch.local_rank, launch.local_world_size)
     args = BuildArgs(

@@ -10,7 +10,7 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, bucketed, codec_ddp_hook
+from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, PlainCodec, bucketed
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.optim.surface import OverlappingOptimizer
 from onebit_bert.strategies.base import GradientSync, Strategy
@@ -35,8 +35,10 @@ class DataParallel(Strategy):
     ):
         self.ddp = None
         self.grad_codec = grad_codec
-        """Averages the gradients instead of the plain fp32 all-reduce
-        (``comm.compression.grad``, ``comm.hierarchy``); None: the plain one."""
+        """Averages the gradients (``comm.compression.grad``, ``comm.hierarchy``; None: the
+        plain fp32 all-reduce, :class:`PlainCodec`); None on a world of one."""
+        if ctx.world_size > 1 and grad_codec is None:
+            self.grad_codec = PlainCodec(ctx.comm)
         module = loss_module
         if ctx.world_size > 1 and use_ddp:
             self.ddp = DistributedDataParallel(
@@ -45,8 +47,7 @@ class DataParallel(Strategy):
                 broadcast_buffers=False,
                 gradient_as_bucket_view=True,
             )
-            hook = ctx.comm.ddp_comm_hook() if grad_codec is None else codec_ddp_hook(grad_codec)
-            self.ddp.register_comm_hook(None, hook)
+            self.ddp.register_comm_hook(None, self.grad_codec.ddp_hook())
             module = self.ddp
         super().__init__(model, module, optimizer, ctx)
 
@@ -62,17 +63,14 @@ class DataParallel(Strategy):
     def after_backward(self) -> None:
         if self.gradient_sync() == "allreduce" and self.ddp is None and self.ctx.world_size > 1:
             grads = [p.grad for p in self.params if p.grad is not None]
+            buckets = bucketed(grads, GRAD_BUCKET_BYTES)
             with self.comm.traffic("gradients"):
-                if self.grad_codec is None:
-                    self.comm.all_reduce_coalesced(grads)
-                else:
-                    buckets = bucketed(grads, GRAD_BUCKET_BYTES)
-                    for i, bucket in enumerate(buckets):
-                        self.grad_codec.all_reduce(bucket, f"grad/{i}", last=i == len(buckets) - 1)
+                for i, bucket in enumerate(buckets):
+                    self.grad_codec.all_reduce(bucket, f"grad/{i}", last=i == len(buckets) - 1)
 
     def state_dict(self) -> tuple[dict, dict]:
         shared, per_rank = super().state_dict()
-        if self.grad_codec is not None:
+        if self.grad_codec is not None and self.grad_codec.state_dict():
             per_rank["grad_codec"] = self.grad_codec.state_dict()
         return shared, per_rank
 
