@@ -205,6 +205,12 @@ for _spec in (
         summary="local steps and a synchronous parameter average (slowmo without momentum)",
         fields=_OUTER,
     ),
+    _local(
+        name="diloco",
+        summary="local steps, then outer SGD with Nesterov momentum on the pseudo-gradient "
+        "(DiLoCo)",
+        fields=(*_OUTER, "nesterov", "outer_weight_decay"),
+    ),
     _gossip(
         name="decentlam",
         summary="decentralised: momentum on the gossip-induced gradient (DecentLaM)",

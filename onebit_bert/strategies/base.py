@@ -46,7 +46,9 @@ class StrategyConfig:
     parameters are averaged every ``outer_every`` steps): slowmo: a synchronous average and a
     slow momentum step; local_sgd: slowmo with outer_momentum 0 and outer_lr 1 (the average
     itself); co2: the average of round t runs in the background during round t+1 and enters one
-    round late, with a staleness-gap penalty and outer-momentum clipping. Decentralised
+    round late, with a staleness-gap penalty and outer-momentum clipping; diloco: a
+    synchronous average and an outer SGD step with Nesterov momentum on the pseudo-gradient
+    (DiLoCo, inner AdamW). Decentralised
     (optimizer.name sgd; no global average, each rank exchanges its parameters with its
     neighbours in ``topology`` every step): decentlam: momentum on the gossip-induced gradient
     (DecentLaM); dmsgd: each rank's own momentum step, then the neighbour average (DmSGD,
@@ -62,13 +64,21 @@ class StrategyConfig:
     their compression there (there is nothing to send, and compression would only add
     error, as in DeepSpeed); true compresses anyway (tests)."""
     outer_every: int = 12
-    """co2, slowmo, local_sgd: local steps per round (tau); one parameter average per
+    """co2, slowmo, local_sgd, diloco: local steps per round (tau); one parameter average per
     round (SlowMo's paper: 12 for local SGD, 48 over SGP)."""
-    outer_lr: float = 1.0
-    """co2, slowmo: outer learning rate alpha (SlowMo's paper: 1, "consistently best")."""
+    outer_lr: float | None = None
+    """co2, slowmo, diloco: outer learning rate alpha; null: 1 for co2 and slowmo (SlowMo's
+    paper: 1, "consistently best"), 0.7 for diloco (DiLoCo's paper and OpenDiLoCo)."""
     outer_momentum: float | None = None
-    """co2, slowmo: outer momentum beta; null: by world size as fairseq sets it (0 up to 16
-    ranks, 0.2 up to 32, 0.5 up to 64, 0.6 beyond)."""
+    """co2, slowmo, diloco: outer momentum beta; null: 0.9 for diloco, and for co2 and
+    slowmo by world size as fairseq sets it (0 up to 16 ranks, 0.2 up to 32, 0.5 up to 64,
+    0.6 beyond)."""
+    nesterov: bool = True
+    """diloco: Nesterov momentum in the outer SGD step (the paper's choice); false: heavy
+    ball."""
+    outer_weight_decay: float = 0.0
+    """diloco: weight decay of the outer SGD step (added to the pseudo-gradient as
+    torch.optim.SGD does); 0: none, as in the paper."""
     gap_penalty: float | None = None
     """co2: staleness-gap penalty lambda; per tensor the stale update is scaled by
     1 / (1 + lambda * gap / (|delta| + 1e-12)), gap = how far the anchor moved while the
@@ -80,7 +90,7 @@ class StrategyConfig:
     """co2: norm scales the whole outer momentum down to clip_threshold; value clamps each
     element to [-clip_threshold, clip_threshold]."""
     inner_state: Literal["keep", "reset"] = "keep"
-    """co2, slowmo, local_sgd: the inner optimizer's state at an outer step: kept (SlowMo's
+    """co2, slowmo, local_sgd, diloco: the inner optimizer's state at an outer step: kept (SlowMo's
     choice for Adam) or reset to zero (its choice for Nesterov SGD)."""
     asynchronous: bool | None = None
     """co2: the round's average runs in the background and enters one round late (true,
@@ -109,8 +119,12 @@ class StrategyConfig:
             )
         if self.outer_every < 1:
             raise ValueError(f"strategy.outer_every must be >= 1, got {self.outer_every}")
-        if not self.outer_lr > 0:
+        if self.outer_lr is not None and not self.outer_lr > 0:
             raise ValueError(f"strategy.outer_lr must be > 0, got {self.outer_lr}")
+        if self.outer_weight_decay < 0:
+            raise ValueError(
+                f"strategy.outer_weight_decay must be >= 0, got {self.outer_weight_decay}"
+            )
         if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ValueError(
                 f"strategy.outer_momentum must be in [0, 1), got {self.outer_momentum}"

@@ -1,4 +1,5 @@
-"""Local steps with an outer step every ``outer_every`` (tau) steps: SlowMo, local SGD and CO2.
+"""Local steps with an outer step every ``outer_every`` (tau) steps: SlowMo, local SGD, CO2 and
+DiLoCo.
 
 Every rank steps its own copy of the model with the inner optimizer (LAMB or AdamW) on its
 own gradients; nothing is sent between outer steps. All ranks share an *anchor* x0 (the
@@ -12,6 +13,20 @@ x_i this rank's parameters at the round's end and x̄ their average over ranks:
     x0 = x0 - alpha gamma m;  x_i = x0
 
 **local SGD** is SlowMo with beta 0 and alpha 1 (every round ends at x̄).
+
+**DiLoCo** (Douillard et al., arXiv 2311.08105, Alg. 1; OpenDiLoCo's
+``train_diloco_torch.py``): inner AdamW, and the outer step is SGD with Nesterov momentum
+on the averaged *pseudo-gradient*, as ``torch.optim.SGD(lr=alpha, momentum=beta,
+nesterov=True, weight_decay=wd)`` would take it (alpha 0.7, beta 0.9 by default)::
+
+    x̄ = average(x_i)                      one all-reduce of the parameters
+    g = (x0 - x̄) + wd x0                   the pseudo-gradient (no division by a learning rate)
+    m = beta m + g
+    x0 = x0 - alpha (g + beta m)            heavy ball (``nesterov: false``): x0 - alpha m
+    x_i = x0
+
+The inner optimizer's state is kept across rounds (``inner_state: keep``, the paper's
+choice). With one worker it is a Lookahead-like step on one model's own progress.
 
 **CO2** (Sun et al., arXiv 2401.16265): the average of round t is started in the
 background at the end of round t and waited for only at the end of round t+1, so it runs
@@ -68,11 +83,14 @@ from onebit_bert.strategies.flat import FlatParams as _FlatParams
 
 log = logging.getLogger(__name__)
 
-LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd")
+LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd", "diloco")
 PENALTY_EPS = 1e-12
 CLIP_EPS = 1e-6
 CO2_GAP_PENALTY = 1.0
 """CO2's code default for ``co2_gap_penalty``."""
+DILOCO_OUTER_LR = 0.7
+DILOCO_OUTER_MOMENTUM = 0.9
+"""DiLoCo's outer SGD (arXiv 2311.08105, Table 5; OpenDiLoCo's defaults)."""
 
 
 def default_outer_momentum(world_size: int) -> float:
@@ -94,7 +112,7 @@ def check_local_step_config(name: str, cfg: StrategyConfig, optimizer_name: str)
         raise ValueError(
             f"strategy.name {name} is synchronous; the asynchronous outer step is strategy.name=co2"
         )
-    if name == "local_sgd" and (cfg.outer_momentum or cfg.outer_lr != 1.0):
+    if name == "local_sgd" and (cfg.outer_momentum or cfg.outer_lr not in (None, 1.0)):
         raise ValueError(
             "strategy.name local_sgd is slowmo with outer_momentum 0 and outer_lr 1; "
             "use strategy.name=slowmo for other values"
@@ -102,7 +120,7 @@ def check_local_step_config(name: str, cfg: StrategyConfig, optimizer_name: str)
 
 
 class LocalSteps(Strategy):
-    """co2, slowmo and local_sgd (the module docstring has the update rules)."""
+    """co2, slowmo, local_sgd and diloco (the module docstring has the update rules)."""
 
     def __init__(
         self,
@@ -119,16 +137,21 @@ class LocalSteps(Strategy):
             raise ValueError(f"LocalSteps runs {LOCAL_STEP_STRATEGIES}, not {name!r}")
         self.name = name
         self.every = cfg.outer_every
+        self.diloco = name == "diloco"
         self.alpha = cfg.outer_lr
-        self.beta = (
-            default_outer_momentum(ctx.world_size)
-            if cfg.outer_momentum is None
-            else cfg.outer_momentum
-        )
+        if self.alpha is None:
+            self.alpha = DILOCO_OUTER_LR if self.diloco else 1.0
+        self.beta = cfg.outer_momentum
+        if self.beta is None:
+            self.beta = (
+                DILOCO_OUTER_MOMENTUM if self.diloco else default_outer_momentum(ctx.world_size)
+            )
+        self.nesterov = cfg.nesterov
+        self.outer_weight_decay = cfg.outer_weight_decay
         if name == "local_sgd":
             self.alpha, self.beta = 1.0, 0.0
         self.asynchronous = name == "co2" and cfg.asynchronous is not False
-        self.normalise_by_lr = name != "co2"
+        self.normalise_by_lr = name in ("slowmo", "local_sgd")
         self.penalty = 0.0
         if name == "co2":
             self.penalty = CO2_GAP_PENALTY if cfg.gap_penalty is None else cfg.gap_penalty
@@ -217,6 +240,9 @@ class LocalSteps(Strategy):
                 self.outer_comm.all_reduce(self.average, op="avg")
         self.has_average = True
         delta = self.anchor - self.average
+        if self.diloco:
+            self._outer_sgd(delta)
+            return
         gamma = 1.0
         if self.normalise_by_lr:
             gamma = self.last_lr or 0.0
@@ -226,6 +252,16 @@ class LocalSteps(Strategy):
                 delta.div_(gamma)
         self._update_momentum(delta, None)
         self.anchor.sub_(self.momentum, alpha=self.alpha * gamma)
+        self.flat.write(self.anchor)
+
+    def _outer_sgd(self, delta: torch.Tensor) -> None:
+        """DiLoCo's outer step: ``torch.optim.SGD`` (dampening 0) on the pseudo-gradient
+        ``delta``, which it overwrites."""
+        if self.outer_weight_decay:
+            delta.add_(self.anchor, alpha=self.outer_weight_decay)
+        self.momentum.mul_(self.beta).add_(delta)
+        step = delta.add_(self.momentum, alpha=self.beta) if self.nesterov else self.momentum
+        self.anchor.sub_(step, alpha=self.alpha)
         self.flat.write(self.anchor)
 
     def _outer_step_stale(self) -> None:

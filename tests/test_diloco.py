@@ -1,0 +1,209 @@
+"""DiLoCo: its outer step against torch.optim.SGD on the pseudo-gradient (Nesterov and heavy
+ball, with and without weight decay) on real gloo ranks, the one-worker control, config
+rules, nodes as workers, and an exact resume of a pretraining run killed mid-round."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from onebit_bert.config import ConfigError, from_dict
+from onebit_bert.metrics_log import read_metrics
+from onebit_bert.recipes import get_recipe
+from onebit_bert.strategies import LocalSteps, StrategyConfig
+from pretrain.config import PretrainConfig
+from tests.distributed_harness import run_ranks
+from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.runs import (
+    dist_context,
+    kill_all,
+    tiny_config,
+    torchrun,
+    train_in_process,
+    train_on_nodes,
+    write_cfg,
+)
+from tests.toy import ToyConfig, _batch, _teacher, build_model
+
+TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
+INNER_LR = 1e-2
+
+
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = _batch(TOY, _teacher(TOY), rank, step, TOY.batch_per_rank)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _inner(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _diloco_run(comm, cfg: StrategyConfig, steps: int) -> dict:
+    """The toy model under DiLoCo with inner AdamW: the anchor at each round's end."""
+    torch.set_num_threads(1)
+    model = build_model(TOY)
+    opt = _inner(model)
+    strategy = LocalSteps(model, model, opt, dist_context(comm), cfg, "diloco")
+    anchors = []
+    for step in range(steps):
+        _loss(model, comm.rank, step).backward()
+        strategy.after_backward()
+        strategy.step()
+        opt.zero_grad(set_to_none=True)
+        strategy.after_step(step + 1)
+        if (step + 1) % cfg.outer_every == 0:
+            anchors.append(strategy.anchor.clone())
+            assert torch.equal(strategy.flat.read(), strategy.anchor)  # x_i = x0
+    return {"anchors": anchors, "alpha": strategy.alpha, "beta": strategy.beta}
+
+
+def _reference(world: int, steps: int, every: int, lr: float, momentum: float,
+               nesterov: bool, wd: float) -> list[torch.Tensor]:  # fmt: skip
+    """One process: ``world`` models with their own AdamW, averaged every ``every`` steps,
+    and torch.optim.SGD on the pseudo-gradient (anchor - average)."""
+    workers = [build_model(TOY) for _ in range(world)]
+    inner = [_inner(m) for m in workers]
+    anchor = nn.Parameter(_flat(workers[0]).clone())
+    outer = torch.optim.SGD([anchor], lr=lr, momentum=momentum, nesterov=nesterov,
+                            weight_decay=wd)  # fmt: skip
+    anchors = []
+    for step in range(steps):
+        for rank, (model, opt) in enumerate(zip(workers, inner, strict=True)):
+            _loss(model, rank, step).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if (step + 1) % every == 0:
+            average = torch.stack([_flat(m) for m in workers]).mean(0)
+            anchor.grad = anchor.detach() - average
+            outer.step()
+            for model in workers:
+                torch.nn.utils.vector_to_parameters(anchor.detach().clone(), model.parameters())
+            anchors.append(anchor.detach().clone())
+    return anchors
+
+
+@pytest.mark.parametrize(
+    ("world", "nesterov", "wd"),
+    [(2, True, 0.0), (2, True, 0.1), (2, False, 0.0), (1, True, 0.0)],
+)
+def test_outer_step_is_torch_sgd_on_the_pseudo_gradient(world, nesterov, wd):
+    """World 1 is the one-worker control: a Lookahead-like outer step on one model's own
+    progress, still exactly SGD with Nesterov momentum on it."""
+    steps, every = 9, 3
+    cfg = StrategyConfig(name="diloco", outer_every=every, nesterov=nesterov,
+                         outer_weight_decay=wd)  # fmt: skip
+    ranks = run_ranks(_diloco_run, world, cfg, steps)
+    assert (ranks[0]["alpha"], ranks[0]["beta"]) == (0.7, 0.9)  # the paper's defaults
+    want = _reference(world, steps, every, 0.7, 0.9, nesterov, wd)
+    for rank in ranks:
+        assert len(rank["anchors"]) == steps // every
+        for got, expected in zip(rank["anchors"], want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    for a, b in zip(ranks[0]["anchors"], ranks[-1]["anchors"], strict=True):
+        assert torch.equal(a, b)  # identical on every rank
+    if world == 2 and nesterov and not wd:
+        # and it is not the plain average (local SGD) or heavy ball
+        plain = _reference(world, steps, every, 1.0, 0.0, False, 0.0)
+        ball = _reference(world, steps, every, 0.7, 0.9, False, 0.0)
+        assert not torch.allclose(ranks[0]["anchors"][-1], plain[-1], atol=1e-4)
+        assert not torch.allclose(ranks[0]["anchors"][-1], ball[-1], atol=1e-4)
+
+
+def test_outer_lr_and_momentum_settings_are_used():
+    cfg = StrategyConfig(name="diloco", outer_every=2, outer_lr=0.5, outer_momentum=0.6)
+    ranks = run_ranks(_diloco_run, 2, cfg, 6)
+    want = _reference(2, 6, 2, 0.5, 0.6, True, 0.0)
+    torch.testing.assert_close(ranks[0]["anchors"][-1], want[-1], rtol=0, atol=2e-6)
+
+
+def _pretrain(corpus, run_dir, **extra) -> dict:
+    overrides = {"optimizer.name": "adamw", "optimizer.lr": 0.003, "strategy.name": "diloco",
+                 "strategy.outer_every": 3, "schedule.max_steps": 12,
+                 "data.validation_every": 5, **extra}  # fmt: skip
+    return tiny_config(corpus, run_dir, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"optimizer.name": "onebit_lamb"}, "diloco needs optimizer.name lamb or adamw"),
+        ({"strategy.asynchronous": True}, "diloco is synchronous"),
+        ({"strategy.outer_weight_decay": -1.0}, "outer_weight_decay must be >= 0"),
+        ({"strategy.name": "slowmo", "strategy.nesterov": False}, "nesterov"),
+    ],
+)  # fmt: skip
+def test_bad_diloco_configs_fail_at_load(tmp_path, overrides, match):
+    with pytest.raises((ValueError, ConfigError), match=match):
+        from_dict(PretrainConfig, _pretrain(tmp_path, tmp_path / "run", **overrides))
+
+
+def test_the_diloco_recipe_is_adamw_inside():
+    recipe = get_recipe("diloco")
+    assert (recipe.optimizer, recipe.strategy, recipe.measure) == ("adamw", "diloco", "local_steps")
+
+
+def test_nodes_as_workers_equal_one_rank_per_node(tiny_corpus, tmp_path):
+    """comm.hierarchy node: 2 nodes x 2 ranks are DiLoCo over 2 workers (up to summation
+    order): the trajectory of 2 ranks that each take the node's two micro-batches."""
+    common = {"schedule.max_steps": 5, "data.validation_every": 0, "model.dropout": 0.0,
+              "checkpoint.every": 5}  # fmt: skip
+    run_ranks(train_in_process, 2, _pretrain(tiny_corpus, tmp_path / "two", **common))
+    nodes = _pretrain(tiny_corpus, tmp_path / "nodes", **common, **{"comm.hierarchy": "node"})
+    run_ranks(train_on_nodes, 4, nodes, 2)
+    flat, node = ([r for r in read_metrics(tmp_path / d / "metrics.jsonl") if "loss" in r]
+                  for d in ("two", "nodes"))  # fmt: skip
+    for a, b in zip(flat, node, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    shared_two, _ = load_checkpoint(tmp_path / "two", 5)
+    shared_nodes, _ = load_checkpoint(tmp_path / "nodes", 5)
+    for key in ("anchor", "momentum"):
+        torch.testing.assert_close(
+            shared_nodes["local_steps"][key], shared_two["local_steps"][key], rtol=1e-4, atol=1e-6
+        )
+
+
+@pytest.mark.slow
+def test_killed_diloco_run_resumes_mid_round_bit_exact(tiny_corpus, tmp_path):
+    """Rounds end at steps 3, 6, 9, 12; kill -9 after the checkpoint at step 8 (mid-round),
+    resume: the same weights, anchor, outer momentum, inner AdamW state and losses as the
+    uninterrupted run."""
+    proc = torchrun(write_cfg(_pretrain(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    path_b = write_cfg(_pretrain(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
+    proc = torchrun(path_b)
+    step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"
+    deadline = time.time() + 240
+    try:
+        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        kill_all(proc)
+    assert step_dir.is_dir(), "the run never reached step 8"
+    assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
+    proc = torchrun(path_b)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    for step in (8, 12):
+        (shared_a, ranks_a), (shared_b, ranks_b) = (
+            load_checkpoint(tmp_path / "a", step),
+            load_checkpoint(tmp_path / "b", step),
+        )
+        assert_equal(shared_a["model"], shared_b["model"], "model")
+        assert_equal(shared_a["local_steps"], shared_b["local_steps"], "local_steps")
+        for ra, rb in zip(ranks_a, ranks_b, strict=True):
+            assert_equal(ra["params"], rb["params"], "params")
+            assert_equal(ra["optimizer"], rb["optimizer"], "optimizer")
+    logs_a, logs_b = ({r["step"]: r for r in read_metrics(tmp_path / run / "metrics.jsonl")}
+                      for run in ("a", "b"))  # fmt: skip
+    assert sorted(logs_a) == sorted(logs_b)
+    for step, record in logs_a.items():
+        for key in ("loss", "val_mlm_loss", "outer_rounds", "outer_momentum_norm"):
+            assert record.get(key) == logs_b[step].get(key), (step, key)
