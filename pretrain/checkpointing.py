@@ -14,6 +14,7 @@ import torch
 from onebit_bert.checkpoint import CheckpointManager, load_file
 from onebit_bert.io import atomic_write_json
 from onebit_bert.strategies import Strategy
+from onebit_bert.strategies.local_steps import default_outer_lr
 from pretrain.config import RESUME_MAY_CHANGE, PretrainConfig
 from pretrain.model import load_weights
 
@@ -165,11 +166,22 @@ def _covered(key: str, names) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
+def _resolved(config: dict) -> dict:
+    """``config`` with the fields whose null stands for a value replaced by that value, so
+    a config written when the field had that value as its default reads the same
+    (``strategy.outer_lr``: 1.0 before DiLoCo made it null)."""
+    strategy = config.get("strategy")
+    if not isinstance(strategy, dict) or strategy.get("outer_lr", 0) is not None:
+        return config
+    name = strategy.get("name", "auto")
+    return {**config, "strategy": {**strategy, "outer_lr": default_outer_lr(name)}}
+
+
 def resume_changes(recorded: dict, current: dict, allowed=()) -> tuple[dict, dict]:
     """(allowed, refused) changes between the config a run recorded and the one resuming
     it, each ``{key: [recorded, current]}``. Keys the recorded config lacks (written before
     the field existed) and the keys of :data:`RESUME_MAY_CHANGE` are not changes."""
-    old, new = _flatten(recorded), _flatten(current)
+    old, new = _flatten(_resolved(recorded)), _flatten(_resolved(current))
     ok, refused = {}, {}
     for key, value in new.items():
         if key not in old or _covered(key, RESUME_MAY_CHANGE):

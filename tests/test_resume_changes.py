@@ -70,3 +70,17 @@ def test_a_resume_with_another_lr_stops_unless_allowed_then_it_is_recorded(tiny_
     assert any("optimizer.lr: 0.02 -> 0.01" in note for note in status["notes"])
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "resume_changes" in r]
     assert records == [{**records[0], "step": 2, "resume_changes": {"optimizer.lr": [0.02, 0.01]}}]
+
+
+def test_a_null_outer_lr_reads_as_the_value_it_stands_for():
+    """Configs recorded when strategy.outer_lr defaulted to 1.0 resume under its null
+    default; DiLoCo's null is 0.7, so a recorded 1.0 is a change there."""
+    lamb = {"strategy": {"name": "auto", "outer_lr": 1.0}}
+    assert resume_changes(lamb, {"strategy": {"name": "auto", "outer_lr": None}}) == ({}, {})
+    diloco_null = {"strategy": {"name": "diloco", "outer_lr": None}}
+    assert resume_changes({"strategy": {"name": "diloco", "outer_lr": 0.7}}, diloco_null) == (
+        {},
+        {},
+    )
+    _, refused = resume_changes({"strategy": {"name": "diloco", "outer_lr": 1.0}}, diloco_null)
+    assert refused == {"strategy.outer_lr": [1.0, 0.7]}

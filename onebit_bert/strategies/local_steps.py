@@ -93,6 +93,11 @@ DILOCO_OUTER_MOMENTUM = 0.9
 """DiLoCo's outer SGD (arXiv 2311.08105, Table 5; OpenDiLoCo's defaults)."""
 
 
+def default_outer_lr(name: str) -> float:
+    """``strategy.outer_lr`` when null: DiLoCo's 0.7, else 1 (SlowMo's and CO2's)."""
+    return DILOCO_OUTER_LR if name == "diloco" else 1.0
+
+
 def default_outer_momentum(world_size: int) -> float:
     """fairseq's outer momentum by number of workers (SlowMo and CO2 when unset)."""
     if world_size <= 16:
@@ -138,9 +143,7 @@ class LocalSteps(Strategy):
         self.name = name
         self.every = cfg.outer_every
         self.diloco = name == "diloco"
-        self.alpha = cfg.outer_lr
-        if self.alpha is None:
-            self.alpha = DILOCO_OUTER_LR if self.diloco else 1.0
+        self.alpha = default_outer_lr(name) if cfg.outer_lr is None else cfg.outer_lr
         self.beta = cfg.outer_momentum
         if self.beta is None:
             self.beta = (
