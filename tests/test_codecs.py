@@ -9,9 +9,12 @@ import torch
 
 from onebit_bert.distributed import Communicator
 from onebit_bert.distributed.codecs import (
+    INT4_LEVELS,
     INT8_LEVELS,
     HalfCodec,
+    Int4Codec,
     Int8Codec,
+    bits_per_element,
     build_codec,
 )
 from onebit_bert.distributed.policy import CommConfig, CommPolicy, CompressionConfig
@@ -69,12 +72,41 @@ def test_int8_block_must_be_positive():
         Int8Codec(one_rank(), block=0)
 
 
+def test_int4_packs_two_codes_per_byte_and_bounds_the_error_by_half_a_step():
+    codec = Int4Codec(one_rank(), block=16)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    x[2, 16:32] = 0.0  # an all-zero block
+    message, decoded = codec._encode(x)
+    assert message.dtype == torch.uint8
+    assert message.shape == (3, 64 // 2 + 4 * 4)  # codes two per byte, then the scales
+    assert codec._row_bytes(64) == message.shape[1]
+    assert torch.equal(codec._decode(message), decoded)
+    blocks = x.view(3, 4, 16)
+    scale = blocks.abs().amax(dim=2, keepdim=True) / INT4_LEVELS
+    assert torch.all((decoded.view(3, 4, 16) - blocks).abs() <= scale / 2 * (1 + 1e-6) + 1e-12)
+    assert torch.equal(decoded[2, 16:32], torch.zeros(16))
+    nibbles = torch.cat([message[:, :32] & 0x0F, message[:, :32] >> 4])
+    assert nibbles.min() >= 8 - INT4_LEVELS and nibbles.max() <= 8 + INT4_LEVELS
+    # the codes sit where the docstring says: element 2i low, 2i + 1 high
+    codes = torch.round(blocks / scale.clamp_min(1e-30)).view(3, 64)
+    assert torch.equal((message[:, :32] & 0x0F).float() - 8, codes[:, 0::2])
+    assert torch.equal((message[:, :32] >> 4).float() - 8, codes[:, 1::2])
+    assert bits_per_element("int4", int4_block=16) == 4 + 32 / 16
+
+
+def test_int4_block_must_be_even():
+    with pytest.raises(ValueError, match="int4_block"):
+        Int4Codec(one_rank(), block=7)
+    with pytest.raises(ValueError, match="int4_block"):
+        CommConfig(int4_block=3)
+
+
 def test_unknown_codec_is_named():
-    with pytest.raises(ValueError, match="unknown codec 'int4'"):
-        build_codec("int4", one_rank())
+    with pytest.raises(ValueError, match="unknown codec 'int2'"):
+        build_codec("int2", one_rank())
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "onebit", "powersgd"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4", "onebit", "powersgd"])
 def test_every_codec_is_a_no_op_on_one_rank(name):
     codec = build_codec(name, one_rank())
     tensors = [t.clone() for t in rank_inputs(0, 1)[0]]
@@ -93,13 +125,13 @@ def _fp16(rows):
     return rows.to(torch.float16).float()
 
 
-def _int8(rows, block):
+def _int8(rows, block, levels=127):
     out = torch.empty_like(rows)
     for r in range(rows.shape[0]):
         for a in range(0, rows.shape[1], block):
             v = rows[r, a : a + block]
-            s = v.abs().max() / 127
-            q = torch.zeros_like(v) if s == 0 else torch.round(v / s).clamp(-127, 127)
+            s = v.abs().max() / levels
+            q = torch.zeros_like(v) if s == 0 else torch.round(v / s).clamp(-levels, levels)
             out[r, a : a + block] = q * s
     return out
 
@@ -134,7 +166,7 @@ def simulate_two_phase(inputs, roundtrip, quantum, errors=None):
 
 
 def _codec_calls(comm, name):
-    codec = build_codec(name, comm, int8_block=32)
+    codec = build_codec(name, comm, int8_block=32, int4_block=32)
     outputs, counted = [], []
     for tensors in rank_inputs(comm.rank):
         before = comm.snapshot()
@@ -146,13 +178,14 @@ def _codec_calls(comm, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("name", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "int8", "int4"])
 def test_two_phase_codecs_match_the_simulation_bit_for_bit(name, world_size):
     ranks = run_ranks(_codec_calls, world_size, name)
     roundtrip, quantum, feedback = {
         "bf16": (_bf16, 1, False),
         "fp16": (_fp16, 1, False),
         "int8": (lambda rows: _int8(rows, 32), 32, True),
+        "int4": (lambda rows: _int8(rows, 32, INT4_LEVELS), 32, True),
     }[name]
     errors = None
     if feedback:
@@ -165,12 +198,13 @@ def test_two_phase_codecs_match_the_simulation_bit_for_bit(name, world_size):
         for r in ranks:
             assert torch.equal(r["outputs"][call], want), f"{name}: call {call} differs"
         exact = torch.stack(flat).mean(0)
-        tolerance = {"bf16": 2e-2, "fp16": 3e-3, "int8": 0.1}[name]
+        tolerance = {"bf16": 2e-2, "fp16": 3e-3, "int8": 0.1, "int4": 0.5}[name]
         assert (want - exact).abs().max() <= tolerance * exact.abs().max()
     # exact bytes: two phases, (p-1) rows each, of the encoded chunk (+ scales)
     padded = -(-NUMEL // (world_size * quantum)) * world_size * quantum
     chunk = padded // world_size
-    row = {"bf16": 2 * chunk, "fp16": 2 * chunk, "int8": chunk + 4 * (chunk // 32)}[name]
+    row = {"bf16": 2 * chunk, "fp16": 2 * chunk, "int8": chunk + 4 * (chunk // 32),
+           "int4": chunk // 2 + 4 * (chunk // 32)}[name]  # fmt: skip
     for r in ranks:
         assert r["bytes"] == [2 * (world_size - 1) * row] * 3
     if feedback:  # the errors each rank keeps are the simulation's
@@ -180,10 +214,11 @@ def test_two_phase_codecs_match_the_simulation_bit_for_bit(name, world_size):
             assert torch.equal(server, errors[rank][1])
 
 
-def test_error_feedback_carries_what_int8_left_out():
-    """Summed over calls, the average int8 delivers differs from the exact average by no
-    more than the errors still held (nothing is lost, only delayed)."""
-    ranks = run_ranks(_codec_calls, 2, "int8")
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_error_feedback_carries_what_rounding_left_out(name):
+    """Summed over calls, the average int8 (int4) delivers differs from the exact average
+    by no more than the errors still held (nothing is lost, only delayed)."""
+    ranks = run_ranks(_codec_calls, 2, name)
     inputs = [rank_inputs(r) for r in range(2)]
     exact = sum(
         torch.stack([torch.cat([t.reshape(-1) for t in inputs[r][c]]) for r in range(2)]).mean(0)

@@ -89,38 +89,45 @@ def _reference(world: int, steps: int, every: int, lr: float, momentum: float,
     return anchors
 
 
-@pytest.mark.parametrize(
-    ("world", "nesterov", "wd"),
-    [(2, True, 0.0), (2, True, 0.1), (2, False, 0.0), (1, True, 0.0)],
-)
-def test_outer_step_is_torch_sgd_on_the_pseudo_gradient(world, nesterov, wd):
-    """World 1 is the one-worker control: a Lookahead-like outer step on one model's own
-    progress, still exactly SGD with Nesterov momentum on it."""
+SETTINGS = [
+    {"nesterov": True, "outer_weight_decay": 0.0},
+    {"nesterov": True, "outer_weight_decay": 0.1},
+    {"nesterov": False, "outer_weight_decay": 0.0},
+    {"nesterov": True, "outer_weight_decay": 0.0, "outer_lr": 0.5, "outer_momentum": 0.6},
+]
+"""The outer settings checked against torch.optim.SGD (one spawn runs them all)."""
+
+
+def _diloco_runs(comm, steps: int, every: int) -> list[dict]:
+    return [
+        _diloco_run(comm, StrategyConfig(name="diloco", outer_every=every, **s), steps)
+        for s in SETTINGS
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_outer_step_is_torch_sgd_on_the_pseudo_gradient(world):
+    """Nesterov and heavy ball, with and without weight decay, the paper's defaults and
+    other outer settings, on 2 gloo ranks; world 1 is the one-worker control (a
+    Lookahead-like outer step on one model's own progress, still SGD on it)."""
     steps, every = 9, 3
-    cfg = StrategyConfig(name="diloco", outer_every=every, nesterov=nesterov,
-                         outer_weight_decay=wd)  # fmt: skip
-    ranks = run_ranks(_diloco_run, world, cfg, steps)
-    assert (ranks[0]["alpha"], ranks[0]["beta"]) == (0.7, 0.9)  # the paper's defaults
-    want = _reference(world, steps, every, 0.7, 0.9, nesterov, wd)
-    for rank in ranks:
-        assert len(rank["anchors"]) == steps // every
-        for got, expected in zip(rank["anchors"], want, strict=True):
-            torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
-    for a, b in zip(ranks[0]["anchors"], ranks[-1]["anchors"], strict=True):
-        assert torch.equal(a, b)  # identical on every rank
-    if world == 2 and nesterov and not wd:
-        # and it is not the plain average (local SGD) or heavy ball
+    ranks = run_ranks(_diloco_runs, world, steps, every)
+    for k, setting in enumerate(SETTINGS):
+        lr, momentum = setting.get("outer_lr", 0.7), setting.get("outer_momentum", 0.9)
+        assert (ranks[0][k]["alpha"], ranks[0][k]["beta"]) == (lr, momentum)
+        want = _reference(world, steps, every, lr, momentum, setting["nesterov"],
+                          setting["outer_weight_decay"])  # fmt: skip
+        for rank in ranks:
+            assert len(rank[k]["anchors"]) == steps // every
+            for got, expected in zip(rank[k]["anchors"], want, strict=True):
+                torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+        for a, b in zip(ranks[0][k]["anchors"], ranks[-1][k]["anchors"], strict=True):
+            assert torch.equal(a, b)  # identical on every rank
+    if world == 2:  # and it is neither the plain average (local SGD) nor heavy ball
+        last = ranks[0][0]["anchors"][-1]
         plain = _reference(world, steps, every, 1.0, 0.0, False, 0.0)
-        ball = _reference(world, steps, every, 0.7, 0.9, False, 0.0)
-        assert not torch.allclose(ranks[0]["anchors"][-1], plain[-1], atol=1e-4)
-        assert not torch.allclose(ranks[0]["anchors"][-1], ball[-1], atol=1e-4)
-
-
-def test_outer_lr_and_momentum_settings_are_used():
-    cfg = StrategyConfig(name="diloco", outer_every=2, outer_lr=0.5, outer_momentum=0.6)
-    ranks = run_ranks(_diloco_run, 2, cfg, 6)
-    want = _reference(2, 6, 2, 0.5, 0.6, True, 0.0)
-    torch.testing.assert_close(ranks[0]["anchors"][-1], want[-1], rtol=0, atol=2e-6)
+        assert not torch.allclose(last, plain[-1], atol=1e-4)
+        assert not torch.allclose(last, ranks[0][2]["anchors"][-1], atol=1e-4)
 
 
 def _pretrain(corpus, run_dir, **extra) -> dict:
@@ -149,6 +156,7 @@ def test_the_diloco_recipe_is_adamw_inside():
     assert (recipe.optimizer, recipe.strategy, recipe.measure) == ("adamw", "diloco", "local_steps")
 
 
+@pytest.mark.slow
 def test_nodes_as_workers_equal_one_rank_per_node(tiny_corpus, tmp_path):
     """comm.hierarchy node: 2 nodes x 2 ranks are DiLoCo over 2 workers (up to summation
     order): the trajectory of 2 ranks that each take the node's two micro-batches."""
@@ -207,3 +215,22 @@ def test_killed_diloco_run_resumes_mid_round_bit_exact(tiny_corpus, tmp_path):
     for step, record in logs_a.items():
         for key in ("loss", "val_mlm_loss", "outer_rounds", "outer_momentum_norm"):
             assert record.get(key) == logs_b[step].get(key), (step, key)
+
+
+@pytest.mark.slow
+def test_int4_pseudo_gradients_count_their_wire_bytes_and_stay_close(tiny_corpus, tmp_path):
+    """comm.compression.outer int4: each round sends the pseudo-gradient at 4 bits plus one
+    fp32 scale per 128 elements (about 0.13 of fp32's bytes, padding aside), and the run
+    stays close to the fp32 one."""
+    common = {"schedule.max_steps": 4, "strategy.outer_every": 2, "data.validation_every": 0}
+    run_ranks(train_in_process, 2, _pretrain(tiny_corpus, tmp_path / "fp32", **common))
+    int4 = _pretrain(tiny_corpus, tmp_path / "int4", **common, **{"comm.compression.outer": "int4"})
+    run_ranks(train_in_process, 2, int4)
+    a, b = ([r.get("comm_bytes_parameters", 0) for r in read_metrics(tmp_path / d / "metrics.jsonl")
+             if "loss" in r] for d in ("fp32", "int4"))  # fmt: skip
+    assert [x > 0 for x in a] == [False, True, False, True] == [y > 0 for y in b]
+    for x, y in zip(a[1::2], b[1::2], strict=True):
+        assert y / x == pytest.approx((4 + 32 / 128) / 32, rel=0.01)
+    la, lb = ([r["loss"] for r in read_metrics(tmp_path / d / "metrics.jsonl") if "loss" in r]
+              for d in ("fp32", "int4"))  # fmt: skip
+    assert la[:2] == lb[:2] and abs(la[-1] - lb[-1]) < 0.05

@@ -12,6 +12,8 @@ bf16      bf16 chunks, all-to-all; fp32 sums per chunk, bf16 all-gather         
 fp16      as bf16 with fp16                                                        16
 int8      int8 with one fp32 scale per block of ``int8_block`` elements, error    8 + 32/B
           feedback on both sides, same two phases
+int4      4-bit codes (two per byte) with one fp32 scale per block of             4 + 32/B
+          ``int4_block`` elements, error feedback on both sides, same two phases
 onebit    signs with one fp32 scale per chunk, error feedback on both sides (the  1 + ...
           1-bit all-reduce of 1-bit LAMB)
 powersgd  rank-r factors P and Q of every matrix (PyTorch's PowerSGD DDP hook),    ~r(n+m)
@@ -27,7 +29,7 @@ rank. Each phase puts ``(p - 1) / p`` of the encoded buffer on the wire, the two
 what a ring all-reduce of the encoded buffer would, but no sum is ever rounded to the
 wire format before all ``p`` terms are in.
 
-**Error feedback** (int8, onebit): what encoding left out on this rank is added to the
+**Error feedback** (int8, int4, onebit): what encoding left out on this rank is added to the
 next call's input for the same buffer (the worker error), and likewise on the server side
 for the chunk this rank reduces; so nothing is lost over time, only delayed. The errors
 are per-rank state (:meth:`Codec.state_dict`), keyed by the buffer's name, and restored
@@ -48,11 +50,13 @@ import torch
 
 from onebit_bert.distributed.compression import ErrorFeedback
 
-CODECS = ("none", "bf16", "fp16", "int8", "onebit", "powersgd")
+CODECS = ("none", "bf16", "fp16", "int8", "int4", "onebit", "powersgd")
 """Codec names, as the ``comm.compression`` config section spells them."""
 
 INT8_LEVELS = 127
 """int8 codes run over [-127, 127] (symmetric, so 0 is exact and -128 never appears)."""
+INT4_LEVELS = 7
+"""int4 codes run over [-7, 7], sent as the nibble code + 8 (0 never appears)."""
 
 
 class Codec:
@@ -319,6 +323,49 @@ class Int8Codec(TwoPhaseCodec):
         return blocks.view(n_rows, chunk)
 
 
+class Int4Codec(Int8Codec):
+    """4-bit codes in [-7, 7] with one fp32 scale (max |x| / 7) per block of ``block``
+    elements (even), and error feedback on both sides. A message row is the chunk's codes,
+    two per byte (element 2i in the low nibble, 2i + 1 in the high one, each as code + 8),
+    followed by its scales' bytes. Streaming DiLoCo (arXiv 2501.18512) sends its outer
+    gradients in a 4-bit float format; this codec is a uniform 4-bit grid instead, with
+    error feedback carrying what rounding leaves out to the next round."""
+
+    name = "int4"
+
+    def __init__(self, comm, block: int = 128):
+        if block < 2 or block % 2:
+            raise ValueError(f"comm.int4_block must be an even number >= 2, got {block}")
+        super().__init__(comm, block)
+
+    def _row_bytes(self, chunk: int) -> int:
+        return chunk // 2 + 4 * (chunk // self.block)
+
+    def _encode(self, rows):
+        n_rows, chunk = rows.shape
+        blocks = rows.view(n_rows, chunk // self.block, self.block)
+        scale = blocks.abs().amax(dim=2, keepdim=True) / INT4_LEVELS
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(blocks / safe).clamp_(-INT4_LEVELS, INT4_LEVELS)
+        decoded = codes * scale
+        nibbles = (codes + 8).to(torch.uint8).view(n_rows, chunk // 2, 2)
+        packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
+        message = torch.cat([packed, scale.view(n_rows, -1).view(torch.uint8)], dim=1)
+        return message, decoded.view(n_rows, chunk)
+
+    def _decode(self, messages):
+        n_rows = messages.shape[0]
+        # a row is chunk / 2 code bytes and 4 bytes per block of `block` elements
+        chunk = messages.shape[1] * 2 * self.block // (self.block + 8)
+        packed = messages[:, : chunk // 2]
+        low = (packed & 0x0F).to(torch.int16) - 8
+        high = (packed >> 4).to(torch.int16) - 8
+        codes = torch.stack([low, high], dim=2).view(n_rows, chunk).float()
+        scale = messages[:, chunk // 2 :].contiguous().view(torch.float32)
+        blocks = codes.view(n_rows, -1, self.block) * scale.unsqueeze(2)
+        return blocks.view(n_rows, chunk)
+
+
 class OneBitCodec(Codec):
     """Signs with error feedback: the communicator's 1-bit all-reduce
     (:meth:`~onebit_bert.distributed.comm.Communicator.compressed_all_reduce`) on a
@@ -564,6 +611,7 @@ def build_codec(
     comm,
     *,
     int8_block: int = 1024,
+    int4_block: int = 128,
     powersgd_rank: int = 4,
     powersgd_start_step: int = 10,
     bucket_numel: int | None = None,
@@ -577,6 +625,8 @@ def build_codec(
         return HalfCodec(comm, torch.float16)
     if name == "int8":
         return Int8Codec(comm, int8_block)
+    if name == "int4":
+        return Int4Codec(comm, int4_block)
     if name == "onebit":
         return OneBitCodec(comm, bucket_numel)
     if name == "powersgd":
@@ -584,7 +634,7 @@ def build_codec(
     raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
 
 
-def bits_per_element(name: str, int8_block: int = 1024) -> float:
+def bits_per_element(name: str, int8_block: int = 1024, int4_block: int = 128) -> float:
     """Nominal wire bits per element of a codec, before padding and per-chunk scales
     (powersgd: data dependent, NaN)."""
     return {
@@ -592,6 +642,7 @@ def bits_per_element(name: str, int8_block: int = 1024) -> float:
         "bf16": 16.0,
         "fp16": 16.0,
         "int8": 8.0 + 32.0 / int8_block,
+        "int4": 4.0 + 32.0 / int4_block,
         "onebit": 1.0,
     }.get(name, math.nan)
 

@@ -53,9 +53,9 @@ POLICY_KINDS = {
 """Config key -> the communicator's traffic kind."""
 
 ALLOWED = {
-    "grad": ("none", "bf16", "fp16", "int8", "onebit", "powersgd"),
+    "grad": ("none", "bf16", "fp16", "int8", "int4", "onebit", "powersgd"),
     "momentum": ("onebit", "int8", "bf16", "fp16", "none"),
-    "outer": ("none", "bf16", "fp16", "int8"),
+    "outer": ("none", "bf16", "fp16", "int8", "int4"),
     "neighbour": ("none", "bf16", "fp16"),
     "stats": ("none",),
 }
@@ -70,12 +70,13 @@ class CompressionConfig:
 
     grad: str = "none"
     """Full-precision gradient averages (LAMB, AdamW, the warmup of 1-bit LAMB/Adam): none,
-    bf16, fp16, int8, onebit or powersgd."""
+    bf16, fp16, int8, int4, onebit or powersgd."""
     momentum: str = "onebit"
     """1-bit LAMB's and 1-bit Adam's momentum all-reduce after freeze_step: onebit (the
     algorithm), or int8, bf16, fp16, none to study what 1 bit costs."""
     outer: str = "none"
-    """CO2/SlowMo/local SGD parameter averages: none, bf16, fp16 or int8."""
+    """CO2/SlowMo/local SGD/DiLoCo parameter averages (a lossy codec sends each rank's
+    progress over the round, the pseudo-gradient): none, bf16, fp16, int8 or int4."""
     neighbour: str = "none"
     """DecentLaM/DmSGD neighbour exchanges: none, bf16 or fp16 (the neighbours' copies are
     rounded; each rank's own term stays exact)."""
@@ -112,6 +113,8 @@ class CommConfig:
     each node is one worker (its ranks average gradients every step)."""
     int8_block: int = 1024
     """int8: elements per fp32 scale."""
+    int4_block: int = 128
+    """int4: elements per fp32 scale (even)."""
     powersgd_rank: int = 4
     """powersgd: rank of the gradient approximation."""
     powersgd_start_step: int = 10
@@ -126,6 +129,8 @@ class CommConfig:
     def __post_init__(self):
         if self.int8_block < 1:
             raise ValueError(f"comm.int8_block must be >= 1, got {self.int8_block}")
+        if self.int4_block < 2 or self.int4_block % 2:
+            raise ValueError(f"comm.int4_block must be an even number >= 2, got {self.int4_block}")
         if self.powersgd_rank < 1:
             raise ValueError(f"comm.powersgd_rank must be >= 1, got {self.powersgd_rank}")
         if self.powersgd_start_step < 2:
@@ -263,6 +268,7 @@ class CommPolicy:
             name = self.codec_name(key)
             kwargs = dict(
                 int8_block=self.cfg.int8_block,
+                int4_block=self.cfg.int4_block,
                 powersgd_rank=self.cfg.powersgd_rank,
                 powersgd_start_step=self.cfg.powersgd_start_step,
             )
