@@ -182,29 +182,45 @@ def test_anchor_and_momentum_are_identical_on_every_rank():
 # ----------------------------------------------------------------------------- clip, penalty
 
 
+def _clipping_runs(comm) -> dict:
+    """co2 without clipping, with an infinite threshold, with a quarter of the largest
+    unclipped momentum norm, and elementwise at 2^-10: one spawn for all four."""
+    base = {"outer_every": 2, "outer_momentum": 0.5, "gap_penalty": 0.0}
+    free = _local_run(comm, "co2", _cfg(**base), 8)
+    phi = max(float(m.norm()) for m in free["momentum"]) / 4  # identical on every rank
+    return {
+        "free": free,
+        "infinite": _local_run(comm, "co2", _cfg(**base, clip_threshold=1e30), 8),
+        "phi": phi,
+        "norm": _local_run(comm, "co2", _cfg(**base, clip_threshold=phi), 8),
+        "value": _local_run(comm, "co2", _cfg(**base, clip_threshold=2**-10, clip_mode="value"), 8),
+    }
+
+
 @pytest.mark.slow
 def test_clipping_infinite_threshold_changes_nothing_and_a_small_one_bounds_momentum():
-    base = {"outer_every": 2, "outer_momentum": 0.5, "gap_penalty": 0.0}
-    free = run_ranks(_local_run, 2, "co2", _cfg(**base), 8)[0]
-    infinite = run_ranks(_local_run, 2, "co2", _cfg(**base, clip_threshold=1e30), 8)[0]
-    for a, b in zip(free["anchor"], infinite["anchor"], strict=True):
+    runs = run_ranks(_clipping_runs, 2)[0]
+    free, phi = runs["free"], runs["phi"]
+    for a, b in zip(free["anchor"], runs["infinite"]["anchor"], strict=True):
         assert torch.equal(a, b)
-    largest = max(float(m.norm()) for m in free["momentum"])
-    phi = largest / 4
-    clipped = run_ranks(_local_run, 2, "co2", _cfg(**base, clip_threshold=phi), 8)[0]
+    clipped = runs["norm"]
     assert max(float(m.norm()) for m in clipped["momentum"]) <= phi * (1 + 1e-5)
     assert not torch.equal(clipped["anchor"][-1], free["anchor"][-1])
-    value = run_ranks(
-        _local_run, 2, "co2", _cfg(**base, clip_threshold=2**-10, clip_mode="value"), 8
-    )[0]
+    value = runs["value"]
     assert max(float(m.abs().max()) for m in value["momentum"]) <= 2**-10
     assert not torch.equal(value["anchor"][-1], free["anchor"][-1])
 
 
-def test_gap_penalty_zero_is_no_penalty_and_positive_shrinks_the_stale_update():
+def _penalty_runs(comm) -> tuple[dict, dict]:
     base = {"outer_every": 2, "outer_momentum": 0.0}
-    none = run_ranks(_local_run, 2, "co2", _cfg(**base, gap_penalty=0.0), 8)[0]
-    strong = run_ranks(_local_run, 2, "co2", _cfg(**base, gap_penalty=5.0), 8)[0]
+    return (
+        _local_run(comm, "co2", _cfg(**base, gap_penalty=0.0), 8),
+        _local_run(comm, "co2", _cfg(**base, gap_penalty=5.0), 8),
+    )
+
+
+def test_gap_penalty_zero_is_no_penalty_and_positive_shrinks_the_stale_update():
+    none, strong = run_ranks(_penalty_runs, 2)[0]
     # rounds 0 and 1 have no anchor movement yet (gap 0): identical up to step 4
     for step in range(4):
         assert torch.equal(none["anchor"][step], strong["anchor"][step])

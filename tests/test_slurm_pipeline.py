@@ -25,7 +25,7 @@ SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 
 # A smaller smoke: fewer steps (1-bit LAMB compresses after step 10), two tasks, one epoch.
 PRETRAIN = [
-    "schedule.max_steps=30",
+    "schedule.max_steps=20",
     "optimizer.freeze_step=10",
     "checkpoint.every=10",
     "data.validation_every=10",
@@ -35,8 +35,8 @@ PRETRAIN = [
 FINETUNE = [
     "tasks=[sst2, squad]",
     "seeds=[1, 2]",
-    "max_train_samples=200",
-    "max_eval_samples=100",
+    "max_train_samples=64",
+    "max_eval_samples=32",
     "epochs=[1]",
 ]
 
@@ -134,7 +134,7 @@ def test_preemption_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(
 ):
     exp, _ = chain
     base = exp.stage("pretrain/lamb/phase1").config_path
-    overrides = ["schedule.max_steps=60", "checkpoint.every=1000", "logging.progress_every=1000"]
+    overrides = ["schedule.max_steps=30", "checkpoint.every=1000", "logging.progress_every=1000"]
     preempted = load_config(PretrainConfig, base, [*overrides, f"run_dir={tmp_path / 'slurm'}"])
     save_config(preempted, tmp_path / "slurm.yaml")
     stage = Stage(
@@ -147,7 +147,7 @@ def test_preemption_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(
     slurm_cluster.scancel(job, "USR1")  # as --signal=B:USR1@lead does before the time limit
     slurm_cluster.wait(job, timeout=180, states=("PENDING", "FAILED", "COMPLETED"))
     status = json.loads((tmp_path / "slurm" / "status.json").read_text())
-    assert status["state"] == "preempted" and 8 <= status["step"] < 60
+    assert status["state"] == "preempted" and 8 <= status["step"] < 30
     checkpoint = tmp_path / "slurm" / "checkpoints" / f"step_{status['step']:08d}"
     assert (checkpoint / "complete.json").is_file()
     slurm_cluster.release_requeued(job)
