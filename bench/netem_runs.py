@@ -289,15 +289,18 @@ def local_steps_total(steps: int, every: int) -> int:
 
 
 def _measure_local_steps(point: SweepPoint, name: str) -> dict:
-    """A local-step recipe (co2, slowmo, local_sgd: inner LAMB), an outer step every
-    ``--outer-every`` steps: means over whole rounds (:func:`round_summary`)."""
+    """A local-step recipe (co2, slowmo, local_sgd: inner LAMB; diloco, streaming_diloco:
+    inner AdamW), an outer step every ``--outer-every`` steps (streaming_diloco: a multiple
+    of its 4 fragments): means over whole rounds (:func:`round_summary`)."""
     every = point.args.outer_every
     recipe = get_recipe(name)
+    optimizer, comm = variant(name, point.args)
     run_dir = point.config(
         name,
-        recipe.optimizer,
+        optimizer,
         local_steps_total(point.args.steps, every),
         strategy={"name": recipe.strategy, "outer_every": every},
+        comm=comm,
     )
     point.run_distributed(name)
     return round_summary(step_records(run_dir), point.batch, every)

@@ -123,7 +123,7 @@ def record(name: str, corpus: Path, workdir: Path) -> dict:
     run_dir = workdir / name
     cfg = tiny_config(corpus, run_dir, **overrides)
     with pinned_isa():
-        ranks = run_ranks(_run, 2, cfg)
+        ranks = run_ranks(_run, 2, cfg, start_method="spawn")
     assert all(r["state"] == "complete" for r in ranks), ranks
     records = read_metrics(run_dir / "metrics.jsonl")
     return {

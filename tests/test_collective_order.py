@@ -1,5 +1,6 @@
 """Every collective in the library is issued from the main thread, in the same order on
-every rank: traced on 2 gloo ranks for every strategy, every codec each kind of traffic
+every rank: traced on 2 gloo ranks for every strategy (Streaming DiLoCo with a fragment in
+flight across a checkpoint and a validation), every codec each kind of traffic
 accepts, with overlap on and off (a few steps past 1-bit's warmup, with a checkpoint and
 a validation). NCCL and gloo match collectives by their order on each process group; an
 order that depends on thread timing can deadlock a multi-node job."""
@@ -18,7 +19,7 @@ LOCAL = {"strategy.outer_every": 2}
 SETTINGS = {
     **{
         f"lamb/grad={codec}": {"comm.compression.grad": codec}
-        for codec in ("none", "bf16", "fp16", "int8", "onebit", "powersgd")
+        for codec in ("none", "bf16", "fp16", "int8", "int4", "onebit", "powersgd")
     },
     **{
         f"onebit_lamb/momentum={codec}": {
@@ -44,6 +45,27 @@ SETTINGS = {
         }
         for name in ("local_sgd", "slowmo", "co2")
         for codec in ("none", "bf16", "fp16", "int8")
+    },
+    **{
+        f"diloco/outer={codec}": {
+            "optimizer.name": "adamw",
+            "strategy.name": "diloco",
+            **LOCAL,
+            "comm.compression.outer": codec,
+        }
+        for codec in ("none", "int4")
+    },
+    # fragments synchronised at steps 2 and 4, each landing one step later
+    **{
+        f"streaming_diloco/outer={codec}": {
+            "optimizer.name": "adamw",
+            "strategy.name": "streaming_diloco",
+            "strategy.outer_every": 4,
+            "strategy.fragments": 2,
+            "strategy.fragment_sync_delay": 1,
+            "comm.compression.outer": codec,
+        }
+        for codec in ("none", "int4")
     },
     "co2/synchronous/outer=int8": {
         "strategy.name": "co2",
@@ -97,3 +119,5 @@ def test_every_collective_is_issued_from_the_main_thread_in_one_order(tiny_corpu
     assert len(overlap) >= 2
     co2 = {group for _, group in ranks[0]["co2/outer=int8"]["calls"]}
     assert len(co2) >= 2
+    streaming = {group for _, group in ranks[0]["streaming_diloco/outer=none"]["calls"]}
+    assert len(streaming) >= 2

@@ -96,10 +96,11 @@ def test_every_builtin_strategy_is_registered_once_with_a_family():
         "slowmo",
         "local_sgd",
         "diloco",
+        "streaming_diloco",
         "decentlam",
         "dmsgd",
     } <= set(names)
-    assert family("local_steps") == ("co2", "slowmo", "local_sgd", "diloco")
+    assert family("local_steps") == ("co2", "slowmo", "local_sgd", "diloco", "streaming_diloco")
     assert family("decentralized") == ("decentlam", "dmsgd")
     declared = {f.name for f in dataclasses.fields(StrategyConfig)}
     read = set(COMMON_FIELDS).union(*(spec.fields for spec in STRATEGIES.values()))

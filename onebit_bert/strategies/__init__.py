@@ -37,6 +37,7 @@ from onebit_bert.strategies.registry import (
     register_strategy,
     strategy_spec,
 )
+from onebit_bert.strategies.streaming import StreamingDiLoCo, check_streaming_config
 from onebit_bert.strategies.zero_one_adam import ZeroOneAdamStrategy
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ __all__ = [
     "Decentralized",
     "GradientSync",
     "LocalSteps",
+    "StreamingDiLoCo",
     "OneBitAdamStrategy",
     "OneBitLambStrategy",
     "Strategy",
@@ -103,6 +105,17 @@ def _local_steps(args: BuildArgs) -> Strategy:
     return LocalSteps(
         args.model, args.loss_module, args.optimizer, args.ctx, args.cfg, args.name, args.policy
     )
+
+
+def _streaming(args: BuildArgs) -> Strategy:
+    return StreamingDiLoCo(
+        args.model, args.loss_module, args.optimizer, args.ctx, args.cfg, args.policy
+    )
+
+
+def _check_streaming(name: str, cfg: StrategyConfig, optimizer_name: str) -> None:
+    check_local_step_config(name, cfg, optimizer_name)
+    check_streaming_config(cfg)
 
 
 def _decentralized(args: BuildArgs) -> Strategy:
@@ -210,6 +223,21 @@ for _spec in (
         summary="local steps, then outer SGD with Nesterov momentum on the pseudo-gradient "
         "(DiLoCo)",
         fields=(*_OUTER, "nesterov", "outer_weight_decay"),
+    ),
+    _local(
+        name="streaming_diloco",
+        build=_streaming,
+        summary="DiLoCo synchronised one parameter fragment at a time, each average "
+        "overlapped with the next inner steps (Streaming DiLoCo)",
+        fields=(
+            *_OUTER,
+            "nesterov",
+            "outer_weight_decay",
+            "fragments",
+            "fragment_sync_delay",
+            "fragment_mix",
+        ),  # fmt: skip
+        check=_check_streaming,
     ),
     _gossip(
         name="decentlam",

@@ -48,7 +48,8 @@ class StrategyConfig:
     itself); co2: the average of round t runs in the background during round t+1 and enters one
     round late, with a staleness-gap penalty and outer-momentum clipping; diloco: a
     synchronous average and an outer SGD step with Nesterov momentum on the pseudo-gradient
-    (DiLoCo, inner AdamW). Decentralised
+    (DiLoCo, inner AdamW); streaming_diloco: DiLoCo synchronised one parameter fragment at
+    a time, each average overlapped with the next inner steps. Decentralised
     (optimizer.name sgd; no global average, each rank exchanges its parameters with its
     neighbours in ``topology`` every step): decentlam: momentum on the gossip-induced gradient
     (DecentLaM); dmsgd: each rank's own momentum step, then the neighbour average (DmSGD,
@@ -64,21 +65,32 @@ class StrategyConfig:
     their compression there (there is nothing to send, and compression would only add
     error, as in DeepSpeed); true compresses anyway (tests)."""
     outer_every: int = 12
-    """co2, slowmo, local_sgd, diloco: local steps per round (tau); one parameter average per
+    """The local-step strategies: local steps per round (tau); one parameter average per
     round (SlowMo's paper: 12 for local SGD, 48 over SGP)."""
     outer_lr: float | None = None
-    """co2, slowmo, diloco: outer learning rate alpha; null: 1 for co2 and slowmo (SlowMo's
-    paper: 1, "consistently best"), 0.7 for diloco (DiLoCo's paper and OpenDiLoCo)."""
+    """co2, slowmo, diloco, streaming_diloco: outer learning rate alpha; null: 1 for co2 and
+    slowmo (SlowMo's paper: 1, "consistently best"), 0.7 for the DiLoCo pair (DiLoCo's paper
+    and OpenDiLoCo)."""
     outer_momentum: float | None = None
-    """co2, slowmo, diloco: outer momentum beta; null: 0.9 for diloco, and for co2 and
+    """co2, slowmo, diloco, streaming_diloco: outer momentum beta; null: 0.9 for the DiLoCo
+    pair, and for co2 and
     slowmo by world size as fairseq sets it (0 up to 16 ranks, 0.2 up to 32, 0.5 up to 64,
     0.6 beyond)."""
     nesterov: bool = True
-    """diloco: Nesterov momentum in the outer SGD step (the paper's choice); false: heavy
-    ball."""
+    """diloco, streaming_diloco: Nesterov momentum in the outer SGD step (the paper's
+    choice); false: heavy ball."""
     outer_weight_decay: float = 0.0
-    """diloco: weight decay of the outer SGD step (added to the pseudo-gradient as
+    """diloco, streaming_diloco: weight decay of the outer SGD step (added to the pseudo-gradient as
     torch.optim.SGD does); 0: none, as in the paper."""
+    fragments: int = 4
+    """streaming_diloco: parameter fragments F, synchronised H/F steps apart (outer_every
+    must be a multiple); contiguous runs of whole tensors balanced by size."""
+    fragment_sync_delay: int = 1
+    """streaming_diloco: inner steps a fragment's average travels while training goes on
+    before it is applied (below outer_every / fragments; 0: applied at once)."""
+    fragment_mix: float = 0.5
+    """streaming_diloco: mixing factor alpha of the merge, local = alpha local + (1 - alpha)
+    outer (Streaming DiLoCo's; 0 takes the outer parameters, as DiLoCo)."""
     gap_penalty: float | None = None
     """co2: staleness-gap penalty lambda; per tensor the stale update is scaled by
     1 / (1 + lambda * gap / (|delta| + 1e-12)), gap = how far the anchor moved while the
@@ -90,8 +102,8 @@ class StrategyConfig:
     """co2: norm scales the whole outer momentum down to clip_threshold; value clamps each
     element to [-clip_threshold, clip_threshold]."""
     inner_state: Literal["keep", "reset"] = "keep"
-    """co2, slowmo, local_sgd, diloco: the inner optimizer's state at an outer step: kept (SlowMo's
-    choice for Adam) or reset to zero (its choice for Nesterov SGD)."""
+    """The local-step strategies: the inner optimizer's state at an outer step: kept
+    (SlowMo's choice for Adam) or reset to zero (its choice for Nesterov SGD)."""
     asynchronous: bool | None = None
     """co2: the round's average runs in the background and enters one round late (true,
     the default); false waits for it at once (the synchronous variant). slowmo and

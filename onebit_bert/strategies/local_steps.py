@@ -83,7 +83,9 @@ from onebit_bert.strategies.flat import FlatParams as _FlatParams
 
 log = logging.getLogger(__name__)
 
-LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd", "diloco")
+LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd", "diloco", "streaming_diloco")
+DILOCO_FAMILY = ("diloco", "streaming_diloco")
+"""The strategies whose outer step is DiLoCo's Nesterov SGD."""
 PENALTY_EPS = 1e-12
 CLIP_EPS = 1e-6
 CO2_GAP_PENALTY = 1.0
@@ -93,9 +95,19 @@ DILOCO_OUTER_MOMENTUM = 0.9
 """DiLoCo's outer SGD (arXiv 2311.08105, Table 5; OpenDiLoCo's defaults)."""
 
 
+def outer_sgd(anchor, momentum, delta, lr, beta, nesterov, weight_decay) -> None:
+    """DiLoCo's outer step, in place on ``anchor`` and ``momentum``: ``torch.optim.SGD``
+    (dampening 0) on the pseudo-gradient ``delta``, which it overwrites."""
+    if weight_decay:
+        delta.add_(anchor, alpha=weight_decay)
+    momentum.mul_(beta).add_(delta)
+    step = delta.add_(momentum, alpha=beta) if nesterov else momentum
+    anchor.sub_(step, alpha=lr)
+
+
 def default_outer_lr(name: str) -> float:
     """``strategy.outer_lr`` when null: DiLoCo's 0.7, else 1 (SlowMo's and CO2's)."""
-    return DILOCO_OUTER_LR if name == "diloco" else 1.0
+    return DILOCO_OUTER_LR if name in DILOCO_FAMILY else 1.0
 
 
 def default_outer_momentum(world_size: int) -> float:
@@ -142,7 +154,7 @@ class LocalSteps(Strategy):
             raise ValueError(f"LocalSteps runs {LOCAL_STEP_STRATEGIES}, not {name!r}")
         self.name = name
         self.every = cfg.outer_every
-        self.diloco = name == "diloco"
+        self.diloco = name in DILOCO_FAMILY
         self.alpha = default_outer_lr(name) if cfg.outer_lr is None else cfg.outer_lr
         self.beta = cfg.outer_momentum
         if self.beta is None:
@@ -258,13 +270,8 @@ class LocalSteps(Strategy):
         self.flat.write(self.anchor)
 
     def _outer_sgd(self, delta: torch.Tensor) -> None:
-        """DiLoCo's outer step: ``torch.optim.SGD`` (dampening 0) on the pseudo-gradient
-        ``delta``, which it overwrites."""
-        if self.outer_weight_decay:
-            delta.add_(self.anchor, alpha=self.outer_weight_decay)
-        self.momentum.mul_(self.beta).add_(delta)
-        step = delta.add_(self.momentum, alpha=self.beta) if self.nesterov else self.momentum
-        self.anchor.sub_(step, alpha=self.alpha)
+        outer_sgd(self.anchor, self.momentum, delta, self.alpha, self.beta, self.nesterov,
+                  self.outer_weight_decay)  # fmt: skip
         self.flat.write(self.anchor)
 
     def _outer_step_stale(self) -> None:
