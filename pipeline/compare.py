@@ -51,6 +51,7 @@ from pipeline.stats import mean_std, t_quantile
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
 from pipeline.timing import load_netem, modelled_seconds, speeds
+from pipeline.tuning import load_tuning, tuning_lines
 from pretrain import outputs as pretrain_outputs
 
 ALPHA = 0.05
@@ -504,22 +505,28 @@ def write_report(
     out: str | Path,
     netem_paths: str | list[str] | None = None,
     target_loss: float | None = None,
+    tuning_paths: list[str] | None = None,
+    allow_unequal_budgets: bool = False,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
-    ``out``; returns what ``report.json`` holds."""
+    ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
+    records (:mod:`pipeline.tuning`), refused when their budgets differ unless
+    ``allow_unequal_budgets``."""
     from pipeline.compare_plots import attach_speeds, write_figures
 
     if isinstance(netem_paths, str):
         netem_paths = [netem_paths]
     netem_paths = list(netem_paths or [])
     netem = load_netem(netem_paths)
+    tuning = load_tuning(list(tuning_paths or []), allow_unequal_budgets)
     data = build(run_specs, netem, target_loss)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     attach_speeds(data, netem)
     write_figures(data, out, PLOT_BANDWIDTHS)
-    atomic_write_text(out / "report.md", render_markdown(data, netem_paths, netem))
-    result = report_json(data, netem_paths, netem)
+    markdown = render_markdown(data, netem_paths, netem)
+    atomic_write_text(out / "report.md", markdown + "\n".join(tuning_lines(tuning)))
+    result = {**report_json(data, netem_paths, netem), "tuning": tuning}
     atomic_write_json(out / "report.json", result)
     return result
 
@@ -545,10 +552,22 @@ def main(argv: list[str] | None = None) -> int:
         "same settings at other bandwidths or world sizes",
     )
     parser.add_argument("--target-loss", type=float, help="default: the reference's final")
+    parser.add_argument(
+        "--tuning",
+        action="append",
+        help="a tuning record JSON (pipeline.tuning: search space, trials, chosen setting); "
+        "repeat per file; recipes with unequal budgets are refused",
+    )
+    parser.add_argument(
+        "--allow-unequal-budgets",
+        action="store_true",
+        help="compare recipes tuned with unequal budgets (the report says so)",
+    )
     parser.add_argument("--out", required=True, help="report directory")
     args = parser.parse_args(argv)
     try:
-        write_report(args.run, args.out, args.netem, args.target_loss)
+        write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
+                     args.allow_unequal_budgets)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

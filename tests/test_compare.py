@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from onebit_bert.recipes import get_recipe
 from pipeline import compare, gate, timing
 from pipeline.experiment import ReportSpec
 from pipeline.stats import t_quantile
+from pipeline.tuning import successive_halving, trials, tuning_record
 
 BATCH = 100
 
@@ -286,3 +288,37 @@ def test_hybrid_speeds_only_for_the_benchmarked_codec():
     }
     assert timing.speeds(netem, "hybrid_onebit_lamb:onebit", 4) == {}
     assert timing.speeds(netem, "hybrid_onebit_lamb:int8", 2) == {}
+
+
+def _record(tmp_path, recipe: str, budget_trials: int, name: str):
+    candidates = trials(get_recipe(recipe), budget_trials)
+    halving = successive_halving(
+        candidates, lambda t, s: 5.0 - t.index * 0.1 - s / 1000, [100, 200]
+    )
+    path = tmp_path / name
+    path.write_text(json.dumps(tuning_record(get_recipe(recipe), candidates, halving)))
+    return str(path)
+
+
+def test_the_comparison_shows_each_recipes_tuning_and_refuses_unequal_budgets(runs, tmp_path):
+    """pipeline.compare --tuning: the search spaces, every trial and the chosen settings in
+    the report; unequal budgets refused unless allowed (and then said)."""
+    equal = [
+        _record(tmp_path, "lamb", 3, "lamb.json"),
+        _record(tmp_path, "onebit_lamb", 3, "ob.json"),
+    ]
+    report = compare.write_report(runs, tmp_path / "r", target_loss=4.5, tuning_paths=equal)
+    assert report["tuning"]["lamb"]["chosen"] == "lamb-t2"  # the lowest loss: highest index
+    assert len(report["tuning"]["onebit_lamb"]["trials"]) == 3
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "## Tuning" in text and "| lamb-t2 (chosen) |" in text and "unequal" not in text
+    assert "`optimizer.lr` [0.005, 0.01, 0.02]" in text
+    unequal = [equal[0], _record(tmp_path, "co2", 2, "co2.json")]
+    with pytest.raises(ValueError, match="unequal budgets"):
+        compare.write_report(runs, tmp_path / "u", target_loss=4.5, tuning_paths=unequal)
+    assert compare.main([*(a for r in runs for a in ("--run", r)), "--target-loss", "4.5",
+                         *(a for t in unequal for a in ("--tuning", t)),
+                         "--out", str(tmp_path / "u")]) == 2  # fmt: skip
+    compare.write_report(runs, tmp_path / "a", target_loss=4.5, tuning_paths=unequal,
+                         allow_unequal_budgets=True)  # fmt: skip
+    assert "unequal budgets" in (tmp_path / "a" / "report.md").read_text()

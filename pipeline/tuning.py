@@ -1,0 +1,217 @@
+"""Equal-budget tuning: trials from each recipe's search space, successive halving, and the
+budget check the comparison applies before it ranks recipes.
+
+A comparison is fair only when every recipe had the same chance to be tuned (AlgoPerf's
+model: a fixed search space and a fixed number of trials per method). Here:
+
+- **Trials.** ``budget`` distinct settings of a recipe's ``search_space``
+  (:mod:`onebit_bert.recipes`), taken from its grid in an order shuffled by ``seed``
+  (:func:`trials`); a grid with fewer points than the budget is refused, since that recipe
+  would get fewer trials than the others.
+- **Successive halving** (:func:`successive_halving`). Every trial runs to the first rung
+  (say 1/4 of the run's steps), the better half by validation loss goes on to the next rung
+  (twice as many steps, continued from its checkpoint), and so on; the best trial at the
+  last rung is the recipe's chosen setting. Ties go to the lower trial index, and a
+  non-finite loss ranks last. Every trial's loss at every rung it reached is recorded.
+- **Budget** (:func:`budget`). The trials and the rungs, and the steps they cost (each
+  trial counts the steps of the last rung it reached: a continued run does not start over).
+  :func:`check_equal_budgets` refuses recipes whose budgets differ, naming them.
+
+The chosen setting is then evaluated on fresh seeds, not the tuning seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from onebit_bert.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One setting of a recipe's search space."""
+
+    recipe: str
+    index: int
+    settings: Mapping[str, Any]
+    """Dotted config field -> value."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.recipe}-t{self.index}"
+
+    def overrides(self) -> list[str]:
+        """The pretraining config overrides of this setting (after the recipe's own)."""
+        return [f"{key}={value}" for key, value in self.settings.items()]
+
+
+def grid(recipe: Recipe) -> list[dict[str, Any]]:
+    """Every point of the recipe's search space, in the order its fields and values are
+    declared."""
+    keys = list(recipe.search_space)
+    return [dict(zip(keys, values, strict=True))
+            for values in itertools.product(*(recipe.search_space[k] for k in keys))]  # fmt: skip
+
+
+def trials(recipe: Recipe, budget: int, seed: int = 0) -> list[Trial]:
+    """``budget`` distinct points of the recipe's grid, in an order shuffled by ``seed``."""
+    if budget < 1:
+        raise ValueError(f"the tuning budget must be at least 1 trial, got {budget}")
+    points = grid(recipe)
+    if len(points) < budget:
+        raise ValueError(
+            f"recipe {recipe.name}'s search space has {len(points)} points, fewer than the "
+            f"budget of {budget} trials; widen its search_space or lower the budget (every "
+            "recipe gets the same number of trials)"
+        )
+    random.Random(f"{seed}/{recipe.name}").shuffle(points)
+    return [Trial(recipe.name, i, p) for i, p in enumerate(points[:budget])]
+
+
+def rungs(first: int, last: int, eta: int = 2) -> list[int]:
+    """Step counts of the rungs: ``first``, ``eta`` times more each, ending at ``last``."""
+    if not 1 <= first <= last or eta < 2:
+        raise ValueError(f"rungs need 1 <= first <= last and eta >= 2 (got {first}, {last}, {eta})")
+    out = [first]
+    while out[-1] * eta < last:
+        out.append(out[-1] * eta)
+    if out[-1] != last:
+        out.append(last)
+    return out
+
+
+@dataclass
+class Halving:
+    """What :func:`successive_halving` did: every trial's loss at each rung it reached."""
+
+    rung_steps: list[int]
+    losses: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Trial name -> {steps: validation loss}."""
+    chosen: str | None = None
+
+    def reached(self, name: str) -> int:
+        """The last rung's steps the trial ran to."""
+        return max(self.losses[name])
+
+
+def _rank_key(loss: float, index: int) -> tuple[bool, float, int]:
+    return (not math.isfinite(loss), loss if math.isfinite(loss) else 0.0, index)
+
+
+def successive_halving(
+    candidates: list[Trial], run: Callable[[Trial, int], float], rung_steps: list[int],
+    keep: float = 0.5,
+) -> Halving:  # fmt: skip
+    """Run ``candidates`` through ``rung_steps`` (``run(trial, steps)`` trains the trial to
+    ``steps`` and returns its validation loss there), keeping ``ceil(keep * n)`` at each
+    rung; the best at the last rung is chosen."""
+    if not candidates:
+        raise ValueError("successive halving needs at least one trial")
+    if not 0 < keep < 1:
+        raise ValueError(f"keep must be in (0, 1), got {keep}")
+    record = Halving(list(rung_steps), {t.name: {} for t in candidates})
+    alive = list(candidates)
+    for r, steps in enumerate(rung_steps):
+        scored = []
+        for trial in alive:
+            loss = float(run(trial, steps))
+            record.losses[trial.name][steps] = loss
+            scored.append((_rank_key(loss, trial.index), trial))
+        scored.sort(key=lambda pair: pair[0])
+        if r == len(rung_steps) - 1:
+            record.chosen = scored[0][1].name
+            break
+        alive = [trial for _, trial in scored[: max(1, math.ceil(keep * len(scored)))]]
+    return record
+
+
+def budget(record: Halving) -> dict:
+    """The trials, the rungs and the steps a recipe's tuning cost."""
+    return {
+        "trials": len(record.losses),
+        "rungs": list(record.rung_steps),
+        "steps": sum(record.reached(name) for name in record.losses),
+    }
+
+
+def tuning_record(recipe: Recipe, candidates: list[Trial], record: Halving) -> dict:
+    """One recipe's tuning as the comparison reads it (``--tuning``): its search space,
+    every trial's settings and losses by rung, the chosen trial and the budget."""
+    by_name = {t.name: t for t in candidates}
+    return {
+        "recipe": recipe.name,
+        "search_space": {k: list(v) for k, v in recipe.search_space.items()},
+        "trials": [
+            {
+                "name": n,
+                "settings": dict(by_name[n].settings),
+                "losses": {str(s): loss for s, loss in record.losses[n].items()},
+            }
+            for n in record.losses
+        ],  # fmt: skip
+        "chosen": record.chosen,
+        "chosen_settings": dict(by_name[record.chosen].settings) if record.chosen else None,
+        "budget": budget(record),
+    }
+
+
+def load_tuning(paths: list[str], allow_unequal: bool = False) -> dict[str, dict]:
+    """Recipe -> :func:`tuning_record` from JSON files (each one record or a list of them);
+    the budgets checked (:func:`check_equal_budgets`)."""
+    import json
+    from pathlib import Path
+
+    records: dict[str, dict] = {}
+    for path in paths:
+        loaded = json.loads(Path(path).read_text())
+        for record in loaded if isinstance(loaded, list) else [loaded]:
+            if record["recipe"] in records:
+                raise ValueError(f"{path}: recipe {record['recipe']} is tuned twice")
+            records[record["recipe"]] = record
+    check_equal_budgets({n: r["budget"] for n, r in records.items()}, allow_unequal)
+    return records
+
+
+def tuning_lines(records: Mapping[str, dict]) -> list[str]:
+    """The report's tuning section: per recipe its search space, budget and chosen setting,
+    then every trial's loss at every rung it reached."""
+    if not records:
+        return []
+    budgets = {(r["budget"]["trials"], tuple(r["budget"]["rungs"])) for r in records.values()}
+    lines = ["## Tuning", ""]
+    if len(budgets) > 1:
+        lines += ["**The recipes were tuned with unequal budgets** (compared as asked).", ""]
+    lines += [
+        "| recipe | search space | trials | rungs (steps) | chosen |",
+        "|---|---|---:|---|---|",
+    ]
+    for name, r in records.items():
+        space = "; ".join(f"`{k}` {v}" for k, v in r["search_space"].items())
+        chosen = ", ".join(f"`{k}={v}`" for k, v in (r["chosen_settings"] or {}).items())
+        rungs_text = ", ".join(map(str, r["budget"]["rungs"]))
+        lines.append(f"| {name} | {space} | {r['budget']['trials']} | {rungs_text} | {chosen} |")
+    lines += ["", "| trial | settings | validation loss by rung |", "|---|---|---|"]
+    for r in records.values():
+        for t in r["trials"]:
+            settings = ", ".join(f"`{k}={v}`" for k, v in t["settings"].items())
+            losses = ", ".join(f"{s}: {loss:.4f}" for s, loss in t["losses"].items())
+            mark = " (chosen)" if t["name"] == r["chosen"] else ""
+            lines.append(f"| {t['name']}{mark} | {settings} | {losses} |")
+    return [*lines, ""]
+
+
+def check_equal_budgets(budgets: Mapping[str, Mapping], allow_unequal: bool = False) -> None:
+    """Refuse recipes whose tuning budgets (:func:`budget`) differ in trials or rungs."""
+    shapes = {name: (b["trials"], tuple(b["rungs"])) for name, b in budgets.items()}
+    if len(set(shapes.values())) <= 1 or allow_unequal:
+        return
+    listed = "; ".join(f"{n}: {t} trials, rungs {list(r)}" for n, (t, r) in shapes.items())
+    raise ValueError(
+        f"the recipes were tuned with unequal budgets ({listed}); tune them alike, or pass "
+        "--allow-unequal-budgets to compare anyway (the report then says so)"
+    )

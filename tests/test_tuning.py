@@ -1,0 +1,92 @@
+"""The equal-budget tuning protocol: trials from a search space, successive halving on
+synthetic loss curves, and the budget check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from onebit_bert.recipes import RECIPES, Recipe, get_recipe
+from pipeline.tuning import (
+    budget,
+    check_equal_budgets,
+    grid,
+    rungs,
+    successive_halving,
+    trials,
+)
+
+TOY = Recipe("toy", "Toy", "lamb", search_space={"optimizer.lr": (0.1, 0.2, 0.3, 0.4),
+                                                 "strategy.outer_every": (4, 8)})  # fmt: skip
+
+
+def test_trials_are_distinct_grid_points_in_a_seeded_order():
+    assert len(grid(TOY)) == 8
+    first = trials(TOY, 5, seed=1)
+    assert [t.name for t in first] == [f"toy-t{i}" for i in range(5)]
+    settings = [tuple(t.settings.items()) for t in first]
+    assert len(set(settings)) == 5 and all(dict(s) in grid(TOY) for s in settings)
+    assert first == trials(TOY, 5, seed=1)  # reproducible
+    assert [t.settings for t in trials(TOY, 8, seed=2)] != [t.settings for t in trials(TOY, 8)]
+    assert first[0].overrides() == [f"{k}={v}" for k, v in first[0].settings.items()]
+    with pytest.raises(ValueError, match="has 8 points, fewer than the budget of 9 trials"):
+        trials(TOY, 9)
+
+
+def test_every_registered_recipe_can_be_given_three_trials():
+    for name in RECIPES:
+        assert len(trials(get_recipe(name), 3)) == 3
+
+
+def test_rungs_double_up_to_the_run_length():
+    assert rungs(100, 800) == [100, 200, 400, 800]
+    assert rungs(100, 700) == [100, 200, 400, 700]
+    assert rungs(50, 50) == [50]
+    with pytest.raises(ValueError, match="rungs need"):
+        rungs(0, 10)
+
+
+def _curve(final: float, speed: float):
+    """A loss curve that falls from 10 to ``final`` at rate ``speed``."""
+    return lambda steps: final + (10 - final) * math.exp(-speed * steps / 100)
+
+
+def test_successive_halving_keeps_the_better_half_and_picks_the_best_at_the_end():
+    # trial 0 is fast early but ends high; trial 3 is slow early and ends lowest; 5 diverges
+    curves = {0: _curve(4.0, 3.0), 1: _curve(3.5, 1.0), 2: _curve(5.0, 0.5),
+              3: _curve(3.0, 0.9), 4: _curve(6.0, 2.0), 5: lambda s: float("nan")}  # fmt: skip
+    candidates = trials(TOY, 6)
+    calls = []
+
+    def run(trial, steps):
+        calls.append((trial.index, steps))
+        return curves[trial.index](steps)
+
+    record = successive_halving(candidates, run, [100, 200, 400])
+    at = {s: {n for n, losses in record.losses.items() if s in losses} for s in (100, 200, 400)}
+    assert len(at[100]) == 6 and len(at[200]) == 3 and len(at[400]) == 2
+    # rung 1 keeps the three lowest losses at 100 steps (the NaN ranks last)
+    by_loss = sorted(range(5), key=lambda i: curves[i](100))
+    assert at[200] == {f"toy-t{i}" for i in by_loss[:3]}
+    assert "toy-t5" not in at[200]
+    best = min((i for i in range(6) if f"toy-t{i}" in at[400]), key=lambda i: curves[i](400))
+    assert record.chosen == f"toy-t{best}"
+    assert calls[:6] == [(i, 100) for i in range(6)]  # every trial ran the first rung
+    spent = budget(record)
+    assert spent == {"trials": 6, "rungs": [100, 200, 400], "steps": 3 * 100 + 1 * 200 + 2 * 400}
+
+
+def test_ties_go_to_the_lower_trial_index():
+    record = successive_halving(trials(TOY, 4), lambda t, s: 1.0, [10, 20])
+    assert set(n for n, v in record.losses.items() if 20 in v) == {"toy-t0", "toy-t1"}
+    assert record.chosen == "toy-t0"
+
+
+def test_unequal_budgets_are_refused_unless_allowed():
+    same = {"trials": 4, "rungs": [100, 200], "steps": 600}
+    check_equal_budgets({"lamb": same, "onebit_lamb": dict(same, steps=500)})
+    unequal = {"lamb": same, "co2": {"trials": 2, "rungs": [100, 200], "steps": 400}}
+    with pytest.raises(ValueError, match=r"unequal budgets \(lamb: 4 trials.*co2: 2 trials"):
+        check_equal_budgets(unequal)
+    check_equal_budgets(unequal, allow_unequal=True)
