@@ -4,8 +4,8 @@ Builds an N-host cluster on this machine: one network namespace per host, each j
 bridge by a veth pair (host side ``<tag>h<i>``, namespace side ``eth0``, addresses
 198.18.0.0/24), with an htb rate limit on BOTH directions of every link (see
 :mod:`bench.netem_cluster`). Then runs the real pretraining stage (``python -m pretrain``),
-one gloo process per host, once per strategy of ``--strategies`` (default
-``lamb,onebit_lamb``):
+one gloo process per host, once per recipe of ``--strategies`` (registered recipes,
+:mod:`onebit_bert.recipes`; default ``lamb,onebit_lamb``), by the recipe's ``measure``:
 
 * lamb, adamw: the gradient all-reduce every step (medians after ``--warmup-steps``);
 * onebit_lamb, onebit_adam: ``freeze_step`` full-precision warmup steps, then the
@@ -14,11 +14,12 @@ one gloo process per host, once per strategy of ``--strategies`` (default
   (full-precision variance steps, 1-bit gradient steps, local steps, 1-bit syncs;
   :data:`ZERO_ONE_ADAM_BENCH`): the medians of each kind, and the means over the measured
   steps;
-* co2, slowmo, local_sgd: LAMB steps on each rank (LAMB's learning rate) and one parameter
-  all-reduce every ``--outer-every`` (tau) steps; CO2's runs in the background during the
-  next round. Means over whole rounds, the first two skipped (round 0 has nothing in
-  flight, round 1's end is the first wait): a median would hide the one step per round
-  that sends (:func:`round_summary`);
+* co2, slowmo, local_sgd (LAMB steps on each rank, LAMB's learning rate), diloco,
+  streaming_diloco (AdamW steps): one parameter all-reduce every ``--outer-every`` (tau)
+  steps, CO2's in the background during the next round, Streaming DiLoCo's one fragment
+  at a time overlapped with the next inner step. Means over whole rounds, the first two
+  skipped (round 0 has nothing in flight, round 1's end is the first wait): a median would
+  hide the one step per round that sends (:func:`round_summary`);
 * decentlam, dmsgd: momentum SGD on each rank and every step one parameter vector sent to
   each neighbour of each graph of ``--topologies`` (default one-peer exponential and ring),
   point to point; a runs entry ``<strategy>/<topology>`` per graph (medians, as LAMB's);
