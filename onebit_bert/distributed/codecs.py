@@ -91,6 +91,14 @@ class Codec:
         (:func:`codec_ddp_hook`) unless the codec can leave its collective in flight."""
         return codec_ddp_hook(self)
 
+    def average_async(self, tensor: torch.Tensor, key: str, kind: str, stats):
+        """Start averaging ``tensor`` in place and return a handle with ``advance()`` (call
+        it at the same point of every rank's step), ``wait()`` (the seconds blocked) and
+        ``in_flight_seconds``; the bytes are filed in ``stats`` under ``kind``. Issue it on
+        a codec whose communicator is a side channel, so that other collectives are not
+        queued behind it."""
+        raise NotImplementedError(f"the {self.name} codec has no asynchronous average")
+
     # helpers shared by the flat codecs
     @staticmethod
     def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -111,7 +119,18 @@ class PlainCodec(Codec):
     name = "none"
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
-        self.comm.all_reduce_coalesced(list(tensors), op="avg")
+        if len(tensors) == 1 and tensors[0].is_contiguous():  # in place, no coalescing copy
+            self.comm.all_reduce(tensors[0], op="avg")
+        else:
+            self.comm.all_reduce_coalesced(list(tensors), op="avg")
+
+    def average_async(self, tensor: torch.Tensor, key: str, kind: str, stats):
+        """One asynchronous all-reduce (:meth:`Communicator.all_reduce_async`), filed in the
+        communicator's own stats (a side channel that shares them)."""
+        if stats is not self.comm.stats:
+            raise ValueError("the plain codec files its bytes in its communicator's stats")
+        with self.comm.traffic(kind):
+            return self.comm.all_reduce_async(tensor)
 
     def ddp_hook(self):
         """Each bucket's all-reduce left in flight while the backward pass goes on
@@ -176,6 +195,10 @@ class TwoPhaseCodec(Codec):
         incoming = torch.empty_like(outgoing)
         pending = self.comm.all_to_all_async(incoming, outgoing)
         return TwoPhaseRun(self, list(tensors), numel, server_error, outgoing, incoming, pending)
+
+    def average_async(self, tensor: torch.Tensor, key: str, kind: str, stats):
+        """The two phases issued from the caller's thread (:class:`AsyncCodecAllReduce`)."""
+        return AsyncCodecAllReduce(self, [tensor], key, kind, stats)
 
     def _errors(self, key: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self.errors or self.errors[key][0].numel() != x.numel():

@@ -124,6 +124,9 @@ class AsyncAllReduce:
         """Whether the collective has finished (never blocks)."""
         return self.work is None or self.work.is_completed()
 
+    def advance(self) -> None:
+        """Nothing to issue: one collective (the interface of a two-phase average)."""
+
     def wait(self) -> float:
         """Block until done; returns the seconds blocked (0 on later calls)."""
         if self.waited:

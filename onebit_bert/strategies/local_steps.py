@@ -74,7 +74,7 @@ import logging
 import torch
 from torch import nn
 
-from onebit_bert.distributed.codecs import AsyncCodecAllReduce
+from onebit_bert.distributed.codecs import AsyncCodecAllReduce, Codec, PlainCodec
 from onebit_bert.distributed.comm import AsyncAllReduce
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import Strategy, StrategyConfig
@@ -103,6 +103,20 @@ def outer_sgd(anchor, momentum, delta, lr, beta, nesterov, weight_decay) -> None
     momentum.mul_(beta).add_(delta)
     step = delta.add_(momentum, alpha=beta) if nesterov else momentum
     anchor.sub_(step, alpha=lr)
+
+
+def outer_codec(comm, policy, in_background: bool) -> Codec:
+    """The codec of the outer average (``comm.compression.outer``; the plain fp32 average by
+    default). A lossy one averages each rank's progress since the round's anchor (x_i - x0,
+    identical x0 on every rank), not the parameters. ``in_background``: on a process group
+    of its own, so that the loop's other collectives are not queued behind an average in
+    flight (a lossy codec files its counts itself when waited, the plain one in the shared
+    stats). Collective when ``in_background``: every rank calls it in the same order."""
+    name = policy.codec_name("outer") if policy is not None else "none"
+    codec_comm = comm.side_channel(shared_stats=name == "none") if in_background else comm
+    if policy is None:
+        return PlainCodec(codec_comm)
+    return policy.codec("outer", comm=codec_comm)
 
 
 def default_outer_lr(name: str) -> float:
@@ -173,17 +187,7 @@ class LocalSteps(Strategy):
         self.clip_threshold = cfg.clip_threshold if name == "co2" else None
         self.clip_mode = cfg.clip_mode
         self.reset_inner = cfg.inner_state == "reset"
-        # The outer collectives run on a group of their own, so that the loop's statistics
-        # all-reduce is not queued behind a parameter average in flight.
-        self.outer_comm = self.comm.side_channel() if self.asynchronous else self.comm
-        # comm.compression.outer: a lossy codec averages each rank's progress since the
-        # round's anchor (x_i - x0, identical x0 on every rank), not the parameters
-        self.outer_codec = None
-        if policy is not None and policy.codec_name("outer") != "none":
-            # asynchronous: on a group of its own, its second collective issued one step
-            # after the first, its counts filed when waited (AsyncCodecAllReduce)
-            codec_comm = self.comm.side_channel(shared_stats=False) if self.asynchronous else None
-            self.outer_codec = policy.codec("outer", comm=codec_comm)
+        self.outer_codec = outer_codec(self.comm, policy, in_background=self.asynchronous)
         # comm.hierarchy node: the node's ranks average gradients every step (a node of one
         # rank has nothing to average)
         groups = policy.groups if policy is not None else None
@@ -228,9 +232,9 @@ class LocalSteps(Strategy):
         self.at_round_end = False
 
     def after_step(self, step: int) -> None:
-        if isinstance(self.pending, AsyncCodecAllReduce):
-            # the second collective of a lossy outer average: at the same point of every
-            # rank's step, so every rank issues its collectives in one order
+        if self.pending is not None:
+            # a two-phase average's second collective: at the same point of every rank's
+            # step, so every rank issues its collectives in one order
             self.pending.advance()
         if step % self.every or self.anchor is None:
             return
@@ -245,14 +249,13 @@ class LocalSteps(Strategy):
 
     def _outer_step_synchronous(self) -> None:
         self.flat.read(out=self.average)
-        if self.outer_codec is not None:
+        lossy = self.outer_codec.lossy
+        if lossy:
             self.average.sub_(self.anchor)  # this rank's progress over the round
-            with self.comm.traffic("parameters"):
-                self.outer_codec.all_reduce([self.average], "outer")
+        with self.comm.traffic("parameters"):
+            self.outer_codec.all_reduce([self.average], "outer")
+        if lossy:
             self.average.add_(self.anchor)
-        else:
-            with self.outer_comm.traffic("parameters"):
-                self.outer_comm.all_reduce(self.average, op="avg")
         self.has_average = True
         delta = self.anchor - self.average
         if self.diloco:
@@ -285,15 +288,12 @@ class LocalSteps(Strategy):
         else:  # round 0: nothing in flight yet, the anchor stays
             self.previous_anchor.copy_(self.anchor)
         self.flat.read(out=self.average)
-        if self.outer_codec is not None:
+        if self.outer_codec.lossy:
             # progress since the round's anchor (previous_anchor now): added back on wait
             self.average.sub_(self.previous_anchor)
-            self.pending = AsyncCodecAllReduce(
-                self.outer_codec, [self.average], "outer", "parameters", self.comm.stats
-            )
-        else:
-            with self.outer_comm.traffic("parameters"):
-                self.pending = self.outer_comm.all_reduce_async(self.average)
+        self.pending = self.outer_codec.average_async(
+            self.average, "outer", "parameters", self.comm.stats
+        )
         self.has_average = True
         self.flat.write(self.anchor)
 
@@ -321,7 +321,7 @@ class LocalSteps(Strategy):
         if self.pending is None:
             return
         self.last_wait = self.pending.wait()
-        if isinstance(self.pending, AsyncCodecAllReduce):
+        if self.outer_codec.lossy:
             # the round started from previous_anchor, which stays until the next outer step
             self.average.add_(self.previous_anchor)
         self.last_in_flight = self.pending.in_flight_seconds
@@ -365,7 +365,7 @@ class LocalSteps(Strategy):
             "inner_steps": self.inner_steps,
         }
         per_rank = {"optimizer": self.optimizer.state_dict(), "params": self.flat.read()}
-        if self.outer_codec is not None:
+        if self.outer_codec.state_dict():
             per_rank["outer_codec"] = self.outer_codec.state_dict()
         return {"strategy": self.identity(), "local_steps": outer}, per_rank
 
@@ -407,8 +407,7 @@ class LocalSteps(Strategy):
         if per_rank is not None:
             self.optimizer.load_state_dict(per_rank["optimizer"])
             self.flat.write(per_rank["params"])
-            if self.outer_codec is not None:
-                self.outer_codec.load_state_dict(per_rank.get("outer_codec") or {})
+            self.outer_codec.load_state_dict(per_rank.get("outer_codec") or {})
         else:
             log.warning(
                 "another world size wrote this checkpoint: every rank starts from the "

@@ -48,7 +48,7 @@ from onebit_bert.distributed.comm import AsyncAllReduce
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import StrategyConfig
 from onebit_bert.strategies.flat import FlatParams
-from onebit_bert.strategies.local_steps import LocalSteps, outer_sgd
+from onebit_bert.strategies.local_steps import LocalSteps, outer_codec, outer_sgd
 
 
 def split_fragments(sizes: list[int], count: int) -> list[tuple[int, int]]:
@@ -131,11 +131,9 @@ class StreamingDiLoCo(LocalSteps):
         self.fragments = [FlatParams(self.params[a:b]) for a, b in bounds]
         offsets = [0, *itertools.accumulate(f.numel for f in self.fragments)]
         self.ranges = list(itertools.pairwise(offsets))
-        # averages in the background, on groups of their own (collective: every rank
-        # builds them in this order)
-        self.side = self.comm.side_channel()
-        if self.outer_codec is not None:
-            self.outer_codec = policy.codec("outer", comm=self.comm.side_channel(False))
+        # averages in the background, on a group of their own (collective: every rank
+        # builds it in this order)
+        self.outer_codec = outer_codec(self.comm, policy, in_background=True)
         self.in_flight: dict[int, _InFlight] = {}
         self.syncs = 0
 
@@ -144,7 +142,7 @@ class StreamingDiLoCo(LocalSteps):
         if self.anchor is None:
             return
         for flight in self.in_flight.values():
-            if isinstance(flight.handle, AsyncCodecAllReduce):
+            if flight.handle is not None:
                 flight.handle.advance()  # at the same point of every rank's step
         for k in sorted(self.in_flight):
             if self.in_flight[k].apply_at == step:
@@ -159,14 +157,10 @@ class StreamingDiLoCo(LocalSteps):
             raise RuntimeError(f"fragment {k} is still in flight at step {step}")
         a, b = self.ranges[k]
         values = self.fragments[k].read()
-        if self.outer_codec is not None:
+        if self.outer_codec.lossy:
             values.sub_(self.anchor[a:b])  # this rank's progress on the fragment
-            handle = AsyncCodecAllReduce(
-                self.outer_codec, [values], f"outer/{k}", "parameters", self.comm.stats
-            )
-        else:
-            with self.side.traffic("parameters"):
-                handle = self.side.all_reduce_async(values)
+        handle = self.outer_codec.average_async(values, f"outer/{k}", "parameters",
+                                                self.comm.stats)  # fmt: skip
         self.in_flight[k] = _InFlight(step + self.delay, values, handle)
 
     def _wait_for(self, k: int) -> None:
@@ -177,7 +171,7 @@ class StreamingDiLoCo(LocalSteps):
         self.last_in_flight = flight.handle.in_flight_seconds
         self.total_wait += self.last_wait
         self.waits += 1
-        if isinstance(flight.handle, AsyncCodecAllReduce):
+        if self.outer_codec.lossy:
             a, b = self.ranges[k]
             flight.average.add_(self.anchor[a:b])  # the anchor moves only when it lands
         flight.handle = None
