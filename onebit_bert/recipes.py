@@ -24,6 +24,7 @@ starts); docs/guide/development.md has the checklist.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +111,10 @@ def get_recipe(name: str) -> Recipe:
         ) from None
 
 
+@functools.cache
 def _defaults() -> dict[str, Any]:
-    """The default of every dotted field of the optimizer, strategy and comm sections."""
+    """The default of every dotted field of the optimizer, strategy and comm sections (read,
+    never changed, by the callers)."""
     from onebit_bert.distributed.policy import CommConfig
     from onebit_bert.optim.build import OptimizerConfig
     from onebit_bert.strategies.base import StrategyConfig

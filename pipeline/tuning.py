@@ -23,10 +23,12 @@ The chosen setting is then evaluated on fresh seeds, not the tuning seed.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from onebit_bert.recipes import Recipe
@@ -163,9 +165,6 @@ def tuning_record(recipe: Recipe, candidates: list[Trial], record: Halving) -> d
 def load_tuning(paths: list[str], allow_unequal: bool = False) -> dict[str, dict]:
     """Recipe -> :func:`tuning_record` from JSON files (each one record or a list of them);
     the budgets checked (:func:`check_equal_budgets`)."""
-    import json
-    from pathlib import Path
-
     records: dict[str, dict] = {}
     for path in paths:
         loaded = json.loads(Path(path).read_text())

@@ -4,8 +4,6 @@ rules, nodes as workers, and an exact resume of a pretraining run killed mid-rou
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
@@ -16,10 +14,10 @@ from onebit_bert.recipes import get_recipe
 from onebit_bert.strategies import LocalSteps, StrategyConfig
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.checkpoints import assert_same_local_step_runs, load_checkpoint
 from tests.helpers.runs import (
     dist_context,
-    kill_all,
+    run_killing_after_checkpoints,
     tiny_config,
     torchrun,
     train_in_process,
@@ -186,35 +184,11 @@ def test_killed_diloco_run_resumes_mid_round_bit_exact(tiny_corpus, tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     path_b = write_cfg(_pretrain(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
-    proc = torchrun(path_b)
-    step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"
-    deadline = time.time() + 240
-    try:
-        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        kill_all(proc)
-    assert step_dir.is_dir(), "the run never reached step 8"
-    assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
-    proc = torchrun(path_b)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    for step in (8, 12):
-        (shared_a, ranks_a), (shared_b, ranks_b) = (
-            load_checkpoint(tmp_path / "a", step),
-            load_checkpoint(tmp_path / "b", step),
-        )
-        assert_equal(shared_a["model"], shared_b["model"], "model")
-        assert_equal(shared_a["local_steps"], shared_b["local_steps"], "local_steps")
-        for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            assert_equal(ra["params"], rb["params"], "params")
-            assert_equal(ra["optimizer"], rb["optimizer"], "optimizer")
-    logs_a, logs_b = ({r["step"]: r for r in read_metrics(tmp_path / run / "metrics.jsonl")}
-                      for run in ("a", "b"))  # fmt: skip
-    assert sorted(logs_a) == sorted(logs_b)
-    for step, record in logs_a.items():
-        for key in ("loss", "val_mlm_loss", "outer_rounds", "outer_momentum_norm"):
-            assert record.get(key) == logs_b[step].get(key), (step, key)
+    run_killing_after_checkpoints(path_b, tmp_path / "b", [8], 12)
+    assert_same_local_step_runs(
+        tmp_path / "a", tmp_path / "b", (8, 12),
+        logged=("loss", "val_mlm_loss", "outer_rounds", "outer_momentum_norm"),
+    )  # fmt: skip
 
 
 @pytest.mark.slow

@@ -5,20 +5,23 @@ run killed with a fragment's average in flight."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from torch import nn
 
 from onebit_bert.config import from_dict
-from onebit_bert.metrics_log import read_metrics
 from onebit_bert.strategies import LocalSteps, StrategyConfig, StreamingDiLoCo
 from onebit_bert.strategies.streaming import fragments_due, split_fragments
 from pretrain.config import PretrainConfig
 from tests.distributed_harness import run_ranks
-from tests.helpers.checkpoints import assert_equal, load_checkpoint
-from tests.helpers.runs import dist_context, kill_all, tiny_config, torchrun, write_cfg
+from tests.helpers.checkpoints import assert_same_local_step_runs, load_checkpoint
+from tests.helpers.runs import (
+    dist_context,
+    run_killing_after_checkpoints,
+    tiny_config,
+    torchrun,
+    write_cfg,
+)
 from tests.toy import ToyConfig, _batch, _teacher, build_model
 
 TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
@@ -196,36 +199,11 @@ def test_killed_run_resumes_with_a_fragment_in_flight_bit_exact(tiny_corpus, tmp
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     path_b = write_cfg(_pretrain(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
-    proc = torchrun(path_b)
-    step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"
-    deadline = time.time() + 240
-    try:
-        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        kill_all(proc)
-    assert step_dir.is_dir(), "the run never reached step 8"
-    assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
-    proc = torchrun(path_b)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    run_killing_after_checkpoints(path_b, tmp_path / "b", [8], 12)
     shared, _ = load_checkpoint(tmp_path / "a", 8)
     in_flight = shared["streaming"]["in_flight"]
     assert list(in_flight) == [1] and in_flight[1]["apply_at"] == 9
-    for step in (8, 12):
-        (shared_a, ranks_a), (shared_b, ranks_b) = (
-            load_checkpoint(tmp_path / "a", step),
-            load_checkpoint(tmp_path / "b", step),
-        )
-        assert_equal(shared_a["model"], shared_b["model"], "model")
-        assert_equal(shared_a["local_steps"], shared_b["local_steps"], "local_steps")
-        assert_equal(shared_a["streaming"], shared_b["streaming"], "streaming")
-        for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            assert_equal(ra["params"], rb["params"], "params")
-            assert_equal(ra["optimizer"], rb["optimizer"], "optimizer")
-    logs_a, logs_b = ({r["step"]: r for r in read_metrics(tmp_path / run / "metrics.jsonl")}
-                      for run in ("a", "b"))  # fmt: skip
-    assert sorted(logs_a) == sorted(logs_b)
-    for step, record in logs_a.items():
-        for key in ("loss", "val_mlm_loss", "fragment_syncs", "outer_momentum_norm"):
-            assert record.get(key) == logs_b[step].get(key), (step, key)
+    assert_same_local_step_runs(
+        tmp_path / "a", tmp_path / "b", (8, 12), ("model", "local_steps", "streaming"),
+        ("loss", "val_mlm_loss", "fragment_syncs", "outer_momentum_norm"),
+    )  # fmt: skip

@@ -31,3 +31,33 @@ def assert_equal(a, b, path="") -> None:
         assert math.isnan(b), path
     else:
         assert a == b, path
+
+
+def assert_same_local_step_runs(
+    run_a,
+    run_b,
+    steps,
+    shared_keys=("model", "local_steps"),
+    logged=("loss", "val_mlm_loss", "outer_momentum_norm"),
+) -> None:
+    """Two runs of a local-step strategy agree to the bit: the ``shared_keys`` of their
+    checkpoints at ``steps``, every rank's parameters and inner optimizer state, the steps
+    they logged and the ``logged`` figures at each."""
+    from onebit_bert.metrics_log import read_metrics
+
+    for step in steps:
+        (shared_a, ranks_a), (shared_b, ranks_b) = (
+            load_checkpoint(run_a, step),
+            load_checkpoint(run_b, step),
+        )
+        for key in shared_keys:
+            assert_equal(shared_a[key], shared_b[key], key)
+        for ra, rb in zip(ranks_a, ranks_b, strict=True):
+            assert_equal(ra["params"], rb["params"], "params")
+            assert_equal(ra["optimizer"], rb["optimizer"], "optimizer")
+    logs_a, logs_b = ({r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
+                      for run in (run_a, run_b))  # fmt: skip
+    assert sorted(logs_a) == sorted(logs_b)
+    for step, record in logs_a.items():
+        for key in logged:
+            assert record.get(key) == logs_b[step].get(key), (step, key)
