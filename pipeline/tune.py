@@ -15,6 +15,13 @@ a run stopped part-way resumes from its last checkpoint; run the same command ag
 any interruption. Output, under ``--out``: one run folder per trial
 (``<recipe>/<recipe>-t<i>``) and one ``<recipe>/tuning.json`` per recipe (the record
 ``pipeline.compare --tuning`` reads).
+
+``--eval-seeds`` then runs the chosen setting for the whole run on each of those seeds
+(fresh seeds, not the tuning seed: ``<recipe>/<recipe>-eval-seed<N>``, resumable the same
+way) and adds their final validation losses to the record. ``--nodes`` runs every trial as
+that many torchrun agents on this machine (``--nproc`` split evenly between them, a static
+rendezvous on 127.0.0.1), so a recipe with ``comm.hierarchy: node`` sees nodes of
+``nproc / nodes`` ranks: nodes as workers, tested on one host.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,21 +47,37 @@ class Tuner:
     """Runs the trials of one tuning (the module docstring)."""
 
     def __init__(self, base: Path, data: Path, out: Path, overrides: list[str],
-                 nproc: int = 1, seed: int = 1):  # fmt: skip
+                 nproc: int = 1, seed: int = 1, nodes: int = 1):  # fmt: skip
+        if nodes < 1 or nproc % nodes:
+            raise ValueError(
+                f"--nproc {nproc} does not split into --nodes {nodes} equal nodes; give a "
+                "multiple of the node count"
+            )
         self.base, self.data, self.out = base, data, out
         self.overrides = list(overrides)
-        self.nproc, self.seed = nproc, seed
+        self.nproc, self.seed, self.nodes = nproc, seed, nodes
         self.launches = 0
 
-    def config(self, recipe: Recipe, trial: Trial, rung_steps: list[int], stop_after: int):
-        """The trial's pretraining config, checked (a clear error before any run)."""
-        every = math.gcd(*rung_steps)
+    def config(self, recipe: Recipe, trial: Trial, rung_steps: list[int] | None,
+               stop_after: int | None, seed: int | None = None,
+               name: str | None = None):  # fmt: skip
+        """The trial's pretraining config, checked (a clear error before any run): it
+        validates at every rung and stops after ``stop_after`` steps (``rung_steps`` None:
+        at the base config's interval; ``stop_after`` None: runs to the end)."""
+        name = name or trial.name
+        every = [f"data.validation_every={math.gcd(*rung_steps)}"] if rung_steps else []
         return load_config(PretrainConfig, self.base, [
             *recipe.overrides(), f"recipe={recipe.name}", *trial.overrides(), *self.overrides,
-            f"run_dir={self.run_dir(trial)}", f"data.path={self.data}", f"seed={self.seed}",
-            f"data.validation_every={every}", f"stop_after={stop_after}",
-            f"logging.run_name={trial.name}", "logging.job_type=tuning",
+            f"run_dir={self.out / trial.recipe / name}", f"data.path={self.data}",
+            f"seed={self.seed if seed is None else seed}", *every,
+            f"stop_after={'null' if stop_after is None else stop_after}",
+            f"logging.run_name={name}", "logging.job_type=tuning",
         ])  # fmt: skip
+
+    def length(self, recipe: Recipe) -> int:
+        """The steps of the whole run (the base config's ``schedule.max_steps``)."""
+        overrides = [*recipe.overrides(), f"recipe={recipe.name}", *self.overrides]
+        return load_config(PretrainConfig, self.base, overrides).schedule.max_steps
 
     def run_dir(self, trial: Trial) -> Path:
         return self.out / trial.recipe / trial.name
@@ -90,33 +114,79 @@ class Tuner:
         return run
 
     def launch(self, config: Path, name: str, steps: int) -> None:
-        if self.nproc == 1:
-            command = [sys.executable, "-m", "pretrain", "--config", str(config)]
-        else:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={self.nproc}", "-m", "pretrain", "--config",
-                       str(config)]  # fmt: skip
         print(f"[tune] {name} to step {steps}", flush=True)
         log = config.with_suffix(".log")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("a") as out:
-            done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+            agents = [subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+                      for command in launch_commands(config, self.nproc, self.nodes)]  # fmt: skip
+            codes = [agent.wait() for agent in agents]
         self.launches += 1
-        if done.returncode != 0:
-            raise RuntimeError(f"{name} failed (exit {done.returncode}); see {log}")
+        failed = [code for code in codes if code != 0]
+        if failed:
+            raise RuntimeError(f"{name} failed (exit {failed[0]}); see {log}")
 
-    def tune(self, name: str, budget: int, first_rung: int) -> dict:
+    def evaluate(self, name: str, record: dict, seeds: list[int]) -> list[dict]:
+        """Run the chosen setting of ``record`` for the whole run on each seed (resumable)."""
+        recipe = get_recipe(name)
+        trial = Trial(name, -1, record["chosen_settings"] or {})
+        length = self.length(recipe)
+        runs = []
+        for seed in seeds:
+            run_name = f"{name}-eval-seed{seed}"
+            run_dir = self.out / name / run_name
+            if not pretrain_outputs.is_complete(run_dir):  # a complete run validates at its end
+                cfg = self.config(recipe, trial, None, None, seed, run_name)
+                path = self.out / name / f"{run_name}.yaml"
+                save_config(cfg, path)
+                self.launch(path, run_name, length)
+            losses = [r["val_mlm_loss"] for r in
+                      read_metrics(pretrain_outputs.metrics_path(run_dir))
+                      if r.get("step") == length and "val_mlm_loss" in r]  # fmt: skip
+            if not losses:
+                raise RuntimeError(f"{run_name} logged no validation loss at step {length}")
+            runs.append({"seed": seed, "run_dir": str(run_dir), "final_val_loss": losses[-1]})
+        return runs
+
+    def tune(self, name: str, budget: int, first_rung: int, eval_seeds: list[int] = ()) -> dict:
         """One recipe's tuning: its record, also written to ``<out>/<recipe>/tuning.json``."""
         recipe = get_recipe(name)
         candidates = trials(recipe, budget, self.seed)
-        length = load_config(PretrainConfig, self.base, self.overrides).schedule.max_steps
+        length = self.length(recipe)
         rung_steps = rungs(first_rung, length)
         for trial in candidates:  # every config checked before the first run
             self.config(recipe, trial, rung_steps, rung_steps[0])
         halving = successive_halving(candidates, self.runner(recipe, rung_steps), rung_steps)
         record = {**tuning_record(recipe, candidates, halving), "seed": self.seed}
+        if self.nodes > 1:
+            record["nodes"] = self.nodes
         atomic_write_json(self.out / name / "tuning.json", record)
+        if eval_seeds:
+            record["evaluation"] = self.evaluate(name, record, list(eval_seeds))
+            atomic_write_json(self.out / name / "tuning.json", record)
         return record
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_commands(config: Path, nproc: int, nodes: int = 1) -> list[list[str]]:
+    """The commands that run ``python -m pretrain --config config`` on ``nproc`` processes:
+    one plain process, one standalone torchrun, or ``nodes`` torchrun agents on this machine
+    meeting at a static rendezvous on 127.0.0.1 (each with ``nproc / nodes`` ranks)."""
+    program = ["-m", "pretrain", "--config", str(config)]
+    if nproc == 1:
+        return [[sys.executable, *program]]
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        return [[*run, "--standalone", f"--nproc-per-node={nproc}", *program]]
+    port = _free_port()
+    return [[*run, f"--nnodes={nodes}", f"--node-rank={rank}", "--master-addr=127.0.0.1",
+             f"--master-port={port}", f"--nproc-per-node={nproc // nodes}", *program]
+            for rank in range(nodes)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,17 +200,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-rung", type=int, required=True, help="steps of the first rung")
     parser.add_argument("--nproc", type=int, default=1, help="processes per trial")
     parser.add_argument("--seed", type=int, default=1, help="the tuning seed")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="run each trial as this many torchrun agents here (nodes as workers)",
+    )
+    parser.add_argument(
+        "--eval-seeds", default="", help="comma list of fresh seeds to run the chosen setting on"
+    )
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("overrides", nargs="*", help="section.field=value for every trial")
     args = parser.parse_args(argv)
-    tuner = Tuner(args.config, args.data, args.out, args.overrides, args.nproc, args.seed)
     try:
+        tuner = Tuner(args.config, args.data, args.out, args.overrides, args.nproc, args.seed,
+                      args.nodes)  # fmt: skip
         names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+        seeds = [int(s) for s in args.eval_seeds.split(",") if s.strip()]
+        if args.seed in seeds:
+            raise ValueError(f"--eval-seeds {seeds} holds the tuning seed {args.seed}; "
+                             "evaluate on fresh seeds")  # fmt: skip
         for name in names:
             get_recipe(name)
         for name in names:
-            record = tuner.tune(name, args.budget, args.first_rung)
+            record = tuner.tune(name, args.budget, args.first_rung, seeds)
             print(f"[tune] {name}: chose {record['chosen']} {record['chosen_settings']}")
+            for run in record.get("evaluation", []):
+                print(f"[tune] {name} seed {run['seed']}: final {run['final_val_loss']:.4f}")
     except (ValueError, RuntimeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

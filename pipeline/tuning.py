@@ -201,6 +201,20 @@ def tuning_lines(records: Mapping[str, dict]) -> list[str]:
             losses = ", ".join(f"{s}: {loss:.4f}" for s, loss in t["losses"].items())
             mark = " (chosen)" if t["name"] == r["chosen"] else ""
             lines.append(f"| {t['name']}{mark} | {settings} | {losses} |")
+    evaluated = {n: r["evaluation"] for n, r in records.items() if r.get("evaluation")}
+    if evaluated:
+        lines += [
+            "",
+            "The chosen settings on fresh seeds (not the tuning seed):",
+            "",
+            "| recipe | seeds | final validation loss | mean |",
+            "|---|---|---|---:|",
+        ]
+        for name, runs in evaluated.items():
+            finals = [run["final_val_loss"] for run in runs]
+            seeds = ", ".join(str(run["seed"]) for run in runs)
+            values = ", ".join(f"{v:.4f}" for v in finals)
+            lines.append(f"| {name} | {seeds} | {values} | {sum(finals) / len(finals):.4f} |")
     return [*lines, ""]
 
 

@@ -5,6 +5,7 @@ comparison."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 
@@ -20,7 +21,10 @@ def test_a_recipe_is_tuned_by_halving_then_nothing_reruns(tiny_corpus, tmp_path)
     base.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "tune"
     argv = ["--config", str(base), "--data", str(tiny_corpus), "--recipes", "lamb",
-            "--budget", "2", "--first-rung", "2", "--out", str(out)]  # fmt: skip
+            "--budget", "2", "--first-rung", "2", "--eval-seeds", "7,8",
+            "--out", str(out)]  # fmt: skip
+    # the tuning seed is refused as an evaluation seed, before any run
+    assert tune.main([*argv[:-3], "1,2", *argv[-2:]]) == 2 and not out.exists()
     assert tune.main(argv) == 0
     records = {n: json.loads((out / n / "tuning.json").read_text()) for n in ("lamb",)}
     for name, record in records.items():
@@ -41,7 +45,43 @@ def test_a_recipe_is_tuned_by_halving_then_nothing_reruns(tiny_corpus, tmp_path)
             o for t in record["trials"] if t["name"] == winner for o in
             (f"{k}={v}" for k, v in t["settings"].items())
         ]  # fmt: skip
-    # a second invocation finds every rung's loss and launches nothing
+    # the chosen setting ran the whole run on each fresh seed
+    record = records["lamb"]
+    assert [run["seed"] for run in record["evaluation"]] == [7, 8]
+    for run in record["evaluation"]:
+        saved = yaml.safe_load((Path(run["run_dir"]) / "config.yaml").read_text())
+        assert saved["seed"] == run["seed"]
+        assert saved["optimizer"]["lr"] == record["chosen_settings"]["optimizer.lr"]
+        logged = [
+            (r["step"], r["val_mlm_loss"])
+            for r in read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
+            if "val_mlm_loss" in r
+        ]
+        assert logged[-1] == (4, run["final_val_loss"])  # fmt: skip
+    assert record["evaluation"][0]["final_val_loss"] != record["evaluation"][1]["final_val_loss"]
+    # a second invocation finds every rung's loss and every finished run, and launches nothing
     tuner = tune.Tuner(base, tiny_corpus, out, [])
-    again = tuner.tune("lamb", 2, 2)
-    assert tuner.launches == 0 and again["chosen"] == records["lamb"]["chosen"]
+    again = tuner.tune("lamb", 2, 2, [7, 8])
+    assert tuner.launches == 0 and again == record
+
+
+def test_nodes_split_the_ranks_into_agents_meeting_at_one_rendezvous(tmp_path):
+    config = tmp_path / "c.yaml"
+    (single,) = tune.launch_commands(config, 1)
+    assert single[1:] == ["-m", "pretrain", "--config", str(config)]
+    (standalone,) = tune.launch_commands(config, 4)
+    assert "--standalone" in standalone and "--nproc-per-node=4" in standalone
+    agents = tune.launch_commands(config, 4, nodes=2)
+    assert [a[a.index("-m", 2) - 1] for a in agents] == ["--nproc-per-node=2"] * 2
+    assert [next(x for x in a if x.startswith("--node-rank=")) for a in agents] == [
+        "--node-rank=0",
+        "--node-rank=1",
+    ]
+    ports = {next(x for x in a if x.startswith("--master-port=")) for a in agents}
+    assert len(ports) == 1
+    try:
+        tune.Tuner(config, tmp_path, tmp_path, [], nproc=3, nodes=2)
+    except ValueError as err:
+        assert "--nodes 2" in str(err)
+    else:
+        raise AssertionError("3 ranks on 2 nodes was accepted")
