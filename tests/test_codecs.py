@@ -441,3 +441,51 @@ def test_powersgd_on_cpu_tensors_is_refused_where_cuda_exists(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="powersgd on CPU tensors .* CUDA_VISIBLE_DEVICES"):
         build_codec("powersgd", Communicator(None))
+
+
+# ----------------------------------------------------------------------------- fused buffers
+
+
+def _fused_vs_direct(comm):
+    """The 1-bit codec on an optimizer's padded buffer (in place, and from an unpadded
+    one) against the communicator's 1-bit all-reduce with an error feedback of its own."""
+    from onebit_bert.distributed.codecs import OneBitCodec
+    from onebit_bert.distributed.compression import ErrorFeedback, padded_size
+
+    padded = padded_size(NUMEL, comm.world_size)
+    inplace, copied = OneBitCodec(comm), OneBitCodec(comm)
+    direct = ErrorFeedback(NUMEL, comm.world_size, rank=comm.rank)
+    out = []
+    for tensors in rank_inputs(comm.rank):
+        values = torch.cat([t.reshape(-1) for t in tensors])
+        a = torch.zeros(padded)
+        a[:NUMEL] = values
+        b = values.clone()  # no padding: the codec pads a copy
+        c = a.clone()
+        error = inplace.all_reduce_fused(a, NUMEL, "fused")
+        copied.all_reduce_fused(b, NUMEL, "fused")
+        norm = torch.linalg.vector_norm(c)
+        comm.compressed_all_reduce(c, direct)
+        expected = torch.linalg.vector_norm(direct.worker_error) / norm
+        out.append((a, b, c, error, expected))
+    inplace.reset()
+    zeroed = all(not f.worker_error.any() for f in inplace.feedback.values())
+    try:
+        inplace.all_reduce_fused(torch.zeros(padded), NUMEL - 1, "fused")
+    except ValueError as err:
+        refused = str(err)
+    return {"out": out, "zeroed": zeroed, "refused": refused}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_onebit_codec_on_a_fused_buffer_is_the_communicators_all_reduce(world_size):
+    ranks = run_ranks(_fused_vs_direct, world_size) if world_size > 1 else [
+        _fused_vs_direct(one_rank())]  # fmt: skip
+    for r in ranks:
+        for a, b, c, error, expected in r["out"]:
+            assert torch.equal(a, c)  # in place, bit for bit, padding included
+            assert torch.equal(b, c[:NUMEL])
+            assert torch.equal(error, expected)
+            assert not a[NUMEL:].any()
+        assert r["zeroed"]
+        assert "cover 388 elements but the fused buffer has 387" in r["refused"]

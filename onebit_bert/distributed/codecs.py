@@ -69,6 +69,9 @@ class Codec:
 
     name = "none"
     lossy = False
+    overlaps_fused = False
+    """Whether a caller may run :meth:`all_reduce_fused`'s buckets itself, during the
+    backward pass (:meth:`fused_feedback` gives their errors)."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -98,6 +101,23 @@ class Codec:
         a codec whose communicator is a side channel, so that other collectives are not
         queued behind it."""
         raise NotImplementedError(f"the {self.name} codec has no asynchronous average")
+
+    def all_reduce_fused(self, buffer: torch.Tensor, numel: int, key: str) -> torch.Tensor | None:
+        """Average the first ``numel`` elements of the flat fp32 ``buffer`` in place (an
+        optimizer's fused buffer, zero-padded after ``numel``); return what compression
+        left out on this rank relative to what it sent (None for codecs that do not
+        measure it)."""
+        self.all_reduce([buffer[:numel]], key)
+        return None
+
+    def reset(self) -> None:
+        """Forget the carried compression errors (stateless codecs: nothing to do)."""
+
+    def fused_feedback(self, key: str, numel: int):
+        """The error feedback of a fused buffer, for a caller that runs the buckets of
+        :meth:`all_reduce_fused` itself to overlap them with the backward pass; None: this
+        codec cannot be overlapped that way."""
+        return None
 
     # helpers shared by the flat codecs
     @staticmethod
@@ -397,6 +417,7 @@ class OneBitCodec(Codec):
 
     name = "onebit"
     lossy = True
+    overlaps_fused = True
 
     def __init__(self, comm, bucket_numel: int | None = None):
         super().__init__(comm)
@@ -421,6 +442,43 @@ class OneBitCodec(Codec):
         buffer[: flat.numel()] = flat
         self.comm.compressed_all_reduce(buffer, feedback)
         self._unflatten(buffer[: flat.numel()], tensors)
+
+    def fused_feedback(self, key: str, numel: int) -> ErrorFeedback:
+        """The error feedback of fused buffer ``key`` of ``numel`` elements (created at
+        zero); refused when the saved one covers another size."""
+        feedback = self.feedback.get(key)
+        if feedback is None:
+            feedback = self.feedback[key] = ErrorFeedback(
+                numel,
+                self.comm.world_size,
+                rank=self.comm.rank,
+                device=self.comm.device,
+                bucket_numel=self.bucket_numel,
+            )
+        elif feedback.numel != numel:
+            raise ValueError(
+                f"saved compression errors cover {feedback.numel} elements but the fused "
+                f"buffer has {numel}: the optimizer state belongs to a different model"
+            )
+        return feedback
+
+    def all_reduce_fused(self, buffer: torch.Tensor, numel: int, key: str) -> torch.Tensor:
+        """In place on the padded buffer, also with one rank (whose errors still carry
+        what 1-bit rounding left out)."""
+        feedback = self.fused_feedback(key, numel)
+        if buffer.numel() != feedback.padded_numel:
+            padded = torch.zeros(feedback.padded_numel, dtype=torch.float32, device=buffer.device)
+            padded[:numel] = buffer[:numel]
+            error = self.all_reduce_fused(padded, numel, key)
+            buffer[:numel] = padded[:numel]
+            return error
+        norm = torch.linalg.vector_norm(buffer)
+        self.comm.compressed_all_reduce(buffer, feedback)
+        return torch.linalg.vector_norm(feedback.worker_error) / norm.clamp_min(1e-30)
+
+    def reset(self) -> None:
+        for feedback in self.feedback.values():
+            feedback.reset()
 
     def state_dict(self) -> dict:
         return {k: f.state_dict() for k, f in self.feedback.items()}

@@ -141,8 +141,8 @@ class CommConfig:
             raise ValueError(f"comm.bucket_mb must be > 0, got {self.bucket_mb}")
         if self.overlap and (self.hierarchy == "node" or self.compression.momentum != "onebit"):
             raise ValueError(
-                "comm.overlap overlaps the built-in 1-bit momentum all-reduce: it needs "
-                "comm.compression.momentum onebit and comm.hierarchy flat"
+                "comm.overlap overlaps the 1-bit momentum codec's buckets with the backward "
+                "pass: it needs comm.compression.momentum onebit and comm.hierarchy flat"
             )
         if self.hierarchy == "node" and self.compression.grad == "powersgd":
             raise ValueError(

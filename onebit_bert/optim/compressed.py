@@ -32,12 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from onebit_bert.distributed.codecs import Codec, OneBitCodec
 from onebit_bert.distributed.comm import Communicator, CompressedBucket
-from onebit_bert.distributed.compression import ErrorFeedback, padded_size
+from onebit_bert.distributed.compression import padded_size
 from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig, FreezeDetector
 from onebit_bert.optim.lamb import check_params_and_grads
 
 log = logging.getLogger(__name__)
+
+FUSED = "fused"
+"""The default codec's key for the fused buffer's error feedback."""
 
 
 def scaling_coefficients(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -87,11 +91,13 @@ class CompressedOptimizer(Optimizer):
         ``v = 0`` makes that ``scale/eps``: unused rows (a token type, the NSP head and the
         pooler when training without NSP) would be thrown to magnitudes of 1e4 by noise.
         DeepSpeed leaves this to a hand-made ``exp_avg_mask``. False: its behaviour."""
-        self._feedback: ErrorFeedback | None = None
-        self.codec = None
-        """A codec (:mod:`onebit_bert.distributed.codecs`) that replaces the built-in 1-bit
-        all-reduce of the fused buffer (``comm.compression.momentum`` other than onebit,
-        or ``comm.hierarchy: node``); None: the built-in path."""
+        self.codec: Codec = OneBitCodec(self.comm, bucket_numel)
+        """The codec (:mod:`onebit_bert.distributed.codecs`) that averages the fused buffer:
+        by default 1-bit with error feedback on this optimizer's communicator, in place on
+        the padded buffer (and overlappable with the backward pass); :meth:`set_codec`
+        replaces it (``comm.compression.momentum`` other than onebit, or
+        ``comm.hierarchy: node``)."""
+        self._own_codec = True
         self._flat: torch.Tensor | None = None
         self._flat_numel = 0
         self.last_compression_error: torch.Tensor | None = None
@@ -213,21 +219,8 @@ class CompressedOptimizer(Optimizer):
             self._flat = flat
             self._on_new_flat(flat)
         self._flat_numel = numel
-        if self.codec is not None:
-            return flat
-        if self._feedback is None:
-            self._feedback = ErrorFeedback(
-                numel,
-                self.comm.world_size,
-                rank=self.comm.rank,
-                device=self._device,
-                bucket_numel=self.bucket_numel,
-            )
-        elif self._feedback.numel != numel:
-            raise ValueError(
-                f"saved compression errors cover {self._feedback.numel} elements but the "
-                f"fused buffer has {numel}: the optimizer state belongs to a different model"
-            )
+        if self._own_codec:
+            self.codec.fused_feedback(FUSED, numel)  # a size mismatch is refused here
         return flat
 
     def _on_new_flat(self, flat: torch.Tensor) -> None:
@@ -242,33 +235,34 @@ class CompressedOptimizer(Optimizer):
             offset += p.numel()
         return views
 
-    def set_codec(self, codec) -> None:
-        """Average the fused buffer with ``codec`` instead of the built-in 1-bit all-reduce
-        (its state then travels in this optimizer's per-rank state)."""
+    def set_codec(self, codec: Codec) -> None:
+        """Average the fused buffer with ``codec`` instead of the default 1-bit codec (its
+        state then travels in this optimizer's per-rank state under ``codec``)."""
         self.codec = codec
-        self._feedback = None
+        self._own_codec = False
+
+    def _codec_key(self, kind: str) -> str:
+        # the default codec keeps one error feedback for the fused buffer, whatever it
+        # carries (0/1 Adam resets it when its gradients give way to its momentum); a
+        # codec set from the policy keeps its errors per kind of traffic
+        return FUSED if self._own_codec else kind
 
     def _compressed_all_reduce(self, flat: torch.Tensor, kind: str) -> None:
-        """Average ``flat`` over ranks in 1 bit (or with :attr:`codec`), in place, filed as
-        traffic ``kind``; sets ``last_compression_error`` (None with a codec) and the byte
+        """Average ``flat`` over ranks with :attr:`codec`, in place, filed as traffic
+        ``kind``; sets ``last_compression_error`` (what compression left out on this rank
+        relative to what it sent; None when the codec does not measure it) and the byte
         counters."""
         before = self.comm.snapshot()
-        if self.codec is not None:
-            with self.comm.traffic(kind):
-                self.codec.all_reduce([flat[: self._flat_numel]], kind)
-            self.last_compression_error = None
-            self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
-            self.bytes_sent += self.last_step_bytes
-            return
-        norm = torch.linalg.vector_norm(flat)
         with self.comm.traffic(kind):
-            self.comm.compressed_all_reduce(flat, self._feedback)
-        # What 1-bit rounding left out on this rank, relative to what it was asked to send.
-        self.last_compression_error = torch.linalg.vector_norm(
-            self._feedback.worker_error
-        ) / norm.clamp_min(1e-30)
+            error = self.codec.all_reduce_fused(flat, self._flat_numel, self._codec_key(kind))
+        self.last_compression_error = error
         self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
         self.bytes_sent += self.last_step_bytes
+
+    def _codec_overlaps(self) -> bool:
+        """Whether :attr:`codec` can run its buckets during the backward pass (a codec with
+        that capability, on this optimizer's communicator)."""
+        return self.codec.overlaps_fused and self.codec.comm is self.comm
 
     # ------------------------------------------------------------------ overlap
     def enable_overlap(self, comm: Communicator) -> None:
@@ -289,7 +283,7 @@ class CompressedOptimizer(Optimizer):
 
     def begin_overlap(self) -> bool:
         """Before the last micro-batch's backward of a step: arm the overlap if that step
-        compresses with the built-in 1-bit all-reduce; True when armed."""
+        compresses with a codec that can overlap (:meth:`_codec_overlaps`); True when armed."""
         if getattr(self, "_overlap_comm", None) is None or not self._next_step_overlaps():
             return False
         layout = self._layout("exp_avg", "after the freeze step")
@@ -329,17 +323,16 @@ class CompressedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ per-rank state
     def _per_rank_state(self) -> dict:
-        state = {"error_feedback": None if self._feedback is None else self._feedback.state_dict()}
-        if self.codec is not None:
-            state["codec"] = self.codec.state_dict()
-        return state
+        if not self._own_codec:
+            return {"error_feedback": None, "codec": self.codec.state_dict()}
+        saved = self.codec.state_dict().get(FUSED)
+        return {"error_feedback": saved}
 
     def _load_per_rank_state(self, per_rank: dict, compressing: bool) -> None:
         """Restore this rank's compression errors (fresh ones, with a warning when the run
         is already compressing and none were saved for this rank)."""
         self._flat = None
-        self._feedback = None
-        if self.codec is not None:
+        if not self._own_codec:
             self.codec.load_state_dict(per_rank.get("codec") or {})
             return
         saved = per_rank.get("error_feedback")
@@ -349,15 +342,7 @@ class CompressedOptimizer(Optimizer):
                 f"rank; starting them from zero",
                 stacklevel=3,
             )
-        if saved is not None:
-            self._feedback = ErrorFeedback(
-                saved["numel"],
-                self.comm.world_size,
-                rank=self.comm.rank,
-                device=self._device,
-                bucket_numel=self.bucket_numel,
-            )
-            self._feedback.load_state_dict(saved)
+        self.codec.load_state_dict({} if saved is None else {FUSED: saved})
 
 
 STAGES = ("start", "exchange")
@@ -384,7 +369,7 @@ class OverlappedCompression:
         self.opt = opt
         self.flat = flat
         self.comm = comm
-        self.feedback = opt._feedback
+        self.feedback = opt.codec.fused_feedback(opt._codec_key("momentum"), opt._flat_numel)
         buckets = self.feedback.buckets
         self.pending = [0] * len(buckets)
         self.where: dict[int, tuple[dict, torch.Tensor, list[int]]] = {}
@@ -449,7 +434,7 @@ class OverlappedCompression:
                 self.runs[k].finish()
         opt = self.opt
         opt.last_compression_error = torch.linalg.vector_norm(
-            opt._feedback.worker_error
+            self.feedback.worker_error
         ) / self.norm_sq.sqrt().float().clamp_min(1e-30)
         opt.last_step_bytes = (self.comm.snapshot() - self.before).bytes_sent
         opt.bytes_sent += opt.last_step_bytes

@@ -176,7 +176,7 @@ class OneBitAdam(WarmupThenCompress):
         return loss
 
     def _next_step_overlaps(self) -> bool:
-        return self.compresses and self.syncs_internally and self.codec is None
+        return self.compresses and self.syncs_internally and self._codec_overlaps()
 
     def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
         if "scaling_coeff" not in self.state[members[0]]:

@@ -232,7 +232,7 @@ class OneBitLamb(WarmupThenCompress):
         self.last_trust_ratios = torch.cat(ratios)
 
     def _next_step_overlaps(self) -> bool:
-        return self.syncs_internally and self.codec is None
+        return self.syncs_internally and self._codec_overlaps()
 
     def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
         for p in members:

@@ -367,8 +367,8 @@ class ZeroOneAdam(CompressedOptimizer):
         now and start again from zero for ``u``; the scaling coefficients are taken afresh
         from ``m`` (still identical on every rank); the parameters become the first
         synchronised ones."""
-        if self._feedback is not None:
-            self._feedback.reset()
+        if self._own_codec:
+            self.codec.reset()
         if self.compresses:
             self._set_scaling_coefficients(members, "exp_avg")
         for p in members:
