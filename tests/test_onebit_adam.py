@@ -161,6 +161,51 @@ def test_world_of_one_is_adam_without_bias_correction_with_v_frozen():
     assert not any("scaling_coeff" in opt.state[p] for p in params)
 
 
+def test_bias_correction_gives_adamw_steps_then_keeps_the_frozen_correction():
+    """With ``bias_correction``: warmup steps are torch's AdamW's; after the freeze, ``m``
+    keeps being corrected and ``v`` keeps the correction it had at the freeze."""
+    steps, freeze, lr = 9, 4, 0.05
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = OneBitAdam(param_groups(params), lr=lr, freeze_step=freeze, comm=Communicator(None),
+                     bias_correction=True)  # fmt: skip
+    reference = [torch.nn.Parameter(t) for t in init_params()]
+    adamw = torch.optim.AdamW(
+        [{"params": [p], "weight_decay": d} for p, d in zip(reference, DECAY, strict=True)],
+        lr=lr, betas=(0.9, 0.999), eps=1e-8,
+    )  # fmt: skip
+    w = [t.clone() for t in init_params()]
+    m = [torch.zeros_like(t) for t in w]
+    v = [torch.zeros_like(t) for t in w]
+    for step in range(1, steps + 1):
+        grads = local_grads(0, step)
+        for p, q, g in zip(params, reference, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        if step <= freeze:
+            adamw.step()
+            for p, q in zip(params, reference, strict=True):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        c2 = 1 - 0.999 ** min(step, freeze)
+        for i, g in enumerate(grads):
+            m[i] = 0.9 * m[i] + 0.1 * g
+            if step <= freeze:
+                v[i] = 0.999 * v[i] + 0.001 * g * g
+            m_hat = m[i] / (1 - 0.9**step)
+            w[i] = w[i] - lr * (m_hat / ((v[i] / c2).sqrt() + 1e-8) + DECAY[i] * w[i])
+        for p, want in zip(params, w, strict=True):
+            torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+    assert opt.stage == "compression"
+    # without the correction the same run takes larger steps after the freeze
+    plain = [torch.nn.Parameter(t) for t in init_params()]
+    uncorrected = OneBitAdam(param_groups(plain), lr=lr, freeze_step=freeze,
+                             comm=Communicator(None))  # fmt: skip
+    for step in range(1, steps + 1):
+        for p, g in zip(plain, local_grads(0, step), strict=True):
+            p.grad = g.clone()
+        uncorrected.step()
+    assert not all(torch.equal(a, b) for a, b in zip(plain, params, strict=True))
+
+
 # ----------------------------------------------------------------------------- resume
 
 

@@ -58,7 +58,9 @@ class OptimizerConfig:
     min_coeff: float = defaults.MIN_COEFF
     """LAMB trust-ratio lower bound."""
     bias_correction: bool = defaults.BIAS_CORRECTION
-    """LAMB and AdamW only; 1-bit LAMB, 1-bit Adam and 0/1 Adam have none."""
+    """LAMB, and 1-bit Adam (Adam's correction, the second moment's frozen at freeze_step:
+    a deviation from DeepSpeed that gives its compression stage AdamW's step size at the
+    same lr); 1-bit LAMB and 0/1 Adam have none, torch's AdamW always has it."""
     freeze_step: int | Literal["auto"] = defaults.FREEZE_STEP
     """1-bit LAMB and 1-bit Adam: last step of the full-precision warmup stage (recipes:
     15-25 % of the steps), or auto: end it once every layer's second moment has settled
@@ -223,6 +225,7 @@ def _onebit_adam(b: OptimizerBuild):
         **_compressed(b),
         **_freeze(b),
         force_compression=b.force_compression,
+        bias_correction=b.cfg.bias_correction,
     )
 
 
