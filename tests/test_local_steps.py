@@ -229,6 +229,47 @@ def test_gap_penalty_zero_is_no_penalty_and_positive_shrinks_the_stale_update():
     assert strong["metrics"]["gap_penalty_min"] < 1
 
 
+def test_staleness_penalty_reads_the_anchors_move_against_its_usual_move():
+    from onebit_bert.strategies.local_steps import staleness_penalty
+
+    def run(moves, lam=1.0):
+        average, out = torch.zeros(2), []
+        for rounds, move in enumerate(moves):
+            penalty, average = staleness_penalty(torch.tensor(move), average, rounds, lam)
+            out.append(penalty)
+        return out
+
+    # an anchor moving by its usual amount: 1 / (1 + lambda) from the first round on,
+    # whatever the size of the move (the old definition settled at 0.618 for lambda 1)
+    for scale in (1e-3, 1.0, 50.0):
+        for penalty in run([[scale, 2 * scale]] * 6):
+            torch.testing.assert_close(penalty, torch.full((2,), 0.5))
+    assert torch.allclose(run([[1.0, 1.0]] * 3, lam=3.0)[-1], torch.full((2,), 0.25))
+    # a round whose move is four times the usual: a stronger penalty, then back
+    surge = run([[1.0, 1.0]] * 10 + [[4.0, 1.0]] + [[1.0, 1.0]] * 30)
+    assert surge[10][0] < 0.3 and surge[10][1] == surge[9][1]
+    assert torch.allclose(surge[-1], torch.full((2,), 0.5), atol=0.01)
+    # a tensor whose anchor did not move is not stale
+    assert run([[1.0, 0.0]] * 2)[-1][1] == 1.0
+    # shrinking moves (a decaying learning rate) are penalised less than steady ones
+    assert run([[0.5**k, 1.0] for k in range(8)])[-1][0] > 0.5
+
+
+def _sync_and_async_penalty(comm) -> dict:
+    base = {"outer_every": 2, "outer_momentum": 0.5, "gap_penalty": 1.0}
+    return {
+        "sync": _local_run(comm, "co2", _cfg(**base, asynchronous=False), 8),
+        "async": _local_run(comm, "co2", _cfg(**base), 12),
+    }
+
+
+def test_the_penalty_is_one_when_nothing_is_stale_and_below_when_the_anchor_moved():
+    runs = run_ranks(_sync_and_async_penalty, 2)[0]
+    assert "gap_penalty_min" not in runs["sync"]["metrics"]  # synchronous: nothing stale
+    metrics = runs["async"]["metrics"]
+    assert 0 < metrics["gap_penalty_min"] <= metrics["gap_penalty_mean"] < 1
+
+
 # ----------------------------------------------------------------------------- overlap
 
 

@@ -93,8 +93,9 @@ class StrategyConfig:
     outer (Streaming DiLoCo's; 0 takes the outer parameters, as DiLoCo)."""
     gap_penalty: float | None = None
     """co2: staleness-gap penalty lambda; per tensor the stale update is scaled by
-    1 / (1 + lambda * gap / (|delta| + 1e-12)), gap = how far the anchor moved while the
-    average was in flight; 0 disables it; null: 1.0 for co2 (CO2's code default)."""
+    1 / (1 + lambda * gap / typical gap), gap = how far the anchor moved while the average
+    was in flight, typical gap = its moving average over rounds (1 when nothing is stale,
+    1 / (1 + lambda) at the usual move); 0 disables it; null: 1.0 for co2."""
     clip_threshold: float | None = None
     """co2: clip the outer momentum to this (global L2 norm, or each element with
     clip_mode value); null: no clipping."""

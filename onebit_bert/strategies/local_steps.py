@@ -42,11 +42,26 @@ one, x̄_{t-1} the average that was in flight)::
 
 Round 0 has no average yet: its anchor does not move (x0_1 = x0_0), and the first outer
 update happens at the end of round 1. No division by the learning rate (unlike SlowMo).
-The project's definitions where the paper leaves them open: the staleness-gap penalty of
-tensor l is ``1 / (1 + lambda * gap_l / (|delta_l| + 1e-12))`` with ``gap_l = |x0_t,l -
-x0_{t-1},l|`` (how far the anchor moved while the average was in flight); clipping acts
-(CO2's public code discards its clamp). ``asynchronous: false`` waits for the average at
-once (delta from the round just finished, gap 0): the synchronous variant.
+The project's definitions where the paper leaves them open. The **staleness-gap penalty**
+of tensor l measures how far the anchor moved while the average was in flight,
+``gap_l = |x0_t,l - x0_{t-1},l|``, against how far it typically moves in a round, ``ḡ_l``
+(a bias-corrected moving average of ``gap_l`` with rate 0.9 over the rounds in which the
+anchor moved, the current one included)::
+
+    penalty_l = 1 / (1 + lambda * gap_l / ḡ_l)          (1 when gap_l = 0)
+
+It is 1 when nothing is stale (the synchronous variant, or an anchor that has not moved),
+1/(1 + lambda) while the anchor moves by its usual amount, and smaller in a round whose
+move is larger than usual. The paper (arXiv 2401.16265) computes a penalty in its
+Algorithm 1 from ``x_{t,0}`` but its text, as far as it could be read here, gives no
+formula; its public code multiplies by the constant ``1 / co2_gap_penalty`` (1 at its
+default, so no penalty). The project's earlier definition, ``1 / (1 + lambda * gap_l /
+|delta_l|)``, measured no staleness: with ``beta = 0`` the gap is the previous penalised
+update itself, so the penalty settles at the fixed point ``p = 1 / (1 + lambda * alpha *
+p)`` (0.618 at lambda = alpha = 1) whatever the staleness, and it turned ``alpha`` into an
+effective outer step ``(sqrt(1 + 4 alpha) - 1) / 2``. Clipping acts (CO2's public code
+discards its clamp). ``asynchronous: false`` waits for the average at once (delta from the
+round just finished, no gap): the synchronous variant.
 
 **Evaluation and export** use the average over ranks of the models after the last inner
 step: at a round's end, the average the outer step computed (nothing more is sent);
@@ -87,12 +102,27 @@ LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd", "diloco", "streaming_dilo
 DILOCO_FAMILY = ("diloco", "streaming_diloco")
 """The strategies whose outer step is DiLoCo's Nesterov SGD."""
 PENALTY_EPS = 1e-12
+GAP_AVERAGE_RATE = 0.9
+"""Rate of the moving average of the anchor's move per round (CO2's penalty)."""
 CLIP_EPS = 1e-6
 CO2_GAP_PENALTY = 1.0
 """CO2's code default for ``co2_gap_penalty``."""
 DILOCO_OUTER_LR = 0.7
 DILOCO_OUTER_MOMENTUM = 0.9
 """DiLoCo's outer SGD (arXiv 2311.08105, Table 5; OpenDiLoCo's defaults)."""
+
+
+def staleness_penalty(
+    gap: torch.Tensor, average: torch.Tensor, rounds: int, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CO2's staleness-gap penalty per tensor (the module docstring) and the updated moving
+    average: ``gap`` is how far each tensor's anchor moved in the in-flight round,
+    ``average`` the moving average of earlier rounds' moves (its ``rounds``-th update
+    happens here, before it is used)."""
+    average = GAP_AVERAGE_RATE * average + (1.0 - GAP_AVERAGE_RATE) * gap
+    typical = average / (1.0 - GAP_AVERAGE_RATE ** (rounds + 1))
+    ratio = torch.where(gap > 0, gap / typical.clamp_min(PENALTY_EPS), torch.zeros_like(gap))
+    return 1.0 / (1.0 + lam * ratio), average
 
 
 def outer_sgd(anchor, momentum, delta, lr, beta, nesterov, weight_decay) -> None:
@@ -211,6 +241,9 @@ class LocalSteps(Strategy):
         self.last_in_flight = 0.0
         self.last_penalty: torch.Tensor | None = None
         self.last_clip_scale: torch.Tensor | None = None
+        # co2's penalty: the moving average of the anchor's move per tensor, and its count
+        self.gap_average = torch.zeros(len(self.flat.sizes), device=self.flat.device)
+        self.gap_rounds = 0
 
     # ------------------------------------------------------------------ one step
     def gradient_sync(self):
@@ -300,9 +333,14 @@ class LocalSteps(Strategy):
     def _update_momentum(self, delta: torch.Tensor, gap: torch.Tensor | None) -> None:
         """m = beta m + penalty * delta, then clipped; ``delta`` may be overwritten."""
         if self.penalty and gap is not None:
-            penalty = 1.0 / (
-                1.0 + self.penalty * self.flat.norms(gap) / (self.flat.norms(delta) + PENALTY_EPS)
-            )
+            moved = self.flat.norms(gap)
+            if moved.any():  # round 1's anchor has not moved: no staleness, no typical move
+                penalty, self.gap_average = staleness_penalty(
+                    moved, self.gap_average, self.gap_rounds, self.penalty
+                )
+                self.gap_rounds += 1
+            else:
+                penalty = torch.ones_like(moved)
             self.last_penalty = penalty
             delta.mul_(self.flat.expand(penalty))
         self.momentum.mul_(self.beta).add_(delta)
@@ -363,6 +401,8 @@ class LocalSteps(Strategy):
             "at_round_end": self.at_round_end,
             "last_lr": self.last_lr,
             "inner_steps": self.inner_steps,
+            "gap_average": self.gap_average,
+            "gap_rounds": self.gap_rounds,
         }
         per_rank = {"optimizer": self.optimizer.state_dict(), "params": self.flat.read()}
         if self.outer_codec.state_dict():
@@ -401,6 +441,10 @@ class LocalSteps(Strategy):
         self.at_round_end = outer["at_round_end"]
         self.last_lr = outer["last_lr"]
         self.inner_steps = outer["inner_steps"]
+        if "gap_average" in outer:  # (checkpoints from before the penalty measured staleness
+            # start it afresh)
+            self.gap_average.copy_(outer["gap_average"])
+            self.gap_rounds = outer["gap_rounds"]
         self._eval.forget()
         if self.asynchronous and self.anchor is not None and self.previous_anchor is None:
             self.previous_anchor = self.anchor.clone()
