@@ -489,3 +489,53 @@ def test_onebit_codec_on_a_fused_buffer_is_the_communicators_all_reduce(world_si
             assert not a[NUMEL:].any()
         assert r["zeroed"]
         assert "cover 388 elements but the fused buffer has 387" in r["refused"]
+
+
+def _per_tensor_vs_separate(comm):
+    """onebit_tensor on two tensors (as a list and as a fused buffer with sizes) against
+    the fused onebit codec on each tensor alone; and the per-step error of a low-noise
+    layer beside a large one, fused (one chunk scale) and per tensor."""
+    from onebit_bert.distributed.codecs import OneBitCodec, build_codec
+    from onebit_bert.distributed.compression import padded_size
+
+    g = torch.Generator().manual_seed(7 + comm.rank)
+    large = torch.randn(96, generator=g) * 100.0
+    small = 0.01 + 0.001 * torch.randn(40, generator=g)
+    listed = build_codec("onebit_tensor", comm)
+    fused_per_tensor = build_codec("onebit_tensor", comm)
+    alone = OneBitCodec(comm)
+    a, b = large.clone(), small.clone()
+    listed.all_reduce([a, b], "k")
+    buffer = torch.zeros(padded_size(136, comm.world_size))
+    buffer[:136] = torch.cat([large, small])
+    error = fused_per_tensor.all_reduce_fused(buffer, 136, "k", [96, 40])
+    c, d = large.clone(), small.clone()
+    alone.all_reduce([c], "k/0")
+    alone.all_reduce([d], "k/1")
+    shared = OneBitCodec(comm)
+    e = torch.cat([large, small])
+    shared.all_reduce([e], "k")
+    return {
+        "listed": (a, b),
+        "fused": buffer[:136].clone(),
+        "alone": (c, d),
+        "error": error,
+        "inputs": (large, small),
+        "shared": e,
+        "keys": sorted(listed.state_dict()),
+    }
+
+
+def test_onebit_tensor_compresses_each_tensor_with_its_own_scales():
+    ranks = run_ranks(_per_tensor_vs_separate, 2)
+    exact_small = (ranks[0]["inputs"][1] + ranks[1]["inputs"][1]) / 2
+    for r in ranks:
+        (a, b), (c, d) = r["listed"], r["alone"]
+        assert torch.equal(a, c) and torch.equal(b, d)
+        assert torch.equal(r["fused"], torch.cat([c, d]))
+        assert r["error"] is None and r["keys"] == ["k/0", "k/1"]
+        # the small layer: its own scale keeps it near its mean; the shared chunk scale of
+        # the fused buffer throws it to the large layer's magnitude
+        per_tensor = (b - exact_small).norm() / exact_small.norm()
+        shared = (r["shared"][96:] - exact_small).norm() / exact_small.norm()
+        assert per_tensor < 1.0 < shared

@@ -490,3 +490,42 @@ def test_killed_zero_one_adam_run_resumes_in_each_stage(tiny_corpus, tmp_path):
 
     for key in ("loss", "val_mlm_loss"):
         assert by_step("a", key) == by_step("b", key), key
+
+
+def _per_tensor_run(comm, steps):
+    from onebit_bert.distributed.codecs import build_codec
+
+    params = [torch.nn.Parameter(t) for t in init_params()]
+    opt = ZeroOneAdam(param_groups(params), comm=comm, **HP)
+    opt.set_codec(build_codec("onebit_tensor", comm))
+    out = {"params": [], "kinds": []}
+    for step in range(1, steps + 1):
+        local = opt.syncs_internally
+        grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        before = comm.snapshot()
+        opt.step()
+        out["kinds"].append(set((comm.snapshot() - before).by_kind))
+        out["params"].append([p.detach().clone() for p in params])
+    out["keys"] = sorted(opt.state_dict()["per_rank"]["codec"])
+    return out
+
+
+def test_per_tensor_scales_compress_each_layer_on_its_own():
+    """``comm.compression.momentum: onebit_tensor``: 0/1 Adam's 1-bit gradient averages
+    and synchronisations compress every layer with scales of its own; replicas agree after
+    every synchronisation and the trajectory differs from the fused buffer's."""
+    ranks = run_ranks(_per_tensor_run, 2, STEPS)
+    fused = run_ranks(_run_real, 2, STEPS, HP)
+    for step, kind in enumerate(SCHEDULE):
+        if kind != "L":
+            for a, b in zip(ranks[0]["params"][step], ranks[1]["params"][step], strict=True):
+                assert torch.equal(a, b)
+        if kind in "CS":
+            assert ranks[0]["kinds"][step] == {"gradients" if kind == "C" else "momentum"}
+    layers = len(init_params())
+    assert ranks[0]["keys"] == sorted(
+        [f"gradients/{i}" for i in range(layers)] + [f"momentum/{i}" for i in range(layers)]
+    )
+    assert not torch.equal(ranks[0]["params"][-1][0], fused[0]["params"][-1][0])

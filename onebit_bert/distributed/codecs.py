@@ -50,7 +50,7 @@ import torch
 
 from onebit_bert.distributed.compression import ErrorFeedback
 
-CODECS = ("none", "bf16", "fp16", "int8", "int4", "onebit", "powersgd")
+CODECS = ("none", "bf16", "fp16", "int8", "int4", "onebit", "onebit_tensor", "powersgd")
 """Codec names, as the ``comm.compression`` config section spells them."""
 
 INT8_LEVELS = 127
@@ -102,11 +102,13 @@ class Codec:
         queued behind it."""
         raise NotImplementedError(f"the {self.name} codec has no asynchronous average")
 
-    def all_reduce_fused(self, buffer: torch.Tensor, numel: int, key: str) -> torch.Tensor | None:
+    def all_reduce_fused(
+        self, buffer: torch.Tensor, numel: int, key: str, sizes: Sequence[int] = ()
+    ) -> torch.Tensor | None:
         """Average the first ``numel`` elements of the flat fp32 ``buffer`` in place (an
-        optimizer's fused buffer, zero-padded after ``numel``); return what compression
-        left out on this rank relative to what it sent (None for codecs that do not
-        measure it)."""
+        optimizer's fused buffer, zero-padded after ``numel``; ``sizes``: its tensors'
+        element counts, in order); return what compression left out on this rank relative
+        to what it sent (None for codecs that do not measure it)."""
         self.all_reduce([buffer[:numel]], key)
         return None
 
@@ -413,21 +415,38 @@ class OneBitCodec(Codec):
     """Signs with error feedback: the communicator's 1-bit all-reduce
     (:meth:`~onebit_bert.distributed.comm.Communicator.compressed_all_reduce`) on a
     zero-padded copy, one :class:`~onebit_bert.distributed.compression.ErrorFeedback` per
-    buffer name."""
+    buffer name.
+
+    ``per_tensor`` (codec ``onebit_tensor``): every tensor is compressed on its own, with
+    scales of its own and errors under ``<key>/<i>``, as DeepSpeed's 1-bit optimizers
+    compress each tensor; otherwise the tensors are concatenated and share each chunk's
+    scale (a layer of small values next to one of large values is then rounded to the
+    large one's scale)."""
 
     name = "onebit"
     lossy = True
     overlaps_fused = True
 
-    def __init__(self, comm, bucket_numel: int | None = None):
+    def __init__(self, comm, bucket_numel: int | None = None, per_tensor: bool = False):
         super().__init__(comm)
         comm.prepare_packing()
         self.bucket_numel = bucket_numel
         self.feedback: dict[str, ErrorFeedback] = {}
+        self.per_tensor = per_tensor
+        if per_tensor:
+            self.name = "onebit_tensor"
+            self.overlaps_fused = False
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], key: str, last: bool = True) -> None:
         if self.comm.alone or not tensors:
             return
+        if self.per_tensor and len(tensors) > 1:
+            for i, tensor in enumerate(tensors):
+                self._all_reduce_one([tensor], f"{key}/{i}")
+            return
+        self._all_reduce_one(tensors, key)
+
+    def _all_reduce_one(self, tensors: Sequence[torch.Tensor], key: str) -> None:
         flat = self._flatten(tensors)
         feedback = self.feedback.get(key)
         if feedback is None or feedback.numel != flat.numel():
@@ -462,9 +481,15 @@ class OneBitCodec(Codec):
             )
         return feedback
 
-    def all_reduce_fused(self, buffer: torch.Tensor, numel: int, key: str) -> torch.Tensor:
+    def all_reduce_fused(
+        self, buffer: torch.Tensor, numel: int, key: str, sizes: Sequence[int] = ()
+    ) -> torch.Tensor | None:
         """In place on the padded buffer, also with one rank (whose errors still carry
-        what 1-bit rounding left out)."""
+        what 1-bit rounding left out); per tensor: each of ``sizes`` on its own (no error
+        figure)."""
+        if self.per_tensor and sizes:
+            self.all_reduce(list(torch.split(buffer[:numel], list(sizes))), key)
+            return None
         feedback = self.fused_feedback(key, numel)
         if buffer.numel() != feedback.padded_numel:
             padded = torch.zeros(feedback.padded_numel, dtype=torch.float32, device=buffer.device)
@@ -678,6 +703,9 @@ def codec_ddp_hook(codec: Codec):
         with codec.comm.traffic("gradients"):
             if isinstance(codec, PowerSGDCodec):
                 buffer.copy_(codec.run_hook(bucket))
+            elif getattr(codec, "per_tensor", False):
+                sizes = [g.numel() for g in bucket.gradients()]
+                codec.all_reduce(list(torch.split(buffer, sizes)), f"grad/{bucket.index()}")
             else:
                 codec.all_reduce([buffer], f"grad/{bucket.index()}", last=bucket.is_last())
         future = torch.futures.Future()
@@ -710,6 +738,8 @@ def build_codec(
         return Int4Codec(comm, int4_block)
     if name == "onebit":
         return OneBitCodec(comm, bucket_numel)
+    if name == "onebit_tensor":
+        return OneBitCodec(comm, bucket_numel, per_tensor=True)
     if name == "powersgd":
         return PowerSGDCodec(comm, powersgd_rank, powersgd_start_step)
     raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
@@ -725,6 +755,7 @@ def bits_per_element(name: str, int8_block: int = 1024, int4_block: int = 128) -
         "int8": 8.0 + 32.0 / int8_block,
         "int4": 4.0 + 32.0 / int4_block,
         "onebit": 1.0,
+        "onebit_tensor": 1.0,
     }.get(name, math.nan)
 
 

@@ -53,8 +53,8 @@ POLICY_KINDS = {
 """Config key -> the communicator's traffic kind."""
 
 ALLOWED = {
-    "grad": ("none", "bf16", "fp16", "int8", "int4", "onebit", "powersgd"),
-    "momentum": ("onebit", "int8", "bf16", "fp16", "none"),
+    "grad": ("none", "bf16", "fp16", "int8", "int4", "onebit", "onebit_tensor", "powersgd"),
+    "momentum": ("onebit", "onebit_tensor", "int8", "bf16", "fp16", "none"),
     "outer": ("none", "bf16", "fp16", "int8", "int4"),
     "neighbour": ("none", "bf16", "fp16"),
     "stats": ("none",),
@@ -70,10 +70,14 @@ class CompressionConfig:
 
     grad: str = "none"
     """Full-precision gradient averages (LAMB, AdamW, the warmup of 1-bit LAMB/Adam): none,
-    bf16, fp16, int8, int4, onebit or powersgd."""
+    bf16, fp16, int8, int4, onebit (one scale per chunk of the bucket), onebit_tensor (1 bit
+    with every tensor compressed on its own, DeepSpeed's scales) or powersgd."""
     momentum: str = "onebit"
-    """1-bit LAMB's and 1-bit Adam's momentum all-reduce after freeze_step: onebit (the
-    algorithm), or int8, bf16, fp16, none to study what 1 bit costs."""
+    """1-bit LAMB's and 1-bit Adam's momentum all-reduce after freeze_step, and 0/1 Adam's
+    1-bit gradient and momentum averages: onebit (the algorithm: one fused buffer whose
+    layers are scaled by coefficients from the momentum), onebit_tensor (each layer
+    compressed on its own with its own scales, as DeepSpeed does), or int8, bf16, fp16,
+    none to study what 1 bit costs."""
     outer: str = "none"
     """CO2/SlowMo/local SGD/DiLoCo parameter averages (a lossy codec sends each rank's
     progress over the round, the pseudo-gradient): none, bf16, fp16, int8 or int4."""

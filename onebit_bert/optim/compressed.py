@@ -100,6 +100,7 @@ class CompressedOptimizer(Optimizer):
         self._own_codec = True
         self._flat: torch.Tensor | None = None
         self._flat_numel = 0
+        self._flat_sizes: list[int] = []
         self.last_compression_error: torch.Tensor | None = None
         self.last_step_bytes = 0
         self.bytes_sent = 0
@@ -219,6 +220,7 @@ class CompressedOptimizer(Optimizer):
             self._flat = flat
             self._on_new_flat(flat)
         self._flat_numel = numel
+        self._flat_sizes = [p.numel() for p in params]
         if self._own_codec:
             self.codec.fused_feedback(FUSED, numel)  # a size mismatch is refused here
         return flat
@@ -254,7 +256,9 @@ class CompressedOptimizer(Optimizer):
         counters."""
         before = self.comm.snapshot()
         with self.comm.traffic(kind):
-            error = self.codec.all_reduce_fused(flat, self._flat_numel, self._codec_key(kind))
+            error = self.codec.all_reduce_fused(
+                flat, self._flat_numel, self._codec_key(kind), self._flat_sizes
+            )
         self.last_compression_error = error
         self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
         self.bytes_sent += self.last_step_bytes

@@ -200,7 +200,7 @@ for _spec in (
         build=_averaging(ZeroOneAdamStrategy),
         summary="0/1 Adam: averaged gradients on variance steps, 1-bit ones and local steps else",
         optimizers=("zero_one_adam",),
-        traffic=("grad",),
+        traffic=("grad", "momentum"),
         hierarchy=False,
     ),
     _local(
