@@ -47,7 +47,7 @@ from onebit_bert.recipes import field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
-from pipeline.stats import mean_std, t_quantile
+from pipeline.stats import mean_std, t_quantile, welch_t_test
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
 from pipeline.timing import load_netem, modelled_seconds, speeds
@@ -376,6 +376,67 @@ def strategy_rows(data: dict, bandwidths: list[float]) -> list[dict]:
     return rows
 
 
+def winners(data: dict) -> list[dict]:
+    """Per measured bandwidth, the strategy that reaches the target first in modelled time
+    (mean over its seeds that reached it) and how sure that is: its seeds at target, the
+    runner-up, and Welch's two-sided p for their per-seed times (both with two or more
+    seeds at target; otherwise no test). Strategies without a measured speed at that
+    bandwidth are left out; those that never reached the target are listed as such."""
+    bandwidths = sorted(
+        {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
+    )
+    out = []
+    for bw in bandwidths:
+        key = f"{bw:g}"
+        timed, missed, unmeasured = [], [], []
+        for arm in data["arms"]:
+            seeds = arm["seeds"]
+            if not any(bw in r["time_to_target"]["measured_bandwidths"] for r in seeds):
+                unmeasured.append(arm["name"])
+                continue
+            times = [r["time_to_target"]["seconds"][key] for r in seeds
+                     if r["time_to_target"]["reached"]]  # fmt: skip
+            if not times:
+                missed.append(arm["name"])
+                continue
+            timed.append({"name": arm["name"], "seconds": times, "seeds": len(seeds),
+                          "mean": sum(times) / len(times)})  # fmt: skip
+        timed.sort(key=lambda t: t["mean"])
+        row = {"bandwidth_mbit": bw, "ranking": timed, "not_reached": missed,
+               "not_measured": unmeasured, "winner": timed[0]["name"] if timed else None,
+               "p_vs_runner_up": None}  # fmt: skip
+        if len(timed) >= 2 and len(timed[0]["seconds"]) >= 2 and len(timed[1]["seconds"]) >= 2:
+            row["p_vs_runner_up"] = welch_t_test(timed[0]["seconds"], timed[1]["seconds"]).p
+        out.append(row)
+    return out
+
+
+def winner_lines(data: dict) -> list[str]:
+    """The report's per-bandwidth answer: which strategy to run on that network."""
+    rows = winners(data)
+    if not rows:
+        return []
+    lines = ["## Which strategy reaches the target first", "",
+             "Per bandwidth of the netem benchmark, strategies by modelled time to the target "
+             "(mean over the seeds that reached it; seeds at target / seeds). *p*: Welch's "
+             "two-sided test of the first against the second over their per-seed times "
+             "(needs two seeds at target on each side).", "",
+             "| bandwidth | first | p vs second | ranking | never reached | not measured |",
+             "|---|---|---:|---|---|---|"]  # fmt: skip
+    for row in rows:
+        ranking = ", ".join(
+            f"{t['name']} {_human_seconds(t['mean'])} ({len(t['seconds'])}/{t['seeds']})"
+            for t in row["ranking"]
+        )
+        p = "–" if row["p_vs_runner_up"] is None else f"{row['p_vs_runner_up']:.3f}"
+        lines.append(
+            f"| {_bandwidth_label(row['bandwidth_mbit'])} | {row['winner'] or '–'} | {p} | "
+            f"{ranking or '–'} | {', '.join(row['not_reached']) or '–'} | "
+            f"{', '.join(row['not_measured']) or '–'} |"
+        )
+    return [*lines, ""]
+
+
 def _bandwidth_label(mbit: float) -> str:
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
 
@@ -525,8 +586,10 @@ def write_report(
     attach_speeds(data, netem)
     write_figures(data, out, PLOT_BANDWIDTHS)
     markdown = render_markdown(data, netem_paths, netem)
-    atomic_write_text(out / "report.md", markdown + "\n".join(tuning_lines(tuning)))
-    result = {**report_json(data, netem_paths, netem), "tuning": tuning}
+    extra = [*winner_lines(data), *tuning_lines(tuning)]
+    atomic_write_text(out / "report.md", markdown + "\n".join(extra))
+    result = {**report_json(data, netem_paths, netem), "tuning": tuning,
+              "winners": winners(data)}  # fmt: skip
     atomic_write_json(out / "report.json", result)
     return result
 

@@ -153,7 +153,17 @@ def test_report_content(runs, netem, tmp_path):
     loss = report["pretraining"]["val_mlm_loss"]
     assert loss["lamb"]["mean"] == pytest.approx(4.2)
 
+    # per bandwidth, the first to the target: 1-bit LAMB (26 s against LAMB's two seeds
+    # at target, 46.7 s and 60 s); one seed of it, so no test; co2 has no measured speed
+    first = {w["bandwidth_mbit"]: w for w in report["winners"]}
+    assert sorted(first) == [25, 10000]
+    assert first[25]["winner"] == "onebit" and first[10000]["winner"] == "onebit"
+    assert [t["name"] for t in first[25]["ranking"]] == ["onebit", "lamb"]
+    assert first[25]["ranking"][1]["seconds"] == pytest.approx([step * BATCH / 10.0, 60.0])
+    assert first[25]["p_vs_runner_up"] is None and first[25]["not_measured"] == ["co2"]
+
     text = (out / "report.md").read_text()
+    assert "| 25 Mbit/s | onebit | – | onebit 26.0 s (1/1), lamb" in text
     assert "Target validation MLM loss **4.2000**" in text
     assert "| onebit (`onebit_lamb`) | 1 |" in text
     assert "time to target @ 25 Mbit/s" in text and "time to target @ 10 Gbit/s" in text
@@ -322,3 +332,25 @@ def test_the_comparison_shows_each_recipes_tuning_and_refuses_unequal_budgets(ru
     compare.write_report(runs, tmp_path / "a", target_loss=4.5, tuning_paths=unequal,
                          allow_unequal_budgets=True)  # fmt: skip
     assert "unequal budgets" in (tmp_path / "a" / "report.md").read_text()
+
+
+def test_the_first_to_the_target_is_tested_against_the_second():
+    def run(seconds, bandwidths=(25,)):
+        reached = seconds is not None
+        return {"time_to_target": {"reached": reached, "measured_bandwidths": list(bandwidths),
+                                   "seconds": {"25": seconds} if reached else {}}}  # fmt: skip
+
+    data = {
+        "runs": [run(10.0)],
+        "arms": [
+            {"name": "slow", "seeds": [run(30.0), run(32.0), run(None)]},
+            {"name": "fast", "seeds": [run(10.0), run(11.0)]},
+            {"name": "never", "seeds": [run(None)]},
+            {"name": "unmeasured", "seeds": [run(None, bandwidths=())]},
+        ],
+    }
+    (row,) = compare.winners(data)
+    assert row["winner"] == "fast" and [t["name"] for t in row["ranking"]] == ["fast", "slow"]
+    assert row["ranking"][1]["seeds"] == 3 and row["ranking"][1]["seconds"] == [30.0, 32.0]
+    assert 0 < row["p_vs_runner_up"] < 0.05
+    assert row["not_reached"] == ["never"] and row["not_measured"] == ["unmeasured"]
