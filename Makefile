@@ -11,7 +11,7 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test test-slow test-all test-gpu lint format config-docs smoke repro-mini parity compare submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
+.PHONY: setup test test-slow test-all test-gpu lint format config-docs smoke repro-mini parity compare tune submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,23 @@ compare: setup
 	$(PY) -m pipeline run --config $(COMPARE_CONFIG) \
 		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
 		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT))]" $(ARGS)
+
+# Equal-budget tuning in the parity regime (python -m pipeline.tune): BUDGET trials per recipe
+# by successive halving on seed 1 (rungs from 375 steps up to the run's 3,000), then the
+# chosen setting on EVAL_SEEDS; resumable. It reads make parity's prepared data
+# (runs/parity/data/seq64). NODES=2 runs each trial as 2 torchrun agents of 2 ranks here, for
+# the recipes with nodes as workers (diloco_node, co2_node, slowmo_node, *_node).
+# Results: docs/results/2026-11-26-tuned-comparison.md.
+RECIPES ?= lamb,onebit_lamb
+BUDGET ?= 3
+NODES ?= 1
+EVAL_SEEDS ?= 2,3
+TUNE_DATA ?= runs/parity/data/seq64
+TUNE_OUT ?= runs/tune
+tune: setup
+	$(PY) -m pipeline.tune --config configs/pretrain/parity.yaml --data $(TUNE_DATA) \
+		--recipes $(RECIPES) --budget $(BUDGET) --first-rung 375 --nproc 4 --nodes $(NODES) \
+		--eval-seeds $(EVAL_SEEDS) --out $(TUNE_OUT) $(ARGS)
 
 # Submit an experiment to SLURM: make submit CONFIG=configs/experiments/bert_large.yaml
 submit: setup
