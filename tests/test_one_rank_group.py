@@ -10,7 +10,15 @@ import torch
 from tests.distributed_harness import run_ranks
 from tests.helpers.nccl import every_collective
 
-LOSSY = {"bf16": 0.02, "fp16": 0.01, "int8": 0.1, "int4": 0.75, "onebit": None, "powersgd": None}
+LOSSY = {
+    "bf16": 0.02,
+    "fp16": 0.01,
+    "int8": 0.1,
+    "int4": 0.75,
+    "onebit": None,
+    "onebit_tensor": None,
+    "powersgd": None,
+}
 """Each lossy codec's absolute error bound on these inputs (None: no elementwise bound, a
 sign and a scale per chunk, or a low-rank approximation)."""
 
