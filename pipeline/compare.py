@@ -255,10 +255,13 @@ def build(run_specs: list[str], netem: dict | None, target_loss: float | None) -
         raise ValueError("a comparison needs runs of at least two names (NAME=PRETRAIN:FINETUNE)")
     reference = arms[0]
     ref_final = [r["final"]["val_mlm_loss"] for r in reference["seeds"]]
+    source = "given (--target-loss)"
     if target_loss is None:
         if any(v is None for v in ref_final):
             raise ValueError(f"reference {reference['name']!r} has no final validation loss")
         target_loss = sum(ref_final) / len(ref_final)
+        source = (f"{reference['name']}'s final validation MLM loss, mean over "
+                  f"{len(ref_final)} seed(s)")  # fmt: skip
     for run in runs:
         run["time_to_target"] = time_to_target(run, target_loss, netem)
     return {
@@ -266,8 +269,7 @@ def build(run_specs: list[str], netem: dict | None, target_loss: float | None) -
         "runs": runs,
         "target": {
             "val_mlm_loss": target_loss,
-            "from": f"{reference['name']}'s final validation MLM loss, mean over "
-            f"{len(ref_final)} seed(s)",
+            "from": source,
         },
         "pretraining": pretraining_table(arms),
         "finetune": finetune_table(arms),

@@ -181,6 +181,7 @@ def test_without_netem_there_is_no_modelled_time(runs, tmp_path):
     assert onebit["time_to_target"]["samples"] == pytest.approx(200 + 200 * 0.5 / 0.6)
     assert onebit["time_to_target"]["seconds"] == {}
     assert "No netem benchmark JSON" in (tmp_path / "r" / "report.md").read_text()
+    assert report["target"] == {"val_mlm_loss": 4.5, "from": "given (--target-loss)"}
 
 
 def test_pretraining_only_runs_give_the_pretraining_comparison(runs, tmp_path):
