@@ -19,7 +19,6 @@ Usage: ``python -m bench.comm --world-size 4 --numel 25000000``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.common import init_gloo
 from onebit_bert.distributed import Communicator, ErrorFeedback
 from onebit_bert.distributed.netdev import read_interfaces
 from onebit_bert.distributed.packing import pack_signs, sign_table, unpack_signs
@@ -61,13 +61,7 @@ def _timed_calls(comm, fill, call, iters):
 
 def _rank_main(rank, world_size, store, out_path, numel, iters, warmup, bucket):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(minutes=10),
-    )
+    init_gloo(rank, world_size, store)
     try:
         comm = Communicator(dist.group.WORLD)
         feedback = ErrorFeedback(numel, world_size, rank=rank, bucket_numel=bucket)

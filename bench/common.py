@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,16 @@ def prepare_generated(out: Path, seq_lengths=(128,)) -> Path:
     ]
     _run_data_stage(command, "the generated corpus")
     return out
+
+
+def init_gloo(rank: int, world_size: int, store: str) -> None:
+    """Join the benchmark's gloo process group through the file store ``store``."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=10),
+    )

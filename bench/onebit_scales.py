@@ -22,7 +22,6 @@ Printed as JSON: per way and layer, the mean over steps of ‖average − exact�
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import tempfile
@@ -30,6 +29,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from bench.common import init_gloo
 
 SIZES = (4096, 512)
 
@@ -73,13 +74,7 @@ def _rank_main(rank, world_size, store, out_path, args) -> None:
     from onebit_bert.distributed import Communicator
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(minutes=10),
-    )
+    init_gloo(rank, world_size, store)
     try:
         result = _run(Communicator(dist.group.WORLD), *args)
         if rank == 0:

@@ -32,6 +32,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from onebit_bert.config import load_config, save_config
@@ -120,11 +121,10 @@ class Tuner:
         with log.open("a") as out:
             agents = [subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
                       for command in launch_commands(config, self.nproc, self.nodes)]  # fmt: skip
-            codes = [agent.wait() for agent in agents]
+            failed = _wait_all(agents)
         self.launches += 1
-        failed = [code for code in codes if code != 0]
         if failed:
-            raise RuntimeError(f"{name} failed (exit {failed[0]}); see {log}")
+            raise RuntimeError(f"{name} failed (exit {failed}); see {log}")
 
     def evaluate(self, name: str, record: dict, seeds: list[int]) -> list[dict]:
         """Run the chosen setting of ``record`` for the whole run on each seed (resumable)."""
@@ -165,6 +165,24 @@ class Tuner:
             record["evaluation"] = self.evaluate(name, record, list(eval_seeds))
             atomic_write_json(self.out / name / "tuning.json", record)
         return record
+
+
+def _wait_all(agents: list[subprocess.Popen], poll_s: float = 1.0) -> int:
+    """Wait for every agent; when one fails, stop the others (they would wait for it at
+    the rendezvous until their timeout). Returns the first non-zero exit code, else 0."""
+    while True:
+        codes = [agent.poll() for agent in agents]
+        failed = next((c for c in codes if c not in (None, 0)), 0)
+        if failed:
+            for agent in agents:
+                if agent.poll() is None:
+                    agent.terminate()
+            for agent in agents:
+                agent.wait()
+            return failed
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(poll_s)
 
 
 def _free_port() -> int:

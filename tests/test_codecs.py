@@ -539,3 +539,37 @@ def test_onebit_tensor_compresses_each_tensor_with_its_own_scales():
         per_tensor = (b - exact_small).norm() / exact_small.norm()
         shared = (r["shared"][96:] - exact_small).norm() / exact_small.norm()
         assert per_tensor < 1.0 < shared
+
+
+def _ddp_per_tensor(comm):
+    """A two-layer model under DDP with the onebit_tensor codec's hook, against the same
+    codec applied by hand to this rank's gradients, each tensor on its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from onebit_bert.distributed.codecs import build_codec
+
+    torch.manual_seed(0)  # the same model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 1))
+    reference = [p.detach().clone() for p in model.parameters()]
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    hooked = build_codec("onebit_tensor", comm)
+    ddp.register_comm_hook(None, hooked.ddp_hook())
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(comm.rank))
+    ddp(x).pow(2).sum().backward()
+    alone = [p.clone().requires_grad_() for p in reference]
+    hidden = torch.nn.functional.linear(x, alone[0], alone[1])
+    torch.nn.functional.linear(hidden, alone[2], alone[3]).pow(2).sum().backward()
+    by_hand = [p.grad.clone() for p in alone]
+    build_codec("onebit_tensor", comm).all_reduce(by_hand, "k")
+    return {"hooked": [p.grad.clone() for p in model.parameters()], "by_hand": by_hand,
+            "keys": sorted(hooked.state_dict())}  # fmt: skip
+
+
+def test_the_per_tensor_ddp_hook_compresses_each_gradient_on_its_own():
+    ranks = run_ranks(_ddp_per_tensor, 2)
+    for r in ranks:
+        assert len(r["keys"]) == 4 and all(k.startswith("grad/0/") for k in r["keys"])
+        for got, want in zip(r["hooked"], r["by_hand"], strict=True):
+            torch.testing.assert_close(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["hooked"], ranks[1]["hooked"],
+                                                 strict=True))  # fmt: skip

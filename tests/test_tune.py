@@ -85,3 +85,15 @@ def test_nodes_split_the_ranks_into_agents_meeting_at_one_rendezvous(tmp_path):
         assert "--nodes 2" in str(err)
     else:
         raise AssertionError("3 ranks on 2 nodes was accepted")
+
+
+def test_a_failed_agent_stops_the_others():
+    import subprocess
+    import sys
+
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    bad = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert tune._wait_all([slow, bad], poll_s=0.05) == 3
+    assert slow.returncode is not None  # stopped, not left waiting for 60 s
+    ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    assert tune._wait_all(ok, poll_s=0.05) == 0

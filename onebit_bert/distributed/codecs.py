@@ -72,6 +72,9 @@ class Codec:
     overlaps_fused = False
     """Whether a caller may run :meth:`all_reduce_fused`'s buckets itself, during the
     backward pass (:meth:`fused_feedback` gives their errors)."""
+    per_tensor = False
+    """Whether each tensor of an :meth:`all_reduce` is averaged on its own (a caller with
+    one flat buffer passes it split into its tensors)."""
 
     def __init__(self, comm):
         self.comm = comm
@@ -703,7 +706,7 @@ def codec_ddp_hook(codec: Codec):
         with codec.comm.traffic("gradients"):
             if isinstance(codec, PowerSGDCodec):
                 buffer.copy_(codec.run_hook(bucket))
-            elif getattr(codec, "per_tensor", False):
+            elif codec.per_tensor:
                 sizes = [g.numel() for g in bucket.gradients()]
                 codec.all_reduce(list(torch.split(buffer, sizes)), f"grad/{bucket.index()}")
             else:
