@@ -15,6 +15,8 @@ hold it to what the step needs: a constant, not one per parameter).
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import TypeVar
@@ -41,16 +43,58 @@ def find_host_syncs(fn: Callable[[], T], device: torch.device | str) -> tuple[T,
     return _find_on_cpu(fn)
 
 
+_primed = False
+
+
+def _prime_sync_debug_mode() -> None:
+    """Switch the sync debug mode on and off once, discarding what it reports: its first
+    switch in a process reports one sync inside torch itself, even around no work at all
+    (measured with torch 2.11 on an H100), which would count against the first step."""
+    global _primed
+    if _primed:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode(previous)
+    _primed = True
+
+
 def _find_on_cuda(fn: Callable[[], T]) -> tuple[T, list[str]]:
+    _prime_sync_debug_mode()
     previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            sites.append(_site(filename, lineno))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             result = fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return result, [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+    return result, sites
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_SKIP = {__file__, warnings.__file__}
+
+
+def _site(filename: str, lineno: int) -> str:
+    """``file:line`` of a sync; when that line is inside torch, also the innermost caller
+    outside it (``ours:line via torch/...:line``), which is the line to change."""
+    where = f"{filename}:{lineno}"
+    if not filename.startswith(_TORCH_DIR):
+        return where
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_TORCH_DIR) and frame.filename not in _SKIP:
+            return f"{frame.filename}:{frame.lineno} via {where}"
+    return where
 
 
 def _find_on_cpu(fn: Callable[[], T]) -> tuple[T, list[str]]:

@@ -88,8 +88,14 @@ def test_compressed_allreduce_on_cuda_matches_the_cpu(world_size, numel, bucket)
         for got, want in zip(gpu["outs"], cpu["outs"], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             assert torch.all(got[numel:] == 0), "padding picked up a value"
+        # An error element is x - s*sign(x): it is rounded relative to the scale s, not to
+        # its own size (at world size 1 the server's error is rounding noise alone, about
+        # 1e-6). Measured on an H100: at most 2.6e-6 apart for scales of 1.3 to 2.2. A
+        # sign decided differently would put them 2s apart.
+        scale = max(out.abs().max().item() for out in cpu["outs"])
         for key in ("worker_error", "server_error"):
-            torch.testing.assert_close(gpu[key], cpu[key], rtol=1e-5, atol=1e-6, msg=key)
+            apart = (gpu[key] - cpu[key]).abs().max().item()
+            assert apart <= 1e-5 * scale, f"{key}: {apart:.3g} apart, scale {scale:.3g}"
     for gpu in on_gpu[1:]:
         for a, b in zip(gpu["outs"], on_gpu[0]["outs"], strict=True):
             assert torch.equal(a, b), "ranks disagree"
@@ -326,7 +332,7 @@ def assert_results_close(got: dict, want: dict) -> None:
     """Every result of tests/helpers/nccl.py's every_collective: integers exact, floats
     within CUDA's other summation order (matrix products, norms, QR)."""
     for key, value in want.items():
-        if key in ("calls", "off_main_thread", "backend", "comm_seconds"):
+        if key in ("calls", "off_main_thread", "from_python_threads", "backend", "comm_seconds"):
             continue
         values = value if isinstance(value, list) else [value]
         others = got[key] if isinstance(got[key], list) else [got[key]]
@@ -345,10 +351,18 @@ def test_every_collective_on_a_one_rank_nccl_group_matches_gloo_on_the_cpu():
     assert nccl["calls"] == gloo["calls"]
     assert "all_to_all_single" in nccl["calls"]
     assert nccl["comm_seconds"] > 0  # from CUDA events, resolved after a synchronisation
-    # CUDA futures complete at launch: even PowerSGD's chained all-reduces are issued on
-    # the caller's thread
-    assert all(calls == [] for calls in nccl["off_main_thread"].values())
     assert_results_close(nccl, gloo)
+    assert_nccl_threads(nccl)
+
+
+def assert_nccl_threads(result: dict) -> None:
+    """No collective from a thread Python started; CUDA futures complete at launch, so even
+    PowerSGD's chained all-reduces come from the caller's thread. Only DDP's hook runs
+    elsewhere: inside backward, which the autograd engine runs on its own thread per CUDA
+    device (measured on an H100: one all-reduce from that thread, as DDP's own hooks do)."""
+    assert all(calls == [] for calls in result["from_python_threads"].values()), result
+    off_main = result["off_main_thread"]
+    assert all(calls == [] for section, calls in off_main.items() if section != "ddp"), off_main
 
 
 @TWO_GPUS
@@ -357,7 +371,7 @@ def test_every_collective_over_two_nccl_ranks_matches_gloo_on_the_cpu():
     on_cpu = run_ranks(every_collective, 2)
     for nccl, cpu in zip(on_nccl, on_cpu, strict=True):
         assert "batch_isend_irecv" in nccl["calls"]
-        assert all(calls == [] for calls in nccl["off_main_thread"].values())
+        assert_nccl_threads(nccl)
         assert_results_close(nccl, cpu)
 
 

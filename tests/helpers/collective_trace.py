@@ -5,10 +5,16 @@ on which process group, from which thread, in order.
         ...                      # code under test
     trace.calls                  # [(function, group name), ...]
     trace.off_main_thread        # the calls issued from any other thread
+    trace.from_python_threads    # those of them from threads Python started (threading)
 
 The group is named by its ``group_name`` (assigned in creation order, the same on every
 rank when every rank creates its groups in the same order). Only Python-level calls are
-seen; collectives that C++ code issues by itself (DDP's reducer) are not."""
+seen; collectives that C++ code issues by itself (DDP's reducer) are not.
+
+A thread Python did not start (``threading`` names it ``Dummy-N``) is torch's own: on CUDA
+the autograd engine runs backward on a thread per device, so DDP's communication hooks,
+torch's own and ours alike, issue their all-reduces there; gloo completes futures, and
+runs their callbacks, on its own thread."""
 
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ class CollectiveTrace:
     def __init__(self):
         self.calls: list[tuple[str, str]] = []
         self.off_main_thread: list[tuple[str, str, str]] = []
+        self.from_python_threads: list[tuple[str, str, str]] = []
         self._saved: dict[str, object] = {}
 
     def _wrap(self, name, fn):
@@ -61,8 +68,11 @@ class CollectiveTrace:
                     group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             entry = (name, _group_name(group))
             self.calls.append(entry)
-            if threading.current_thread() is not threading.main_thread():
-                self.off_main_thread.append((*entry, threading.current_thread().name))
+            thread = threading.current_thread()
+            if thread is not threading.main_thread():
+                self.off_main_thread.append((*entry, thread.name))
+                if not isinstance(thread, threading._DummyThread):
+                    self.from_python_threads.append((*entry, thread.name))
             return fn(*args, **kwargs)
 
         return traced

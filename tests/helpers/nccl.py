@@ -145,8 +145,9 @@ SECTIONS = {"plain": _plain, "ddp": _ddp, "onebit": _onebit, "codecs": _codecs, 
 
 def every_collective(comm) -> dict:
     """The results by name; ``calls``: the ``torch.distributed`` functions called;
-    ``off_main_thread``: per section, the calls issued from another thread."""
-    out: dict = {"calls": set(), "off_main_thread": {}}
+    ``off_main_thread``: per section, the calls issued from another thread;
+    ``from_python_threads``: those from a thread Python started."""
+    out: dict = {"calls": set(), "off_main_thread": {}, "from_python_threads": {}}
     for section, run in SECTIONS.items():
         with CollectiveTrace() as trace:
             run(comm, out)
@@ -154,6 +155,7 @@ def every_collective(comm) -> dict:
                 torch.cuda.synchronize(comm.device)
         out["calls"] |= {name for name, _ in trace.calls}
         out["off_main_thread"][section] = trace.off_main_thread
+        out["from_python_threads"][section] = trace.from_python_threads
     out["calls"] = sorted(out["calls"])
     resolve_pending()  # CUDA: the collectives' event pairs (the device has synchronised)
     out["comm_seconds"] = comm.stats.seconds
