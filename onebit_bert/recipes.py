@@ -254,6 +254,11 @@ for _recipe in (
                          "strategy.outer_every": _TAUS},
            summary="DiLoCo as its paper runs it: each node a worker whose ranks average "
                    "gradients every step"),
+    Recipe("streaming_diloco_node", "Streaming DiLoCo, nodes as workers", "adamw",
+           "streaming_diloco", measure="local_steps", settings={"comm.hierarchy": "node"},
+           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
+                         "strategy.fragment_mix": (0.0, 0.5)},
+           summary="Streaming DiLoCo with each node a worker (data-parallel inside the node)"),
     Recipe("co2_node", "CO2, nodes as workers", "lamb", "co2", measure="local_steps",
            settings={"comm.hierarchy": "node"},
            search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
