@@ -1,5 +1,9 @@
 """Fine-tuning speed: the project's loop (``finetune.trainer.fit``) against HF ``Trainer``.
 
+``fit`` was a hand-written loop when this benchmark chose between the two (HF ``Trainer``
+measured as fast on the CPU); it now sets up HF ``Trainer`` itself, so the figure is the
+cost of its additions (each step's loss kept on the device) over a bare ``Trainer``.
+
 Both train the same sequence classifier (BERT of ``--model``'s shape, fresh weights, seeded)
 on the same generated examples (random token ids and labels: the speed does not depend on
 the text) with the same recipe: AdamW (torch's, eps 1e-6, weight decay 0.01 off biases and

@@ -13,10 +13,9 @@ regression (one output), as HF's head computes them.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 
 class MeanPoolingClassifier(nn.Module):
@@ -42,7 +41,7 @@ class MeanPoolingClassifier(nn.Module):
         attention_mask: torch.Tensor,
         token_type_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-    ) -> SimpleNamespace:
+    ) -> SequenceClassifierOutput:
         states = self.bert(
             input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
         ).last_hidden_state
@@ -55,4 +54,4 @@ class MeanPoolingClassifier(nn.Module):
                 loss = nn.functional.mse_loss(logits.squeeze(-1).float(), labels.float())
             else:
                 loss = nn.functional.cross_entropy(logits.float(), labels)
-        return SimpleNamespace(loss=loss, logits=logits)
+        return SequenceClassifierOutput(loss=loss, logits=logits)

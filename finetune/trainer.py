@@ -1,18 +1,17 @@
-"""The fine-tuning loop shared by every task: AdamW, linear warmup and decay, clipping,
-mixed precision on GPUs (bf16, or fp16 with a dynamic loss scale that skips steps whose
-gradients overflow); and batched prediction."""
+"""Fine-tuning as HF users run it: HF ``Trainer`` with AdamW, linear warmup and decay,
+clipping and mixed precision on GPUs (bf16, or fp16 with torch's dynamic loss scale, which
+skips steps whose gradients overflow); and batched prediction."""
 
 from __future__ import annotations
 
 import math
 import random
+import tempfile
 
 import numpy as np
 import torch
 
-from onebit_bert.distributed import Communicator
-from onebit_bert.optim.build import weight_decay_groups
-from onebit_bert.precision import LossScaler, autocast
+from onebit_bert.precision import autocast
 
 
 def seed_everything(seed: int) -> None:
@@ -25,6 +24,20 @@ def _batches(features: dict[str, torch.Tensor], batch_size: int, order: np.ndarr
     for start in range(0, len(order), batch_size):
         index = torch.from_numpy(order[start : start + batch_size])
         yield {k: v[index] for k, v in features.items()}
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Row ``i`` of every feature tensor, as the dict ``Trainer``'s collator stacks."""
+
+    def __init__(self, features: dict[str, torch.Tensor]):
+        self.features = features
+        self.n = len(next(iter(features.values())))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.features.items()}
 
 
 def fit(
@@ -41,50 +54,67 @@ def fit(
     warmup_proportion: float = 0.1,
     max_grad_norm: float = 1.0,
 ) -> list[float]:
-    """Train ``model`` (its forward returns ``.loss`` given the features' label keys);
-    returns the loss of every step. With fp16 the loss is scaled; a step whose gradients
-    are not finite is skipped and the scale halved (the schedule still advances)."""
+    """Train ``model`` (its forward returns ``loss`` given the features' label keys) with
+    HF ``Trainer``; returns the loss of every step, unfiltered (a NaN stays a NaN).
+
+    ``epochs`` may be fractional: the run takes ``ceil(epochs * steps per epoch)`` steps,
+    reshuffling at each epoch. The warmup is ``int(warmup_proportion * steps)`` steps.
+    fp16 and bf16 need a GPU (checked before anything runs); on one GPU of several, the
+    process trains on the current one alone (``batch_size`` is the whole batch)."""
+    from transformers import Trainer, TrainingArguments
+
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    if precision != "fp32" and device.type != "cuda":
+        raise ValueError(f"precision {precision} needs a GPU; use fp32 on {device.type}")
     n = len(next(iter(features.values())))
-    steps_per_epoch = math.ceil(n / batch_size)
-    total = max(1, math.ceil(steps_per_epoch * epochs))
-    warmup = int(warmup_proportion * total)
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model.named_parameters(), weight_decay),
-        lr=lr,
-        betas=(0.9, 0.999),
-        eps=1e-6,
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (
-            s / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
-        ),
-    )
-    scaler = LossScaler(precision, Communicator(None, device=device))
-    params = [p for p in model.parameters() if p.requires_grad]
-    rng = np.random.default_rng(seed)
-    model.train()
-    losses: list[float] = []
-    step = 0
-    while step < total:
-        for batch in _batches(features, batch_size, rng.permutation(n)):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast(precision, device):
-                loss = model(**batch).loss
-            scaler.scaled(loss).backward()
-            ok = scaler.unscale_and_check(params)
-            if ok:
-                if max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-                optimizer.step()
-            scaler.update(ok)
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            step += 1
-            if step >= total:
-                break
-    return losses
+    total = max(1, math.ceil(math.ceil(n / batch_size) * epochs))
+
+    class StepLosses(Trainer):
+        """``Trainer`` keeping each step's loss on the device (read once at the end)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.losses: list[torch.Tensor] = []
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.losses.append(loss.detach())
+            return loss
+
+    with tempfile.TemporaryDirectory() as scratch:  # nothing is saved: save_strategy "no"
+        args = TrainingArguments(
+            output_dir=scratch,
+            max_steps=total,
+            per_device_train_batch_size=batch_size,
+            learning_rate=lr,
+            weight_decay=weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-6,
+            optim="adamw_torch",
+            lr_scheduler_type="linear",
+            warmup_steps=int(warmup_proportion * total),
+            max_grad_norm=max_grad_norm,
+            bf16=precision == "bf16",
+            fp16=precision == "fp16",
+            use_cpu=device.type != "cuda",
+            seed=seed,
+            save_strategy="no",
+            report_to=[],
+            logging_strategy="no",
+            logging_nan_inf_filter=False,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            dataloader_pin_memory=device.type == "cuda",
+        )
+        if args.n_gpu > 1:
+            # One process on a node with several GPUs: Trainer would split each batch over
+            # all of them (DataParallel); this stage trains on one, as its jobs ask for one.
+            args._n_gpu = 1
+        trainer = StepLosses(model=model, args=args, train_dataset=_Rows(features))
+        trainer.train()
+    return torch.stack(trainer.losses).float().cpu().tolist()
 
 
 @torch.no_grad()

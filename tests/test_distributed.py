@@ -283,3 +283,18 @@ def test_collectives_work_under_older_torch_names():
         torch.testing.assert_close(a[3], a[0], rtol=0, atol=0)
     torch.testing.assert_close(new[0][0], torch.tensor([0.0, 1, 2, 10, 11, 12]))
     torch.testing.assert_close(new[1][1], torch.tensor([2.0, 3.0]) * 1.5)
+
+
+def test_onebit_lamb_without_foreach_max_takes_the_same_steps(monkeypatch):
+    """On a torch without ``torch._foreach_max`` 1-bit LAMB reduces per tensor: the same
+    bits (a maximum is exact), trust-ratio factors included."""
+    from onebit_bert.distributed import Communicator
+    from tests.helpers.compression import run_onebit_lamb
+
+    fused = run_onebit_lamb(Communicator(None), 8, 2, None)
+    monkeypatch.delattr(torch, "_foreach_max")
+    per_tensor = run_onebit_lamb(Communicator(None), 8, 2, None)
+    assert per_tensor["stages"][-1] == "compression"
+    assert torch.equal(per_tensor["factors"], fused["factors"])
+    for a, b in zip(per_tensor["params"], fused["params"], strict=True):
+        assert torch.equal(a, b)

@@ -25,7 +25,7 @@ from pretrain.config import ModelConfig
 from pretrain.model import PretrainingLoss, build_model
 from tests.distributed_harness import run_ranks
 from tests.helpers.compression import compressed_calls, run_onebit_lamb
-from tests.helpers.loss_scaling import overflow_on_rank_one
+from tests.helpers.loss_scaling import OverflowOnce, fit_overflow_once, overflow_on_rank_one
 from tests.helpers.nccl import every_collective
 from tests.helpers.runs import mlm_losses, tiny_config, train_in_process
 from tests.helpers.syncs import OURS, optimizer_step_syncs, training_step_syncs
@@ -127,6 +127,18 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
     on_cpu = run_ranks(overflow_on_rank_one, 2)
     on_gpu = run_ranks(overflow_on_rank_one, 2, device=GPU)
     assert on_gpu == on_cpu == [(False, 512.0, 1), (False, 512.0, 1)]
+
+
+def test_fine_tuning_in_fp16_skips_the_overflowing_step_and_trains_on():
+    """HF Trainer's loss scale: the infinite first loss skips that step (torch's
+    GradScaler), the weights stay finite and the later steps train; bf16 runs too."""
+    model = OverflowOnce()
+    losses = fit_overflow_once(model, "fp16", torch.device(GPU))
+    assert model.calls == len(losses) == 4
+    assert np.isinf(losses[0]) and np.all(np.isfinite(losses[1:]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    bf16 = fit_overflow_once(OverflowOnce(), "bf16", torch.device(GPU))
+    assert len(bf16) == 4 and np.isinf(bf16[0])
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -36,6 +36,14 @@ from onebit_bert.optim.lamb import (
 NAME = "1-bit LAMB"
 
 
+def _foreach_max(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's maximum: ``torch._foreach_max`` where the running torch has it (from
+    2.4 on, as far as its changelog shows), else one reduction per tensor (the same
+    values: a maximum is exact)."""
+    fused = getattr(torch, "_foreach_max", None)
+    return list(fused(tensors)) if fused is not None else [t.max() for t in tensors]
+
+
 class OneBitLamb(WarmupThenCompress):
     """1-bit LAMB over the ranks of ``comm`` (default: the default process group, or a
     world of one when none exists).
@@ -282,7 +290,7 @@ class OneBitLamb(WarmupThenCompress):
         torch._foreach_add_(denom_fresh, eps)
         torch._foreach_div_(denom, denom_fresh)  # denom now holds the per-element drift
         del denom_fresh
-        factor = torch.stack(torch._foreach_max(denom)).float()
+        factor = torch.stack(_foreach_max(denom)).float()
         del denom
         if wd != 0.0:
             norm_plain = torch.stack(torch._foreach_norm(update)).float()

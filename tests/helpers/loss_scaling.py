@@ -16,3 +16,41 @@ def overflow_on_rank_one(comm):
     ok = scaler.unscale_and_check([p])
     scaler.update(ok)
     return ok, scaler.scale, scaler.skipped_steps
+
+
+class OverflowOnce(torch.nn.Module):
+    """A linear classifier whose first loss is infinite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, inputs, labels):
+        self.calls += 1
+        loss = torch.nn.functional.cross_entropy(self.linear(inputs).float(), labels)
+        if self.calls == 1:
+            loss = loss * float("inf")
+        return {"loss": loss}
+
+
+def fit_overflow_once(model: OverflowOnce, precision: str, device: torch.device) -> list[float]:
+    """One epoch of 64 rows in batches of 16 (4 steps) of the fine-tuning loop."""
+    from finetune.trainer import fit
+
+    gen = torch.Generator().manual_seed(0)
+    features = {
+        "inputs": torch.randn(64, 4, generator=gen),
+        "labels": torch.randint(0, 2, (64,), generator=gen),
+    }
+    return fit(
+        model.to(device),
+        features,
+        lr=1e-2,
+        epochs=1,
+        batch_size=16,
+        seed=0,
+        device=device,
+        precision=precision,
+    )
