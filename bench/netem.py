@@ -218,10 +218,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--outer-every",
-        type=int,
-        default=DEFAULT_OUTER_EVERY,
-        help="tau of co2, slowmo and local_sgd: local steps per round, one parameter "
-        "all-reduce per round",
+        default=str(DEFAULT_OUTER_EVERY),
+        help="tau of the local-step strategies: local steps per round, one parameter "
+        "all-reduce per round; TAU for all, or TAU,RECIPE=TAU,... to give recipes their "
+        "own (each its tuned setting, e.g. 4,streaming_diloco_node=12)",
     )
     parser.add_argument(
         "--topologies",
@@ -278,6 +278,28 @@ class SweepPlan:
     run_steps: tuple[int, int]
 
 
+def parse_outer_every(text: str) -> tuple[int, dict[str, int]]:
+    """``TAU[,RECIPE=TAU,...]`` -> (the default tau, per-recipe taus); each tau >= 1."""
+    default, by_recipe = None, {}
+    for part in (p.strip() for p in str(text).split(",")):
+        name, _, value = part.rpartition("=")
+        try:
+            tau = int(value)
+        except ValueError:
+            raise ValueError(f"{part!r} is not TAU or RECIPE=TAU") from None
+        if tau < 1:
+            raise ValueError("each tau must be >= 1")
+        if not name:
+            if default is not None:
+                raise ValueError("one default TAU only")
+            default = tau
+        elif name in by_recipe:
+            raise ValueError(f"{name} given twice")
+        else:
+            by_recipe[name] = tau
+    return (DEFAULT_OUTER_EVERY if default is None else default), by_recipe
+
+
 def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The checked ``--strategies`` (and ``--outer-every``); exits through ``parser``."""
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
@@ -293,8 +315,13 @@ def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error("--strategies: the *_node strategies need --ranks-per-host 2 or more")
     if args.hybrid_codec not in ("bf16", "fp16", "int8", "onebit"):
         parser.error("--hybrid-codec: one of bf16, fp16, int8, onebit")
-    if args.outer_every < 1:
-        parser.error("--outer-every must be >= 1")
+    try:
+        args.outer_every, args.outer_every_by_recipe = parse_outer_every(args.outer_every)
+    except ValueError as error:
+        parser.error(f"--outer-every: {error}")
+    unused = sorted(set(args.outer_every_by_recipe) - set(names))
+    if unused:
+        parser.error(f"--outer-every: {', '.join(unused)} not in --strategies")
     if any(RECIPES[n].measure == "decentralized" for n in names):
         from onebit_bert.distributed.topology import TOPOLOGIES
 
@@ -392,6 +419,7 @@ def _summary(
         "ranks_per_host": args.ranks_per_host,
         "hybrid_codec": args.hybrid_codec,
         "outer_every": args.outer_every,
+        "outer_every_by_recipe": args.outer_every_by_recipe or None,
         "topologies": args.topologies.split(","),
         "mtu": args.mtu,
         "why_communication_bound": WHY_COMM_BOUND.format(

@@ -290,9 +290,10 @@ def local_steps_total(steps: int, every: int) -> int:
 
 def _measure_local_steps(point: SweepPoint, name: str) -> dict:
     """A local-step recipe (co2, slowmo, local_sgd: inner LAMB; diloco, streaming_diloco:
-    inner AdamW), an outer step every ``--outer-every`` steps (streaming_diloco: a multiple
-    of its 4 fragments): means over whole rounds (:func:`round_summary`)."""
-    every = point.args.outer_every
+    inner AdamW), an outer step every ``--outer-every`` steps, the recipe's own where it
+    names one (streaming_diloco: a multiple of its 4 fragments): means over whole rounds
+    (:func:`round_summary`)."""
+    every = getattr(point.args, "outer_every_by_recipe", {}).get(name, point.args.outer_every)
     recipe = get_recipe(name)
     optimizer, comm = variant(name, point.args)
     run_dir = point.config(

@@ -16,6 +16,7 @@ NETEM_MUST_AGREE = (
     "ranks_per_host",
     "hybrid_codec",
     "outer_every",
+    "outer_every_by_recipe",
 )
 """Settings of a bench.netem JSON that decide what its speeds mean: files merged into one
 table must agree on them."""

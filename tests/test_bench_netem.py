@@ -142,7 +142,9 @@ def test_slow_links_send_single_frames_and_fast_ones_whole_gso_packets():
         (["--strategies", "lamb,co3"], "--strategies: unknown 'co3'; choose from lamb, "),
         (["--strategies", ","], "--strategies: unknown (empty list)"),
         (["--strategies", "co2,co2"], "--strategies: each name once"),
-        (["--strategies", "co2", "--outer-every", "0"], "--outer-every must be >= 1"),
+        (["--strategies", "co2", "--outer-every", "0"], "--outer-every: each tau must be >= 1"),
+        (["--strategies", "co2", "--outer-every", "4,diloco=8"], "diloco not in --strategies"),
+        (["--strategies", "co2", "--outer-every", "4,co2=x"], "is not TAU or RECIPE=TAU"),
         (["--strategies", "lamb_node"], "need --ranks-per-host 2 or more"),
         (["--world-sizes", "3", "--ranks-per-host", "2"], "must divide every world size"),
         (["--strategies", "hybrid_onebit_lamb", "--hybrid-codec", "zip"], "--hybrid-codec"),
@@ -297,3 +299,14 @@ def test_two_hosts_of_two_ranks_compare_flat_and_node_hierarchy(tiny_corpus, tmp
     )
     assert node["wire_bytes_per_step"] < flat["wire_bytes_per_step"]
     assert node["samples_per_s"] > 0 and row["compute_only_samples_per_s"] > 0
+
+
+def test_outer_every_takes_a_default_and_each_recipes_own():
+    from bench.netem import DEFAULT_OUTER_EVERY, parse_outer_every
+
+    assert parse_outer_every("4,streaming_diloco_node=12") == (4, {"streaming_diloco_node": 12})
+    assert parse_outer_every("8") == (8, {})
+    assert parse_outer_every("diloco=4") == (DEFAULT_OUTER_EVERY, {"diloco": 4})
+    for bad, message in [("4,5", "one default"), ("co2=2,co2=4", "given twice")]:
+        with pytest.raises(ValueError, match=message):
+            parse_outer_every(bad)
