@@ -78,15 +78,9 @@ def ours(args, features) -> float:
 
 
 def hf_trainer(args, features, out: Path) -> float:
-    import torch
     from transformers import Trainer, TrainingArguments
 
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(features["labels"])
-
-        def __getitem__(self, i):
-            return {k: v[i] for k, v in features.items()}
+    from finetune.trainer import FeatureRows
 
     model = build_model(args.model, 0)
     trainer = Trainer(
@@ -110,7 +104,7 @@ def hf_trainer(args, features, out: Path) -> float:
             dataloader_num_workers=0,
             seed=1,
         ),
-        train_dataset=Rows(),
+        train_dataset=FeatureRows(features),
     )
     start = time.perf_counter()
     trainer.train()

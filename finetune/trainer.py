@@ -26,7 +26,7 @@ def _batches(features: dict[str, torch.Tensor], batch_size: int, order: np.ndarr
         yield {k: v[index] for k, v in features.items()}
 
 
-class _Rows(torch.utils.data.Dataset):
+class FeatureRows(torch.utils.data.Dataset):
     """Row ``i`` of every feature tensor, as the dict ``Trainer``'s collator stacks."""
 
     def __init__(self, features: dict[str, torch.Tensor]):
@@ -112,7 +112,7 @@ def fit(
             # One process on a node with several GPUs: Trainer would split each batch over
             # all of them (DataParallel); this stage trains on one, as its jobs ask for one.
             args._n_gpu = 1
-        trainer = StepLosses(model=model, args=args, train_dataset=_Rows(features))
+        trainer = StepLosses(model=model, args=args, train_dataset=FeatureRows(features))
         trainer.train()
     return torch.stack(trainer.losses).float().cpu().tolist()
 
