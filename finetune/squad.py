@@ -24,6 +24,7 @@ pathological question cannot make the tokenizer fail.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -249,11 +250,27 @@ def split_by_article(
 # ---------------------------------------------------------------------------------------------
 
 
+BROKEN_TOKENIZERS = ("0.23.1", "0.23.2")
+"""tokenizers releases whose truncation stops tokenizing at ``max_length``, so a long context
+yields one or two windows instead of all of them (huggingface/tokenizers#2091)."""
+
+
+def _tokenizers_version() -> str:
+    return importlib.metadata.version("tokenizers")
+
+
 def _check_tokenizer(tokenizer: Any) -> None:
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             "SQuAD features need a Hugging Face fast tokenizer (for offset mappings), got "
             f"{type(tokenizer).__name__}"
+        )
+    version = _tokenizers_version()
+    if version in BROKEN_TOKENIZERS:
+        raise RuntimeError(
+            f"tokenizers {version} drops the overflowing windows of long SQuAD contexts "
+            "(huggingface/tokenizers#2091), so most answers would never be seen: install "
+            "another release, e.g. pip install 'tokenizers>=0.23.3'"
         )
 
 

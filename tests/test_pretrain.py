@@ -211,7 +211,9 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(tiny_corpus, tmp_path):
         while time.time() < deadline and (not metrics.exists() or len(read_metrics(metrics)) < 3):
             time.sleep(0.05)
         workers = torchrun_workers(proc)
-        assert len(workers) == 2, "no worker processes found"
+        if len(workers) != 2:
+            proc.kill()
+            pytest.fail(f"expected 2 worker processes, found {workers}:\n{proc.communicate()[0]}")
         os.kill(workers[-1], signal.SIGUSR1)  # as SLURM's --signal would, to one task
         out, _ = proc.communicate(timeout=120)
     finally:

@@ -219,6 +219,21 @@ def test_sub_token_answer_gets_covering_span(small_tokenizer):
     assert context[offsets[s][0] : offsets[e][1]] == "museum"
 
 
+def test_a_tokenizers_release_that_drops_overflowing_windows_is_refused(
+    small_tokenizer, monkeypatch
+):
+    import finetune.squad as squad
+
+    for version in squad.BROKEN_TOKENIZERS:
+        monkeypatch.setattr(squad, "_tokenizers_version", lambda v=version: v)
+        with pytest.raises(RuntimeError, match=r"tokenizers#2091.*tokenizers>=0.23.3"):
+            prepare_train_features(_crafted_examples(), small_tokenizer, MAX_LEN, STRIDE)
+        with pytest.raises(RuntimeError, match="drops the overflowing windows"):
+            prepare_eval_features(_crafted_examples(), small_tokenizer, MAX_LEN, STRIDE)
+    monkeypatch.setattr(squad, "_tokenizers_version", lambda: "0.23.3")
+    assert prepare_train_features(_crafted_examples(), small_tokenizer, MAX_LEN, STRIDE)
+
+
 def test_perfect_logits_recover_every_answer(small_tokenizer):
     examples = _crafted_examples()
     train = prepare_train_features(examples, small_tokenizer, MAX_LEN, STRIDE)
