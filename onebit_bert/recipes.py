@@ -51,21 +51,35 @@ class Recipe:
     measure: str = "data_parallel"
     """One of :data:`MEASURES`."""
     search_space: Mapping[str, tuple] = field(default_factory=dict)
-    """Config fields the comparison may tune and the values it tries."""
+    """Config fields the comparison may tune and the values it tries. A key of several
+    fields joined by commas is one axis whose values are tuples, one value per field:
+    ``{"optimizer.name,optimizer.lr": (("lamb", 0.01), ("adamw", 0.002))}`` tries each
+    optimizer at its own learning rates."""
     open_fields: tuple[str, ...] = ()
-    """Fields of ``settings`` a run may set to another non-default value and still be this
-    recipe (``hybrid_onebit_lamb`` with bf16 warmup gradients); keys that name a variant
-    (:func:`variant_key`) carry the value."""
+    """Fields a run may set to another non-default value and still be this recipe
+    (``hybrid_onebit_lamb`` with bf16 warmup gradients). ``optimizer.name`` may be one of
+    them when the search space tries other optimizers (the inner optimizer of local steps)."""
     summary: str = ""
 
     def __post_init__(self):
         if self.measure not in MEASURES:
             raise ValueError(f"recipe {self.name}: measure {self.measure!r} not in {MEASURES}")
-        for key in (*self.settings, *self.search_space, *self.open_fields):
-            if key.count(".") < 1 or key in ("optimizer.name", "strategy.name"):
+        searched = [f for key in self.search_space for f in search_fields(key)]
+        for key in (*self.settings, *searched, *self.open_fields):
+            searchable = key == "optimizer.name" and key in self.open_fields
+            own = key == "strategy.name" or (key == "optimizer.name" and not searchable)
+            if key.count(".") < 1 or own or (key == "optimizer.name" and key in self.settings):
                 raise ValueError(
                     f"recipe {self.name}: {key!r} must be a dotted config field other than "
-                    "optimizer.name and strategy.name (those are the recipe's own fields)"
+                    "optimizer.name and strategy.name (those are the recipe's own fields; "
+                    "optimizer.name may be searched when it is one of open_fields)"
+                )
+        for key, values in self.search_space.items():
+            width = len(search_fields(key))
+            if width > 1 and any(not isinstance(v, tuple) or len(v) != width for v in values):
+                raise ValueError(
+                    f"recipe {self.name}: every value of the search axis {key!r} must be a "
+                    f"tuple of {width} values, one per field"
                 )
 
     def fields(self) -> dict[str, Any]:
@@ -80,6 +94,17 @@ class Recipe:
     def node_hierarchy(self) -> bool:
         """Runs with ``comm.hierarchy: node`` (needs more than one rank per node)."""
         return self.settings.get("comm.hierarchy") == "node"
+
+
+def search_fields(key: str) -> tuple[str, ...]:
+    """The config fields of one search-space axis (``"a.b,c.d"``: two fields)."""
+    return tuple(part.strip() for part in key.split(","))
+
+
+def search_point(key: str, value: Any) -> dict[str, Any]:
+    """One axis value as ``{field: value}``."""
+    fields = search_fields(key)
+    return dict(zip(fields, value if len(fields) > 1 else (value,), strict=True))
 
 
 def _override_value(value: Any) -> str:
@@ -200,6 +225,10 @@ _LAMB_LRS = (0.005, 0.01, 0.02)
 _ADAM_LRS = (0.001, 0.002, 0.003)
 _SGD_LRS = (0.1, 0.3, 1.0)
 _TAUS = (4, 8, 16)
+_INNER = "optimizer.name,optimizer.lr"
+_LAMB_OR_ADAMW = (*(("lamb", lr) for lr in _LAMB_LRS), *(("adamw", lr) for lr in _ADAM_LRS))
+"""The inner optimizer of local steps, each at its own learning rates: the papers of
+SlowMo, CO2 and DiLoCo run AdamW (or Adam) inside, the flat recipes here LAMB."""
 _DILOCO_OUTER_LRS = (0.1, 0.3, 0.7)
 """The paper's 0.7 and below: at rounds of 8 steps, 0.7 with Nesterov momentum 0.9 kept
 DiLoCo on the unigram plateau where 0.1 trained
@@ -260,13 +289,15 @@ for _recipe in (
                          "strategy.fragment_mix": (0.0, 0.5)},
            summary="Streaming DiLoCo with each node a worker (data-parallel inside the node)"),
     Recipe("co2_node", "CO2, nodes as workers", "lamb", "co2", measure="local_steps",
-           settings={"comm.hierarchy": "node"},
-           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
-           summary="CO2 with each node a worker (data-parallel inside the node)"),
+           settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
+           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS},
+           summary="CO2 with each node a worker (data-parallel inside the node), LAMB or "
+                   "AdamW inside"),
     Recipe("slowmo_node", "SlowMo, nodes as workers", "lamb", "slowmo", measure="local_steps",
-           settings={"comm.hierarchy": "node"},
-           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
-           summary="SlowMo with each node a worker (data-parallel inside the node)"),
+           settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
+           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS},
+           summary="SlowMo with each node a worker (data-parallel inside the node), LAMB or "
+                   "AdamW inside"),
     Recipe("decentlam", "DecentLaM", "sgd", "decentlam", measure="decentralized",
            search_space={LR: _SGD_LRS},
            summary="momentum SGD with gossip over a graph, DecentLaM's correction"),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onebit_bert.recipes import Recipe
+from onebit_bert.recipes import Recipe, search_point
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,16 @@ class Trial:
 
 
 def grid(recipe: Recipe) -> list[dict[str, Any]]:
-    """Every point of the recipe's search space, in the order its fields and values are
-    declared."""
+    """Every point of the recipe's search space, in the order its axes and values are
+    declared, as ``{dotted field: value}`` (a joint axis gives one entry per field)."""
     keys = list(recipe.search_space)
-    return [dict(zip(keys, values, strict=True))
-            for values in itertools.product(*(recipe.search_space[k] for k in keys))]  # fmt: skip
+    points = []
+    for values in itertools.product(*(recipe.search_space[k] for k in keys)):
+        point: dict[str, Any] = {}
+        for key, value in zip(keys, values, strict=True):
+            point.update(search_point(key, value))
+        points.append(point)
+    return points
 
 
 def trials(recipe: Recipe, budget: int, seed: int = 0) -> list[Trial]:

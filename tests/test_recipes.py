@@ -68,6 +68,10 @@ def test_identify_reads_defaults_auto_and_open_fields():
     assert identify(node) == "hybrid_onebit_lamb_node"
     # a setting no recipe describes
     assert identify({"optimizer": {"name": "adamw"}, "strategy": {"name": "co2"}}) is None
+    # ...but with nodes as workers the inner optimizer is open: CO2 with AdamW inside
+    co2_node = {"strategy": {"name": "co2"}, "comm": {"hierarchy": "node"}}
+    for inner in ("lamb", "adamw"):
+        assert identify({**co2_node, "optimizer": {"name": inner}}) == "co2_node"
 
 
 def test_bad_recipe_entries_are_refused():

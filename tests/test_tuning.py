@@ -34,6 +34,31 @@ def test_trials_are_distinct_grid_points_in_a_seeded_order():
         trials(TOY, 9)
 
 
+def test_a_joint_axis_tries_each_optimizer_at_its_own_learning_rates():
+    inner = (("lamb", 0.01), ("lamb", 0.02), ("adamw", 0.002))
+    recipe = Recipe("joint", "Joint", "lamb", "co2", open_fields=("optimizer.name",),
+                    search_space={"optimizer.name,optimizer.lr": inner,
+                                  "strategy.outer_every": (4, 8)})  # fmt: skip
+    points = grid(recipe)
+    assert len(points) == 6
+    assert points[0] == {"optimizer.name": "lamb", "optimizer.lr": 0.01, "strategy.outer_every": 4}
+    assert {(p["optimizer.name"], p["optimizer.lr"]) for p in points} == set(inner)
+    trial = next(t for t in trials(recipe, 6) if t.settings["optimizer.name"] == "adamw")
+    assert trial.overrides()[:2] == ["optimizer.name=adamw", "optimizer.lr=0.002"]
+    # the inner optimizer of the node recipes is searched, LAMB and AdamW
+    for name in ("co2_node", "slowmo_node"):
+        optimizers = {p["optimizer.name"] for p in grid(get_recipe(name))}
+        assert optimizers == {"lamb", "adamw"}, name
+
+
+def test_a_bad_joint_axis_or_a_searched_optimizer_that_is_not_open_is_refused():
+    with pytest.raises(ValueError, match="tuple of 2 values, one per field"):
+        Recipe("x", "X", "lamb", open_fields=("optimizer.name",),
+               search_space={"optimizer.name,optimizer.lr": (("lamb", 0.01), "adamw")})  # fmt: skip
+    with pytest.raises(ValueError, match="optimizer.name may be searched when it is one of"):
+        Recipe("x", "X", "lamb", search_space={"optimizer.name,optimizer.lr": (("adamw", 1),)})
+
+
 def test_every_registered_recipe_can_be_given_three_trials():
     for name in RECIPES:
         assert len(trials(get_recipe(name), 3)) == 3
