@@ -510,6 +510,17 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
             "strategy's measured samples/s in that step's stage at that bandwidth on the same "
             "number of ranks. A strategy the benchmark did not measure has no time."
         )
+        by_file: dict[str, list[str]] = {}
+        for recipe, files in (netem.get("runs_from") or {}).items():
+            for path in files:
+                by_file.setdefault(path, []).append(recipe)
+        if len(by_file) > 1:
+            lines += [
+                "",
+                "The speeds come from separate runs of the benchmark ("
+                + "; ".join(f"`{p}`: {', '.join(rs)}" for p, rs in by_file.items())
+                + "), so ratios between them also carry the machine's run-to-run variation.",
+            ]
         missing = sorted(
             {
                 r["strategy"] or NO_RECIPE
@@ -614,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         "--netem",
         action="append",
         help="a bench.netem netem.json with measured speeds; repeat to merge sweeps of the "
-        "same settings at other bandwidths or world sizes",
+        "same settings at other bandwidths or world sizes, or of other recipes",
     )
     parser.add_argument("--target-loss", type=float, help="default: the reference's final")
     parser.add_argument(

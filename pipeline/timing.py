@@ -16,18 +16,28 @@ NETEM_MUST_AGREE = (
     "ranks_per_host",
     "hybrid_codec",
     "outer_every",
-    "outer_every_by_recipe",
 )
 """Settings of a bench.netem JSON that decide what its speeds mean: files merged into one
-table must agree on them."""
+table must agree on them. The per-recipe rounds (``outer_every_by_recipe``) must agree for
+every recipe both files measured."""
+
+
+def _rounds(netem: dict, recipe: str) -> int | None:
+    """The local steps per round the file measured ``recipe`` at."""
+    return (netem.get("outer_every_by_recipe") or {}).get(recipe, netem.get("outer_every"))
 
 
 def load_netem(paths: list[str]) -> dict | None:
     """One netem table from one or more ``bench.netem`` JSONs (None for none): the first
-    file's settings, every file's result rows. Files must agree on :data:`NETEM_MUST_AGREE`
-    and measure each (bandwidth, world size) point once."""
+    file's settings, every file's result rows. Files must agree on :data:`NETEM_MUST_AGREE`.
+    A (bandwidth, world size) point may appear in several files when they measured other
+    recipes there (a recipe tuned later, measured alone): each recipe is measured once per
+    point, and ``runs_from`` names the file each recipe's speeds come from."""
     merged = None
-    points: dict[tuple[float, int], str] = {}
+    rows: dict[tuple[float, int], dict] = {}
+    measured: dict[tuple[float, int, str], str] = {}
+    rounds: dict[str, tuple[int | None, str]] = {}
+    runs_from: dict[str, list[str]] = {}
     for name in paths:
         path = Path(name)
         if not path.is_file():
@@ -46,16 +56,39 @@ def load_netem(paths: list[str]) -> dict | None:
                 )
         for row in netem["results"]:
             point = (float(row["bandwidth_mbit"]), int(row["world_size"]))
-            if point in points:
-                raise ValueError(
-                    f"--netem {path}: {point[0]:g} Mbit/s on {point[1]} ranks is measured in "
-                    f"{points[point]} as well; pass one measurement of each point"
-                )
-            points[point] = str(path)
-            merged["results"].append(row)
+            for recipe in row.get("runs", {}):
+                key = (*point, recipe)
+                if key in measured:
+                    raise ValueError(
+                        f"--netem {path}: {recipe} at {point[0]:g} Mbit/s on {point[1]} ranks "
+                        f"is measured in {measured[key]} as well; pass one measurement of each "
+                        "recipe at each point"
+                    )
+                measured[key] = str(path)
+                tau = _rounds(netem, recipe)
+                if recipe in rounds and rounds[recipe][0] != tau:
+                    raise ValueError(
+                        f"--netem {path}: {recipe} runs rounds of {tau} steps but "
+                        f"{rounds[recipe][1]} measured it at {rounds[recipe][0]}; merge only "
+                        "measurements of the same setting"
+                    )
+                rounds[recipe] = (tau, str(path))
+                runs_from.setdefault(recipe, [])
+                if str(path) not in runs_from[recipe]:
+                    runs_from[recipe].append(str(path))
+            if point in rows:
+                rows[point]["runs"] = {**rows[point]["runs"], **row.get("runs", {})}
+            else:
+                rows[point] = {**row, "runs": dict(row.get("runs", {}))}
+                merged["results"].append(rows[point])
         for strategy in netem.get("strategies", []):
             if strategy not in merged["strategies"]:
                 merged["strategies"].append(strategy)
+    if merged is not None:
+        merged["outer_every_by_recipe"] = {
+            r: tau for r, (tau, _) in rounds.items() if tau != merged.get("outer_every")
+        }
+        merged["runs_from"] = runs_from
     return merged
 
 

@@ -252,6 +252,44 @@ def test_sweeps_at_other_bandwidths_merge_into_one_table(runs, netem, tmp_path):
     assert ReportSpec(kind="compare", netem=parts[0]).args() == ["--netem", parts[0]]
 
 
+def test_a_recipe_measured_alone_later_joins_the_same_points(runs, netem, tmp_path):
+    """A second bench.netem file of the same settings may measure other recipes at the same
+    points; each recipe is measured once per point and at one round length."""
+    whole = json.loads(netem.read_text())
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    keep = {
+        **whole,
+        "strategies": ["lamb"],
+        "results": [{**r, "runs": {"lamb": r["runs"]["lamb"]}} for r in whole["results"]],
+    }
+    later = {**whole, "strategies": ["onebit_lamb"], "outer_every_by_recipe": {"co2": 8},
+             "results": [{**r, "runs": {"onebit_lamb": r["runs"]["onebit_lamb"]}}
+                         for r in whole["results"] if "onebit_lamb" in r["runs"]]}  # fmt: skip
+    first.write_text(json.dumps(keep))
+    second.write_text(json.dumps(later))
+    merged = timing.load_netem([str(first), str(second)])
+    assert merged["runs_from"] == {"lamb": [str(first)], "onebit_lamb": [str(second)]}
+    assert len(merged["results"]) == len(whole["results"])
+    one = compare.write_report(runs, tmp_path / "one", str(netem))
+    two = compare.write_report(runs, tmp_path / "two", [str(first), str(second)])
+    assert [r["time_to_target"] for r in two["runs"]] == [r["time_to_target"] for r in one["runs"]]
+    assert "separate runs of the benchmark" in (tmp_path / "two" / "report.md").read_text()
+    with pytest.raises(ValueError, match="onebit_lamb at 25 Mbit/s on 4 ranks is measured in"):
+        timing.load_netem([str(netem), str(second)])
+    # a local-step recipe measured at two round lengths is two settings, not one
+    tau4 = {
+        **keep,
+        "strategies": ["co2"],
+        "results": [{**r, "runs": {"co2": {"samples_per_s": 1.0}}} for r in keep["results"]],
+    }
+    tau8 = {**tau4, "outer_every": whole.get("outer_every"), "outer_every_by_recipe": {"co2": 8},
+            "results": [{**r, "bandwidth_mbit": 1} for r in tau4["results"]]}  # fmt: skip
+    (tmp_path / "tau4.json").write_text(json.dumps({**tau4, "outer_every": 4}))
+    (tmp_path / "tau8.json").write_text(json.dumps({**tau8, "outer_every": 4}))
+    with pytest.raises(ValueError, match="co2 runs rounds of 8 steps but .* measured it at 4"):
+        timing.load_netem([str(tmp_path / "tau4.json"), str(tmp_path / "tau8.json")])
+
+
 def test_crossing_and_t_quantile():
     assert gate.samples_to_target([(0, 5.0), (10, 3.0)], 4.0) == pytest.approx(5.0)
     assert gate.samples_to_target([(0, 3.0), (10, 2.0)], 4.0) == 0.0
