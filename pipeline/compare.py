@@ -600,7 +600,8 @@ def write_report(
     write_figures(data, out, PLOT_BANDWIDTHS)
     markdown = render_markdown(data, netem_paths, netem)
     extra = [*winner_lines(data), *tuning_lines(tuning)]
-    atomic_write_text(out / "report.md", markdown + "\n".join(extra))
+    sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
+    atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
     result = {**report_json(data, netem_paths, netem), "tuning": tuning,
               "winners": winners(data)}  # fmt: skip
     atomic_write_json(out / "report.json", result)

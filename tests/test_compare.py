@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,8 @@ def test_report_content(runs, netem, tmp_path):
     assert first[25]["p_vs_runner_up"] is None and first[25]["not_measured"] == ["co2"]
 
     text = (out / "report.md").read_text()
+    assert "## Which strategy reaches the target first" in text
+    assert not re.search(r"[^\n]\n#", text), "every heading follows a blank line"
     assert "| 25 Mbit/s | onebit | – | onebit 26.0 s (1/1), lamb" in text
     assert "Target validation MLM loss **4.2000**" in text
     assert "| onebit (`onebit_lamb`) | 1 |" in text
