@@ -66,9 +66,10 @@ class Recipe:
             raise ValueError(f"recipe {self.name}: measure {self.measure!r} not in {MEASURES}")
         searched = [f for key in self.search_space for f in search_fields(key)]
         for key in (*self.settings, *searched, *self.open_fields):
-            searchable = key == "optimizer.name" and key in self.open_fields
-            own = key == "strategy.name" or (key == "optimizer.name" and not searchable)
-            if key.count(".") < 1 or own or (key == "optimizer.name" and key in self.settings):
+            own = key == "strategy.name" or (
+                key == "optimizer.name" and (key in self.settings or key not in self.open_fields)
+            )
+            if key.count(".") < 1 or own:
                 raise ValueError(
                     f"recipe {self.name}: {key!r} must be a dotted config field other than "
                     "optimizer.name and strategy.name (those are the recipe's own fields; "

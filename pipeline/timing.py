@@ -37,7 +37,6 @@ def load_netem(paths: list[str]) -> dict | None:
     rows: dict[tuple[float, int], dict] = {}
     measured: dict[tuple[float, int, str], str] = {}
     rounds: dict[str, tuple[int | None, str]] = {}
-    runs_from: dict[str, list[str]] = {}
     for name in paths:
         path = Path(name)
         if not path.is_file():
@@ -73,9 +72,6 @@ def load_netem(paths: list[str]) -> dict | None:
                         "measurements of the same setting"
                     )
                 rounds[recipe] = (tau, str(path))
-                runs_from.setdefault(recipe, [])
-                if str(path) not in runs_from[recipe]:
-                    runs_from[recipe].append(str(path))
             if point in rows:
                 rows[point]["runs"] = {**rows[point]["runs"], **row.get("runs", {})}
             else:
@@ -88,7 +84,11 @@ def load_netem(paths: list[str]) -> dict | None:
         merged["outer_every_by_recipe"] = {
             r: tau for r, (tau, _) in rounds.items() if tau != merged.get("outer_every")
         }
-        merged["runs_from"] = runs_from
+        merged["runs_from"] = {}
+        for (*_, recipe), source in measured.items():
+            files = merged["runs_from"].setdefault(recipe, [])
+            if source not in files:
+                files.append(source)
     return merged
 
 

@@ -285,10 +285,11 @@ def test_a_recipe_measured_alone_later_joins_the_same_points(runs, netem, tmp_pa
         "strategies": ["co2"],
         "results": [{**r, "runs": {"co2": {"samples_per_s": 1.0}}} for r in keep["results"]],
     }
-    tau8 = {**tau4, "outer_every": whole.get("outer_every"), "outer_every_by_recipe": {"co2": 8},
+    tau4["outer_every"] = 4
+    tau8 = {**tau4, "outer_every_by_recipe": {"co2": 8},
             "results": [{**r, "bandwidth_mbit": 1} for r in tau4["results"]]}  # fmt: skip
-    (tmp_path / "tau4.json").write_text(json.dumps({**tau4, "outer_every": 4}))
-    (tmp_path / "tau8.json").write_text(json.dumps({**tau8, "outer_every": 4}))
+    (tmp_path / "tau4.json").write_text(json.dumps(tau4))
+    (tmp_path / "tau8.json").write_text(json.dumps(tau8))
     with pytest.raises(ValueError, match="co2 runs rounds of 8 steps but .* measured it at 4"):
         timing.load_netem([str(tmp_path / "tau4.json"), str(tmp_path / "tau8.json")])
 
