@@ -38,6 +38,7 @@ between pretraining seeds, not only between fine-tuning seeds of one checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -247,26 +248,39 @@ def finetune_table(arms: list[dict]) -> dict:
 # ----------------------------------------------------------------------------- the report
 
 
-def build(run_specs: list[str], netem: dict | None, target_loss: float | None) -> dict:
-    """Everything ``report.json`` holds (and the arms, for the figures and markdown)."""
-    runs = [load_run(spec) for spec in run_specs]
+def build(
+    run_specs: list[str],
+    netem: dict | None,
+    target_loss: float | None,
+    prior: list[dict] | None = None,
+) -> dict:
+    """Everything ``report.json`` holds (and the arms, for the figures and markdown).
+    ``prior``: earlier reports (:func:`load_prior`) whose runs join ahead of ``run_specs``,
+    as those reports measured them."""
+    prior = list(prior or [])
+    fresh = [load_run(spec) for spec in run_specs]
+    runs = [*(r for p in prior for r in p["runs"]), *fresh]
     arms = parity.group_arms(runs)
     if len(arms) < 2:
         raise ValueError("a comparison needs runs of at least two names (NAME=PRETRAIN:FINETUNE)")
     reference = arms[0]
     ref_final = [r["final"]["val_mlm_loss"] for r in reference["seeds"]]
     source = "given (--target-loss)"
-    if target_loss is None:
+    if prior:
+        target_loss, source = _prior_target(prior, target_loss)
+    elif target_loss is None:
         if any(v is None for v in ref_final):
             raise ValueError(f"reference {reference['name']!r} has no final validation loss")
         target_loss = sum(ref_final) / len(ref_final)
         source = (f"{reference['name']}'s final validation MLM loss, mean over "
                   f"{len(ref_final)} seed(s)")  # fmt: skip
-    for run in runs:
+    for run in fresh:
         run["time_to_target"] = time_to_target(run, target_loss, netem)
+        run["curve"] = curve(run, netem)
     return {
         "arms": arms,
         "runs": runs,
+        "prior": [{"path": p["path"], "names": p["names"]} for p in prior],
         "target": {
             "val_mlm_loss": target_loss,
             "from": source,
@@ -276,7 +290,97 @@ def build(run_specs: list[str], netem: dict | None, target_loss: float | None) -
     }
 
 
+def curve(run: dict, netem: dict | None) -> list[dict]:
+    """Per validation point: samples seen, the loss, the bytes rank 0 had sent by then and
+    the modelled seconds per measured bandwidth; what the figures plot, and what a later
+    report that carries this run (``--prior``) plots without its run directory."""
+    batch = run["global_batch_size"]
+    measured = speeds(netem, run["strategy"], run["world_size"])
+    return [
+        {
+            "samples": samples,
+            "val_mlm_loss": loss,
+            "bytes": run["bytes_at"].get(round(samples / batch), 0),
+            "seconds": {
+                f"{bw:g}": modelled_seconds(run, samples / batch, sp) for bw, sp in measured.items()
+            },
+        }
+        for samples, loss in run["val_loss"]
+    ]
+
+
+def load_prior(path: str | Path) -> dict:
+    """An earlier comparison's ``report.json`` as runs to carry: each run record as that
+    report measured it (final metrics, bytes, time to its target, its curve where the
+    record has one), without fine-tuning results; its target, netem files and tuning."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prior {path}: no such report.json")
+    report = json.loads(path.read_text())
+    if "runs" not in report or "target" not in report or "time_model" not in report:
+        raise ValueError(f"--prior {path}: not a pipeline.compare report.json (no runs/target)")
+    runs = []
+    for record in report["runs"]:
+        runs.append(
+            {
+                **record,
+                "final": {**record["final"], "final_train_loss": record["final_train_loss"]},
+                "val_loss": [tuple(point) for point in record["val_mlm_loss"]],
+                "finetune": {},
+                "carried_from": str(path),
+            }
+        )
+    names = list(dict.fromkeys(r["name"] for r in runs))
+    return {
+        "path": str(path),
+        "runs": runs,
+        "names": names,
+        "target": report["target"],
+        "netem": list(report["time_model"].get("netem") or []),
+        "tuning": report.get("tuning") or {},
+    }
+
+
+def _prior_target(prior: list[dict], target_loss: float | None) -> tuple[float, str]:
+    """The target every carried report measured against (they must agree, and agree with
+    ``--target-loss`` when given: their times to target cannot be recomputed)."""
+    first = prior[0]["target"]
+    for p in prior:
+        value = p["target"]["val_mlm_loss"]
+        if not math.isclose(value, first["val_mlm_loss"], rel_tol=0, abs_tol=1e-12):
+            raise ValueError(
+                f"--prior {p['path']} measured against target {value}, "
+                f"{prior[0]['path']} against {first['val_mlm_loss']}: carry reports of one target"
+            )
+    if target_loss is not None and not math.isclose(
+        target_loss, first["val_mlm_loss"], rel_tol=0, abs_tol=1e-12
+    ):
+        raise ValueError(
+            f"--target-loss {target_loss} differs from the target {first['val_mlm_loss']} of "
+            f"--prior {prior[0]['path']}: its runs' times to target were measured against "
+            "that one; leave --target-loss out or give the same value"
+        )
+    return first["val_mlm_loss"], first["from"]
+
+
+def check_prior_netem(prior: list[dict], netem_paths: list[str]) -> None:
+    """A carried report's times came from its netem files: the new report must use them
+    too, so that its own runs' times are modelled from the same measurements."""
+    given = {str(Path(p)) for p in netem_paths}
+    for p in prior:
+        missing = [n for n in p["netem"] if str(Path(n)) not in given]
+        if missing:
+            raise ValueError(
+                f"--prior {p['path']} modelled its times with {', '.join(missing)}: "
+                "pass the same file(s) with --netem"
+            )
+
+
 def _run_record(run: dict) -> dict:
+    if "carried_from" in run:
+        keep = {k: v for k, v in run.items() if k not in ("val_loss", "finetune")}
+        keep["final"] = {k: v for k, v in run["final"].items() if k != "final_train_loss"}
+        return keep
     return {
         "name": run["name"],
         "strategy": run["strategy"],
@@ -296,6 +400,7 @@ def _run_record(run: dict) -> dict:
         "comm_bytes_by_kind": run["comm_bytes_by_kind"],
         "time_to_target": run["time_to_target"],
         "val_mlm_loss": run["val_loss"],
+        "curve": run["curve"],
     }
 
 
@@ -312,6 +417,7 @@ def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
             "netem_model": None if netem is None else netem.get("model"),
             "netem_seq_length": None if netem is None else netem.get("seq_length"),
         },
+        "prior": data["prior"],
         "runs": [_run_record(r) for r in data["runs"]],
         "pretraining": data["pretraining"],
         "finetune": data["finetune"],
@@ -487,6 +593,7 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
         "To-target figures are means over the seeds that reached the target. Bytes are what "
         "rank 0's communicator counted.",
         "",
+        *_prior_lines(data),
         "Bytes sent per rank over the whole run, by kind of traffic:",
         "",
     ]
@@ -543,14 +650,34 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
     return "\n".join(lines)
 
 
+def _prior_lines(data: dict) -> list[str]:
+    """Which runs come from earlier reports rather than from run directories."""
+    if not data["prior"]:
+        return []
+    carried = "; ".join(f"`{p['path']}`: {', '.join(p['names'])}" for p in data["prior"])
+    lines = [
+        f"Carried from earlier reports ({carried}): their figures are as those reports "
+        "measured them, against the same target and netem files; their run directories "
+        "were not read, and they carry no fine-tuning."
+    ]
+    flat = sorted({r["name"] for r in data["runs"] if "carried_from" in r and not r.get("curve")})
+    if flat:
+        lines[0] += (
+            f" Records without a stored curve ({', '.join(flat)}) appear in the plot against "
+            "samples only."
+        )
+    return [*lines, ""]
+
+
 def _finetune_lines(data: dict) -> list[str]:
     names = [a["name"] for a in data["arms"]]
     if not data["finetune"]:
         return [
             "## Fine-tuning",
             "",
-            "No task was fine-tuned from every run (runs given as NAME=PRETRAIN_DIR have no "
-            "fine-tuning results): no fine-tuning verdicts.",
+            "No task was fine-tuned from every run (runs given as NAME=PRETRAIN_DIR, and runs "
+            "carried from an earlier report, have no fine-tuning results): no fine-tuning "
+            "verdicts.",
         ]
     lines = [
         "## Fine-tuning",
@@ -581,22 +708,26 @@ def write_report(
     target_loss: float | None = None,
     tuning_paths: list[str] | None = None,
     allow_unequal_budgets: bool = False,
+    prior_paths: list[str] | None = None,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
     records (:mod:`pipeline.tuning`), refused when their budgets differ unless
-    ``allow_unequal_budgets``."""
-    from pipeline.compare_plots import attach_speeds, write_figures
+    ``allow_unequal_budgets``. ``prior_paths``: earlier reports whose runs (and tuning
+    records) join this one as measured (:func:`load_prior`)."""
+    from pipeline.compare_plots import write_figures
 
     if isinstance(netem_paths, str):
         netem_paths = [netem_paths]
     netem_paths = list(netem_paths or [])
+    prior = [load_prior(path) for path in prior_paths or []]
+    check_prior_netem(prior, netem_paths)
     netem = load_netem(netem_paths)
-    tuning = load_tuning(list(tuning_paths or []), allow_unequal_budgets)
-    data = build(run_specs, netem, target_loss)
+    carried_tuning = [record for p in prior for record in p["tuning"].values()]
+    tuning = load_tuning(list(tuning_paths or []), allow_unequal_budgets, carried_tuning)
+    data = build(list(run_specs or []), netem, target_loss, prior)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    attach_speeds(data, netem)
     write_figures(data, out, PLOT_BANDWIDTHS)
     markdown = render_markdown(data, netem_paths, netem)
     extra = [*winner_lines(data), *tuning_lines(tuning)]
@@ -619,8 +750,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--run",
         action="append",
-        required=True,
+        default=[],
         help="NAME=PRETRAIN[:FINETUNE] (without FINETUNE: pretraining only, no fine-tuning table)",
+    )
+    parser.add_argument(
+        "--prior",
+        action="append",
+        default=[],
+        help="an earlier comparison's report.json: its runs and tuning records join this "
+        "report as it measured them (its target; pass its netem files too); for runs whose "
+        "directories are gone. Its runs come first: its first name is the reference",
     )
     parser.add_argument(
         "--netem",
@@ -642,9 +781,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="report directory")
     args = parser.parse_args(argv)
+    if not args.run and not args.prior:
+        parser.error("give runs (--run NAME=PRETRAIN[:FINETUNE]) or an earlier report (--prior)")
     try:
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
-                     args.allow_unequal_budgets)  # fmt: skip
+                     args.allow_unequal_budgets, args.prior)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.report_plots import _pyplot
-from pipeline.timing import modelled_seconds, speeds
 
 
 def write_figures(data: dict, out: Path, bandwidths) -> None:
@@ -32,31 +31,19 @@ def _by_samples(run: dict) -> list[tuple[float, float]]:
 
 
 def _by_bytes(run: dict) -> list[tuple[float, float]]:
-    batch = run["global_batch_size"]
-    at = run["bytes_at"]
-    return [(at.get(round(s / batch), 0), loss) for s, loss in run["val_loss"]]
+    return [(p["bytes"], p["val_mlm_loss"]) for p in run.get("curve") or []]
 
 
 def _by_time(bandwidth: float):
+    key = f"{bandwidth:g}"
+
     def measure(run: dict) -> list[tuple[float, float]]:
-        speed = speeds_at(run, bandwidth)
-        if speed is None:
+        points = run.get("curve") or []
+        if not points or key not in points[0]["seconds"]:
             return []
-        batch = run["global_batch_size"]
-        return [(modelled_seconds(run, s / batch, speed), loss) for s, loss in run["val_loss"]]
+        return [(p["seconds"][key], p["val_mlm_loss"]) for p in points]
 
     return measure
-
-
-def speeds_at(run: dict, bandwidth: float) -> dict | None:
-    """The run's measured speeds at ``bandwidth`` (None when not measured)."""
-    return run.get("_speeds", {}).get(bandwidth)
-
-
-def attach_speeds(data: dict, netem: dict | None) -> None:
-    """Keep each run's measured speeds (per bandwidth) for the time plots."""
-    for run in data["runs"]:
-        run["_speeds"] = speeds(netem, run["strategy"], run["world_size"])
 
 
 def plot_curves(data: dict, path: Path, xlabel: str, measure, target: float) -> None:

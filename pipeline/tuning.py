@@ -167,10 +167,17 @@ def tuning_record(recipe: Recipe, candidates: list[Trial], record: Halving) -> d
     }
 
 
-def load_tuning(paths: list[str], allow_unequal: bool = False) -> dict[str, dict]:
-    """Recipe -> :func:`tuning_record` from JSON files (each one record or a list of them);
-    the budgets checked (:func:`check_equal_budgets`)."""
+def load_tuning(
+    paths: list[str], allow_unequal: bool = False, carried: list[dict] | None = None
+) -> dict[str, dict]:
+    """Recipe -> :func:`tuning_record` from ``carried`` records (an earlier report's) and
+    JSON files (each one record or a list of them); the budgets checked
+    (:func:`check_equal_budgets`)."""
     records: dict[str, dict] = {}
+    for record in carried or []:
+        if record["recipe"] in records:
+            raise ValueError(f"recipe {record['recipe']} is tuned twice in the carried reports")
+        records[record["recipe"]] = record
     for path in paths:
         loaded = json.loads(Path(path).read_text())
         for record in loaded if isinstance(loaded, list) else [loaded]:

@@ -397,3 +397,60 @@ def test_the_first_to_the_target_is_tested_against_the_second():
     assert row["ranking"][1]["seeds"] == 3 and row["ranking"][1]["seconds"] == [30.0, 32.0]
     assert 0 < row["p_vs_runner_up"] < 0.05
     assert row["not_reached"] == ["never"] and row["not_measured"] == ["unmeasured"]
+
+
+def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path):
+    """--prior: a report built from an earlier report.json plus a new strategy's runs says
+    what a report built from every run directory says (tables, winners, tuning, times,
+    curves), names the carried runs, and refuses another target or other netem files."""
+    lamb_t, ob_t, co2_t = (_record(tmp_path, r, 3, f"{r}.json")
+                           for r in ("lamb", "onebit_lamb", "co2"))  # fmt: skip
+    runs = [spec.rsplit(":", 1)[0] for spec in runs]  # carried runs bring no fine-tuning
+    earlier = compare.write_report(runs[:4], tmp_path / "earlier", str(netem),
+                                   tuning_paths=[lamb_t, ob_t])  # fmt: skip
+    assert all("curve" in r for r in earlier["runs"]) and earlier["prior"] == []
+    onebit = next(r for r in earlier["runs"] if r["name"] == "onebit")
+    assert [p["samples"] for p in onebit["curve"]] == [200, 400, 600]
+    assert [p["bytes"] for p in onebit["curve"]] == [2000, 2080, 2160]
+    # warmup steps at 10 samples/s, compression steps at 50 (25 Mbit/s): 2 x 10 s + 2 x 2 s
+    assert onebit["curve"][1]["seconds"]["25"] == pytest.approx(24.0)
+
+    prior = str(tmp_path / "earlier" / "report.json")
+    both = compare.write_report(runs[4:], tmp_path / "both", str(netem), tuning_paths=[co2_t],
+                                prior_paths=[prior])  # fmt: skip
+    direct = compare.write_report(runs, tmp_path / "direct", str(netem),
+                                  tuning_paths=[lamb_t, ob_t, co2_t])  # fmt: skip
+    both, direct = (json.loads((tmp_path / d / "report.json").read_text())
+                    for d in ("both", "direct"))  # fmt: skip
+    carried = [r.pop("carried_from") for r in both["runs"] if "carried_from" in r]
+    assert carried == [prior] * 4
+    assert both["runs"] == direct["runs"]
+    for key in ("target", "pretraining", "tuning", "winners", "time_model"):
+        assert both[key] == direct[key], key
+    assert both["prior"] == [{"path": prior, "names": ["lamb", "onebit"]}]
+    text = (tmp_path / "both" / "report.md").read_text()
+    note = next(line for line in text.splitlines() if line.startswith("Carried from"))
+    assert f"`{prior}`: lamb, onebit" in note and "samples only" not in note
+    assert text.replace(note + "\n\n", "") == (tmp_path / "direct" / "report.md").read_text()
+    assert (tmp_path / "both" / "val_loss_time_25mbit.png").is_file()
+
+    # a record from before curves were stored: plotted against samples only, and said
+    old = json.loads(Path(prior).read_text())
+    for record in old["runs"]:
+        del record["curve"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    compare.write_report(runs[4:], tmp_path / "old", str(netem),
+                         prior_paths=[tmp_path / "old.json"])  # fmt: skip
+    assert "(lamb, onebit) appear in the plot against samples only" in (
+        tmp_path / "old" / "report.md").read_text()  # fmt: skip
+
+    with pytest.raises(ValueError, match="differs from the target"):
+        compare.write_report(runs[4:], tmp_path / "x", str(netem), target_loss=4.5,
+                             prior_paths=[prior])  # fmt: skip
+    with pytest.raises(ValueError, match="pass the same file"):
+        compare.write_report(runs[4:], tmp_path / "x", prior_paths=[prior])
+    with pytest.raises(ValueError, match="tuned twice"):
+        compare.write_report(runs[4:], tmp_path / "x", str(netem), tuning_paths=[lamb_t],
+                             prior_paths=[prior])  # fmt: skip
+    assert compare.main(["--prior", str(tmp_path / "nothing.json"), "--out",
+                         str(tmp_path / "x")]) == 2  # fmt: skip
