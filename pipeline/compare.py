@@ -260,6 +260,16 @@ def build(
     prior = list(prior or [])
     fresh = [load_run(spec) for spec in run_specs]
     runs = [*(r for p in prior for r in p["runs"]), *fresh]
+    seen: dict[tuple[str, str], str] = {}
+    for run in runs:
+        where = run.get("carried_from") or run["pretrain_dir"]
+        key = (run["name"], str(run["seed"]))
+        if key in seen:
+            raise ValueError(
+                f"{run['name']} seed {run['seed']} is given twice ({seen[key]} and {where}): "
+                "give each run once (a report that carries another already holds its runs)"
+            )
+        seen[key] = where
     arms = parity.group_arms(runs)
     if len(arms) < 2:
         raise ValueError("a comparison needs runs of at least two names (NAME=PRETRAIN:FINETUNE)")
@@ -316,12 +326,9 @@ def load_prior(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--prior {path}: no such report.json")
-    report = json.loads(path.read_text())
-    if "runs" not in report or "target" not in report or "time_model" not in report:
-        raise ValueError(f"--prior {path}: not a pipeline.compare report.json (no runs/target)")
-    runs = []
-    for record in report["runs"]:
-        runs.append(
+    try:
+        report = json.loads(path.read_text())
+        runs = [
             {
                 **record,
                 "final": {**record["final"], "final_train_loss": record["final_train_loss"]},
@@ -329,14 +336,22 @@ def load_prior(path: str | Path) -> dict:
                 "finetune": {},
                 "carried_from": str(path),
             }
-        )
-    names = list(dict.fromkeys(r["name"] for r in runs))
+            for record in report["runs"]
+        ]
+        target = {"val_mlm_loss": float(report["target"]["val_mlm_loss"]),
+                  "from": report["target"]["from"]}  # fmt: skip
+        netem = list(report["time_model"].get("netem") or [])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"--prior {path}: not a pipeline.compare report.json ({type(err).__name__}: "
+            f"{err}); give the report.json that python -m pipeline.compare wrote"
+        ) from err
     return {
         "path": str(path),
         "runs": runs,
-        "names": names,
-        "target": report["target"],
-        "netem": list(report["time_model"].get("netem") or []),
+        "names": list(dict.fromkeys(r["name"] for r in runs)),
+        "target": target,
+        "netem": netem,
         "tuning": report.get("tuning") or {},
     }
 
@@ -366,9 +381,9 @@ def _prior_target(prior: list[dict], target_loss: float | None) -> tuple[float, 
 def check_prior_netem(prior: list[dict], netem_paths: list[str]) -> None:
     """A carried report's times came from its netem files: the new report must use them
     too, so that its own runs' times are modelled from the same measurements."""
-    given = {str(Path(p)) for p in netem_paths}
+    given = {Path(p).resolve() for p in netem_paths}
     for p in prior:
-        missing = [n for n in p["netem"] if str(Path(n)) not in given]
+        missing = [n for n in p["netem"] if Path(n).resolve() not in given]
         if missing:
             raise ValueError(
                 f"--prior {p['path']} modelled its times with {', '.join(missing)}: "

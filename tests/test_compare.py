@@ -452,5 +452,10 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
     with pytest.raises(ValueError, match="tuned twice"):
         compare.write_report(runs[4:], tmp_path / "x", str(netem), tuning_paths=[lamb_t],
                              prior_paths=[prior])  # fmt: skip
+    with pytest.raises(ValueError, match="lamb seed 1 is given twice"):
+        compare.write_report(runs[:1], tmp_path / "x", str(netem), prior_paths=[prior])
+    (tmp_path / "parity.json").write_text(json.dumps({"arms": [], "gate": {}}))
+    with pytest.raises(ValueError, match="not a pipeline.compare report.json"):
+        compare.write_report(runs[4:], tmp_path / "x", prior_paths=[tmp_path / "parity.json"])
     assert compare.main(["--prior", str(tmp_path / "nothing.json"), "--out",
                          str(tmp_path / "x")]) == 2  # fmt: skip
