@@ -154,6 +154,8 @@ def plot_series(row: dict) -> list[tuple[str, tuple[str, ...]]]:
             label += f" ({TOPOLOGY_LABELS.get(topology, topology)})"
         if "outer_every" in run:
             label += f" (tau {run['outer_every']})"
+        if run.get("inner_optimizer", recipe.optimizer) != recipe.optimizer:
+            label += f" ({run['inner_optimizer']} inside)"
         series.append((label, ("runs", name, "samples_per_s")))
     series.append(("compute only", ("compute_only_samples_per_s",)))
     return series
@@ -222,6 +224,13 @@ def _parser() -> argparse.ArgumentParser:
         help="tau of the local-step strategies: local steps per round, one parameter "
         "all-reduce per round; TAU for all, or TAU,RECIPE=TAU,... to give recipes their "
         "own (each its tuned setting, e.g. 4,streaming_diloco_node=12)",
+    )
+    parser.add_argument(
+        "--inner",
+        default="",
+        help="the inner optimizer of local-step recipes whose optimizer is open (co2_node, "
+        "slowmo_node): RECIPE=OPTIMIZER,... to measure each with its tuned one (e.g. "
+        "slowmo_node=adamw); default: the recipe's own",
     )
     parser.add_argument(
         "--topologies",
@@ -300,6 +309,41 @@ def parse_outer_every(text: str) -> tuple[int, dict[str, int]]:
     return (DEFAULT_OUTER_EVERY if default is None else default), by_recipe
 
 
+def parse_inner(text: str) -> dict[str, str]:
+    """``RECIPE=OPTIMIZER[,...]`` -> {recipe: optimizer}; each recipe's optimizer must be
+    open (``optimizer.name`` among its ``open_fields``) and one its search space offers."""
+    inner: dict[str, str] = {}
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        name, sep, optimizer = part.partition("=")
+        if not sep or not name or not optimizer:
+            raise ValueError(f"{part!r} is not RECIPE=OPTIMIZER")
+        if name in inner:
+            raise ValueError(f"{name} given twice")
+        recipe = RECIPES.get(name)
+        if recipe is None or "optimizer.name" not in recipe.open_fields:
+            open_ones = sorted(n for n, r in RECIPES.items() if "optimizer.name" in r.open_fields)
+            raise ValueError(
+                f"{name}: not a recipe whose inner optimizer is open (those are "
+                f"{', '.join(open_ones)})"
+            )
+        offered = _searched_optimizers(recipe)
+        if optimizer not in offered:
+            raise ValueError(f"{name}={optimizer}: its search space offers {', '.join(offered)}")
+        inner[name] = optimizer
+    return inner
+
+
+def _searched_optimizers(recipe) -> list[str]:
+    """The optimizer names recipe's search space draws from (its own first)."""
+    names = [recipe.optimizer]
+    for key, values in recipe.search_space.items():
+        fields = key.split(",")
+        if "optimizer.name" in fields:
+            index = fields.index("optimizer.name")
+            names += [v[index] for v in values if v[index] not in names]
+    return names
+
+
 def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The checked ``--strategies`` (and ``--outer-every``); exits through ``parser``."""
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
@@ -322,6 +366,13 @@ def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
     unused = sorted(set(args.outer_every_by_recipe) - set(names))
     if unused:
         parser.error(f"--outer-every: {', '.join(unused)} not in --strategies")
+    try:
+        args.inner_by_recipe = parse_inner(args.inner)
+    except ValueError as error:
+        parser.error(f"--inner: {error}")
+    unused = sorted(set(args.inner_by_recipe) - set(names))
+    if unused:
+        parser.error(f"--inner: {', '.join(unused)} not in --strategies")
     if any(RECIPES[n].measure == "decentralized" for n in names):
         from onebit_bert.distributed.topology import TOPOLOGIES
 
@@ -420,6 +471,7 @@ def _summary(
         "hybrid_codec": args.hybrid_codec,
         "outer_every": args.outer_every,
         "outer_every_by_recipe": args.outer_every_by_recipe or None,
+        "inner_by_recipe": getattr(args, "inner_by_recipe", None) or None,
         "topologies": args.topologies.split(","),
         "mtu": args.mtu,
         "why_communication_bound": WHY_COMM_BOUND.format(

@@ -290,12 +290,14 @@ def local_steps_total(steps: int, every: int) -> int:
 
 def _measure_local_steps(point: SweepPoint, name: str) -> dict:
     """A local-step recipe (co2, slowmo, local_sgd: inner LAMB; diloco, streaming_diloco:
-    inner AdamW), an outer step every ``--outer-every`` steps, the recipe's own where it
-    names one (streaming_diloco: a multiple of its 4 fragments): means over whole rounds
+    inner AdamW; ``--inner`` names another for a recipe whose optimizer is open), an outer
+    step every ``--outer-every`` steps, the recipe's own where it names one
+    (streaming_diloco: a multiple of its 4 fragments): means over whole rounds
     (:func:`round_summary`)."""
     every = getattr(point.args, "outer_every_by_recipe", {}).get(name, point.args.outer_every)
     recipe = get_recipe(name)
     optimizer, comm = variant(name, point.args)
+    optimizer = (getattr(point.args, "inner_by_recipe", None) or {}).get(name, optimizer)
     run_dir = point.config(
         name,
         optimizer,
@@ -304,7 +306,8 @@ def _measure_local_steps(point: SweepPoint, name: str) -> dict:
         comm=comm,
     )
     point.run_distributed(name)
-    return round_summary(step_records(run_dir), point.batch, every)
+    summary = round_summary(step_records(run_dir), point.batch, every)
+    return {**summary, "inner_optimizer": optimizer}
 
 
 def _measure_decentralized(point: SweepPoint, name: str) -> dict[str, dict]:

@@ -44,14 +44,14 @@ import sys
 from pathlib import Path
 
 from onebit_bert.io import atomic_write_json, atomic_write_text
-from onebit_bert.recipes import field_value, get_recipe, identify
+from onebit_bert.recipes import RECIPES, field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
 from pipeline.stats import mean_std, t_quantile, welch_t_test
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
-from pipeline.timing import load_netem, modelled_seconds, speeds
+from pipeline.timing import inner_optimizer, load_netem, modelled_seconds, speeds
 from pipeline.tuning import load_tuning, tuning_lines
 from pretrain import outputs as pretrain_outputs
 
@@ -121,8 +121,35 @@ def load_run(spec: str) -> dict:
         freeze_step=config["optimizer"].get("freeze_step")
         if run["optimizer"] in ("onebit_lamb", "onebit_adam")
         else None,
+        outer_every=(config.get("strategy") or {}).get("outer_every"),
     )
     return run
+
+
+def check_netem_setting(run: dict, netem: dict | None) -> None:
+    """A local-step run's modelled time is only its own when the benchmark measured its
+    recipe at the run's round length and with the run's inner optimizer."""
+    key = run.get("strategy")
+    if netem is None or key not in RECIPES:
+        return
+    recipe = get_recipe(key)
+    if recipe.measure != "local_steps" or not speeds(netem, key, run["world_size"]):
+        return
+    where = run["pretrain_dir"]
+    tau = (netem.get("outer_every_by_recipe") or {}).get(key, netem.get("outer_every"))
+    if run.get("outer_every") is not None and tau != run["outer_every"]:
+        raise ValueError(
+            f"{run['name']} ({where}) runs rounds of {run['outer_every']} steps but the netem "
+            f"benchmark measured {key} at {tau}; rerun bench.netem with --outer-every "
+            f"...,{key}={run['outer_every']}"
+        )
+    inner = inner_optimizer(netem, key) or recipe.optimizer
+    if run["optimizer"] != inner:
+        raise ValueError(
+            f"{run['name']} ({where}) steps {run['optimizer']} inside but the netem benchmark "
+            f"measured {key} with {inner}; rerun bench.netem with --inner "
+            f"{key}={run['optimizer']}"
+        )
 
 
 def _world_size(run_dir: Path) -> int | None:
@@ -284,6 +311,8 @@ def build(
         target_loss = sum(ref_final) / len(ref_final)
         source = (f"{reference['name']}'s final validation MLM loss, mean over "
                   f"{len(ref_final)} seed(s)")  # fmt: skip
+    for run in fresh:
+        check_netem_setting(run, netem)
     for run in fresh:
         run["time_to_target"] = time_to_target(run, target_loss, netem)
         run["curve"] = curve(run, netem)

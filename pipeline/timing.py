@@ -18,13 +18,19 @@ NETEM_MUST_AGREE = (
     "outer_every",
 )
 """Settings of a bench.netem JSON that decide what its speeds mean: files merged into one
-table must agree on them. The per-recipe rounds (``outer_every_by_recipe``) must agree for
-every recipe both files measured."""
+table must agree on them. The per-recipe rounds (``outer_every_by_recipe``) and inner
+optimizers (``inner_by_recipe``) must agree for every recipe both files measured."""
 
 
 def _rounds(netem: dict, recipe: str) -> int | None:
     """The local steps per round the file measured ``recipe`` at."""
     return (netem.get("outer_every_by_recipe") or {}).get(recipe, netem.get("outer_every"))
+
+
+def inner_optimizer(netem: dict, recipe: str) -> str | None:
+    """The inner optimizer the file measured ``recipe`` with where ``--inner`` named one
+    (None: the recipe's own)."""
+    return (netem.get("inner_by_recipe") or {}).get(recipe)
 
 
 def load_netem(paths: list[str]) -> dict | None:
@@ -37,6 +43,7 @@ def load_netem(paths: list[str]) -> dict | None:
     rows: dict[tuple[float, int], dict] = {}
     measured: dict[tuple[float, int, str], str] = {}
     rounds: dict[str, tuple[int | None, str]] = {}
+    inners: dict[str, tuple[str | None, str]] = {}
     for name in paths:
         path = Path(name)
         if not path.is_file():
@@ -72,6 +79,15 @@ def load_netem(paths: list[str]) -> dict | None:
                         "measurements of the same setting"
                     )
                 rounds[recipe] = (tau, str(path))
+                inner = inner_optimizer(netem, recipe)
+                if recipe in inners and inners[recipe][0] != inner:
+                    raise ValueError(
+                        f"--netem {path}: {recipe} steps {inner or 'its own optimizer'} inside "
+                        f"but {inners[recipe][1]} measured it with "
+                        f"{inners[recipe][0] or 'its own'}; merge only measurements of the "
+                        "same setting"
+                    )
+                inners[recipe] = (inner, str(path))
             if point in rows:
                 rows[point]["runs"] = {**rows[point]["runs"], **row.get("runs", {})}
             else:
@@ -84,6 +100,7 @@ def load_netem(paths: list[str]) -> dict | None:
         merged["outer_every_by_recipe"] = {
             r: tau for r, (tau, _) in rounds.items() if tau != merged.get("outer_every")
         }
+        merged["inner_by_recipe"] = {r: o for r, (o, _) in inners.items() if o is not None}
         merged["runs_from"] = {}
         for (*_, recipe), source in measured.items():
             files = merged["runs_from"].setdefault(recipe, [])

@@ -310,3 +310,21 @@ def test_outer_every_takes_a_default_and_each_recipes_own():
     for bad, message in [("4,5", "one default"), ("co2=2,co2=4", "given twice")]:
         with pytest.raises(ValueError, match=message):
             parse_outer_every(bad)
+
+
+def test_inner_names_an_open_recipes_searched_optimizer():
+    from bench.netem import parse_inner
+
+    assert parse_inner("") == {}
+    assert parse_inner("slowmo_node=adamw, co2_node=lamb") == {
+        "slowmo_node": "adamw",
+        "co2_node": "lamb",
+    }
+    for bad, message in [
+        ("slowmo_node", "not RECIPE=OPTIMIZER"),
+        ("slowmo_node=adamw,slowmo_node=lamb", "given twice"),
+        ("slowmo=adamw", "not a recipe whose inner optimizer is open"),
+        ("slowmo_node=sgd", "its search space offers lamb, adamw"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_inner(bad)

@@ -294,6 +294,44 @@ def test_a_recipe_measured_alone_later_joins_the_same_points(runs, netem, tmp_pa
         timing.load_netem([str(tmp_path / "tau4.json"), str(tmp_path / "tau8.json")])
 
 
+def test_a_local_step_run_is_timed_only_at_its_own_setting(netem, tmp_path):
+    """The benchmark must have measured a local-step run's recipe at the run's round length
+    and with its inner optimizer; two files that measured one recipe differently do not
+    merge."""
+    whole = json.loads(netem.read_text())
+    measured = {
+        **whole,
+        "strategies": ["slowmo_node"],
+        "outer_every": 4,
+        "outer_every_by_recipe": {"slowmo_node": 8},
+        "inner_by_recipe": {"slowmo_node": "adamw"},
+        "results": [{**r, "runs": {"slowmo_node": {"samples_per_s": 1.0}}}
+                    for r in whole["results"]],
+    }  # fmt: skip
+    world = whole["results"][0]["world_size"]
+    run = {"name": "slowmo", "pretrain_dir": "DIR", "strategy": "slowmo_node",
+           "world_size": world, "optimizer": "adamw", "outer_every": 8}  # fmt: skip
+    compare.check_netem_setting(run, measured)
+    with pytest.raises(ValueError, match="steps lamb inside .* --inner slowmo_node=lamb"):
+        compare.check_netem_setting({**run, "optimizer": "lamb"}, measured)
+    with pytest.raises(ValueError, match="rounds of 16 steps .* measured slowmo_node at 8"):
+        compare.check_netem_setting({**run, "outer_every": 16}, measured)
+    # the recipe's own optimizer when --inner did not name one
+    own = {**measured, "inner_by_recipe": None}
+    with pytest.raises(ValueError, match="measured slowmo_node with lamb"):
+        compare.check_netem_setting(run, own)
+    compare.check_netem_setting({**run, "optimizer": "lamb"}, own)
+    # not measured on the run's world size: nothing to check
+    compare.check_netem_setting({**run, "world_size": world + 1, "optimizer": "sgd"}, measured)
+    first, second = tmp_path / "adamw.json", tmp_path / "lamb.json"
+    first.write_text(json.dumps(measured))
+    second.write_text(json.dumps({**own, "results": [{**r, "bandwidth_mbit": 1}
+                                                     for r in own["results"]]}))  # fmt: skip
+    assert timing.load_netem([str(first)])["inner_by_recipe"] == {"slowmo_node": "adamw"}
+    with pytest.raises(ValueError, match="steps its own optimizer inside but .* with adamw"):
+        timing.load_netem([str(first), str(second)])
+
+
 def test_crossing_and_t_quantile():
     assert gate.samples_to_target([(0, 5.0), (10, 3.0)], 4.0) == pytest.approx(5.0)
     assert gate.samples_to_target([(0, 3.0), (10, 2.0)], 4.0) == 0.0
