@@ -326,22 +326,11 @@ def parse_inner(text: str) -> dict[str, str]:
                 f"{name}: not a recipe whose inner optimizer is open (those are "
                 f"{', '.join(open_ones)})"
             )
-        offered = _searched_optimizers(recipe)
+        offered = recipe.searched("optimizer.name")
         if optimizer not in offered:
             raise ValueError(f"{name}={optimizer}: its search space offers {', '.join(offered)}")
         inner[name] = optimizer
     return inner
-
-
-def _searched_optimizers(recipe) -> list[str]:
-    """The optimizer names recipe's search space draws from (its own first)."""
-    names = [recipe.optimizer]
-    for key, values in recipe.search_space.items():
-        fields = key.split(",")
-        if "optimizer.name" in fields:
-            index = fields.index("optimizer.name")
-            names += [v[index] for v in values if v[index] not in names]
-    return names
 
 
 def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:

@@ -91,6 +91,19 @@ class Recipe:
         """The pretraining config overrides (``section.field=value``) that select it."""
         return [f"{key}={_override_value(value)}" for key, value in self.fields().items()]
 
+    def searched(self, key: str) -> list[Any]:
+        """The values the recipe may run ``key`` at: its own (when it fixes one) first, then
+        those its search space tries, each once."""
+        own = self.fields().get(key)
+        values = [] if own is None else [own]
+        for axis, points in self.search_space.items():
+            if key in search_fields(axis):
+                for point in points:
+                    value = search_point(axis, point)[key]
+                    if value not in values:
+                        values.append(value)
+        return values
+
     @property
     def node_hierarchy(self) -> bool:
         """Runs with ``comm.hierarchy: node`` (needs more than one rank per node)."""

@@ -51,7 +51,7 @@ from pipeline.gate import samples_to_target
 from pipeline.stats import mean_std, t_quantile, welch_t_test
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
-from pipeline.timing import inner_optimizer, load_netem, modelled_seconds, speeds
+from pipeline.timing import inner_optimizer, load_netem, modelled_seconds, rounds_of, speeds
 from pipeline.tuning import load_tuning, tuning_lines
 from pretrain import outputs as pretrain_outputs
 
@@ -136,7 +136,7 @@ def check_netem_setting(run: dict, netem: dict | None) -> None:
     if recipe.measure != "local_steps" or not speeds(netem, key, run["world_size"]):
         return
     where = run["pretrain_dir"]
-    tau = (netem.get("outer_every_by_recipe") or {}).get(key, netem.get("outer_every"))
+    tau = rounds_of(netem, key)
     if run.get("outer_every") is not None and tau != run["outer_every"]:
         raise ValueError(
             f"{run['name']} ({where}) runs rounds of {run['outer_every']} steps but the netem "

@@ -22,7 +22,7 @@ table must agree on them. The per-recipe rounds (``outer_every_by_recipe``) and 
 optimizers (``inner_by_recipe``) must agree for every recipe both files measured."""
 
 
-def _rounds(netem: dict, recipe: str) -> int | None:
+def rounds_of(netem: dict, recipe: str) -> int | None:
     """The local steps per round the file measured ``recipe`` at."""
     return (netem.get("outer_every_by_recipe") or {}).get(recipe, netem.get("outer_every"))
 
@@ -71,7 +71,7 @@ def load_netem(paths: list[str]) -> dict | None:
                         "recipe at each point"
                     )
                 measured[key] = str(path)
-                tau = _rounds(netem, recipe)
+                tau = rounds_of(netem, recipe)
                 if recipe in rounds and rounds[recipe][0] != tau:
                     raise ValueError(
                         f"--netem {path}: {recipe} runs rounds of {tau} steps but "

@@ -147,3 +147,18 @@ def test_a_registered_recipe_is_measured_and_recorded(monkeypatch):
                               warmup_steps=2)  # fmt: skip
     optimizer, comm = netem_runs.variant("adamw_powersgd", args)
     assert optimizer == "adamw" and comm["compression"] == {"grad": "powersgd"}
+
+
+def test_searched_gives_the_recipes_own_value_then_its_search_space():
+    assert get_recipe("slowmo_node").searched("optimizer.name") == ["lamb", "adamw"]
+    assert get_recipe("slowmo_node").searched("optimizer.lr") == [
+        0.005,
+        0.01,
+        0.02,
+        0.001,
+        0.002,
+        0.003,
+    ]
+    assert get_recipe("lamb").searched("optimizer.name") == ["lamb"]
+    assert get_recipe("lamb").searched("strategy.outer_every") == []
+    assert get_recipe("co2").searched("strategy.outer_every") == [4, 8, 16]
