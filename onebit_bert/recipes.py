@@ -235,6 +235,11 @@ def check_recipe(name: str, config: Mapping) -> None:
 
 
 LR = "optimizer.lr"
+"""Every recipe searches its learning rate. The 1-bit family (1-bit LAMB, 1-bit Adam, 0/1
+Adam and their variants) does not search its freeze step: the parity protocol fixes it by
+a rule before any run (the recipe's fraction of the run, ``optimizer.freeze_step`` in the
+base config), and its sensitivity is reported apart (docs/guide/parity.md), so that no
+headline result depends on a freeze step picked from results."""
 _LAMB_LRS = (0.005, 0.01, 0.02)
 _ADAM_LRS = (0.001, 0.002, 0.003)
 _SGD_LRS = (0.1, 0.3, 1.0)
@@ -243,6 +248,16 @@ _INNER = "optimizer.name,optimizer.lr"
 _LAMB_OR_ADAMW = (*(("lamb", lr) for lr in _LAMB_LRS), *(("adamw", lr) for lr in _ADAM_LRS))
 """The inner optimizer of local steps, each at its own learning rates: the papers of
 SlowMo, CO2 and DiLoCo run AdamW (or Adam) inside, the flat recipes here LAMB."""
+_SLOWMO_BETAS = (0.0, 0.2, 0.5)
+"""SlowMo's slow momentum: fairseq's rule for up to 16 workers (0), fairscale's suggestion
+at 4 nodes (0.2) and the earlier hand-picked comparison's 0.5; alpha stays at the paper's
+1 ("consistently best"), so the effective outer step alpha / (1 - beta) runs from 1 to 2."""
+_CO2_PENALTIES = (0.0, 1.0)
+"""CO2's staleness-gap penalty lambda: off, or the default (a stale update scaled by 1/2 at
+the anchor's typical move)."""
+_GRAPHS = ("ring", "exponential")
+"""DmSGD's communication graph (DecentLaM runs the ring only: its momentum diverges on the
+directed exponential graph at beta 0.9, which the strategy refuses)."""
 _DILOCO_OUTER_LRS = (0.1, 0.3, 0.7)
 """The paper's 0.7 and below: at rounds of 8 steps, 0.7 with Nesterov momentum 0.9 kept
 DiLoCo on the unigram plateau where 0.1 trained
@@ -263,10 +278,12 @@ for _recipe in (
            search_space={LR: _ADAM_LRS},
            summary="0/1 Adam: variance freezing, 1-bit syncs and local steps"),
     Recipe("co2", "CO2", "lamb", "co2", measure="local_steps",
-           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
+           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS,
+                         "strategy.gap_penalty": _CO2_PENALTIES},
            summary="local LAMB steps, a one-round-stale outer average overlapped"),
     Recipe("slowmo", "SlowMo", "lamb", "slowmo", measure="local_steps",
-           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
+           search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS,
+                         "strategy.outer_momentum": _SLOWMO_BETAS},
            summary="local LAMB steps, an exact average and a slow momentum step"),
     Recipe("local_sgd", "local SGD", "lamb", "local_sgd", measure="local_steps",
            search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
@@ -316,7 +333,7 @@ for _recipe in (
            search_space={LR: _SGD_LRS},
            summary="momentum SGD with gossip over a graph, DecentLaM's correction"),
     Recipe("dmsgd", "DmSGD", "sgd", "dmsgd", measure="decentralized",
-           search_space={LR: _SGD_LRS},
+           search_space={LR: _SGD_LRS, "strategy.topology": _GRAPHS},
            summary="decentralised momentum SGD with gossip over a graph"),
     Recipe("hybrid_onebit_lamb", "hybrid 1-bit LAMB", "onebit_lamb", measure="onebit",
            settings={"comm.compression.grad": "int8"}, search_space={LR: _LAMB_LRS},

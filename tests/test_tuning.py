@@ -4,6 +4,7 @@ synthetic loss curves, and the budget check."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,41 @@ def test_a_bad_joint_axis_or_a_searched_optimizer_that_is_not_open_is_refused():
 def test_every_registered_recipe_can_be_given_three_trials():
     for name in RECIPES:
         assert len(trials(get_recipe(name), 3)) == 3
+
+
+def test_every_grid_point_of_every_recipe_loads_in_the_parity_regime():
+    """What the tuner checks before its first run, for every point it could draw: the
+    parity config with the recipe's and the point's overrides loads, the searched fields
+    take the point's values, and a searched graph runs on the regime's 4 ranks."""
+    from onebit_bert.config import load_config
+    from onebit_bert.distributed.topology import check_decentlam, check_topology
+    from pretrain.config import PretrainConfig
+
+    base = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "parity.yaml"
+    for name, recipe in RECIPES.items():
+        for point in grid(recipe):
+            overrides = [*recipe.overrides(), f"recipe={name}",
+                         *(f"{k}={v}" for k, v in point.items())]  # fmt: skip
+            cfg = load_config(PretrainConfig, base, overrides)
+            for key, value in point.items():
+                section, field_name = key.split(".")
+                assert getattr(getattr(cfg, section), field_name) == value, (name, key)
+            if recipe.measure == "decentralized":
+                topology = cfg.strategy.topology or "ring"
+                check_topology(topology, 4)
+                if recipe.strategy == "decentlam":
+                    check_decentlam(topology, 4, cfg.optimizer.betas[0])
+
+
+def test_the_flat_local_step_recipes_and_dmsgd_search_the_issue_axes():
+    """SlowMo searches its slow momentum, CO2 its staleness penalty (on and off), DmSGD
+    its graph, each beside the learning rate (and tau for local steps)."""
+    axes = {name: set(get_recipe(name).search_space) for name in ("slowmo", "co2", "dmsgd")}
+    assert axes["slowmo"] == {"optimizer.lr", "strategy.outer_every", "strategy.outer_momentum"}
+    assert axes["co2"] == {"optimizer.lr", "strategy.outer_every", "strategy.gap_penalty"}
+    assert axes["dmsgd"] == {"optimizer.lr", "strategy.topology"}
+    assert {p["strategy.outer_momentum"] for p in grid(get_recipe("slowmo"))} == {0.0, 0.2, 0.5}
+    assert {p["strategy.gap_penalty"] for p in grid(get_recipe("co2"))} == {0.0, 1.0}
 
 
 def test_rungs_double_up_to_the_run_length():
