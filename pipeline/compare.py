@@ -51,7 +51,15 @@ from pipeline.gate import samples_to_target
 from pipeline.stats import mean_std, t_quantile, welch_t_test
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
-from pipeline.timing import inner_optimizer, load_netem, modelled_seconds, rounds_of, speeds
+from pipeline.timing import (
+    infer_stage_steps,
+    inner_optimizer,
+    load_netem,
+    rounds_of,
+    seconds_for,
+    speeds,
+    stage_steps,
+)
 from pipeline.tuning import load_tuning, tuning_lines
 from pretrain import outputs as pretrain_outputs
 
@@ -191,7 +199,9 @@ def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
         k: _value_at_step({s: v.get(k, 0) for s, v in run["bytes_by_kind_at"].items()}, step)
         for k in sorted(kinds)
     }
-    out["seconds"] = {f"{bw:g}": modelled_seconds(run, step, sp) for bw, sp in measured.items()}
+    split = stage_steps(run, step)
+    out["stage_steps"] = split
+    out["seconds"] = {f"{bw:g}": seconds_for(split, batch, sp) for bw, sp in measured.items()}
     out["measured_bandwidths"] = sorted(measured)
     return out
 
@@ -335,17 +345,17 @@ def curve(run: dict, netem: dict | None) -> list[dict]:
     report that carries this run (``--prior``) plots without its run directory."""
     batch = run["global_batch_size"]
     measured = speeds(netem, run["strategy"], run["world_size"])
-    return [
-        {
+    points = []
+    for samples, loss in run["val_loss"]:
+        split = stage_steps(run, samples / batch)
+        points.append({
             "samples": samples,
             "val_mlm_loss": loss,
             "bytes": run["bytes_at"].get(round(samples / batch), 0),
-            "seconds": {
-                f"{bw:g}": modelled_seconds(run, samples / batch, sp) for bw, sp in measured.items()
-            },
-        }
-        for samples, loss in run["val_loss"]
-    ]
+            "stage_steps": split,
+            "seconds": {f"{bw:g}": seconds_for(split, batch, sp) for bw, sp in measured.items()},
+        })  # fmt: skip
+    return points
 
 
 def load_prior(path: str | Path) -> dict:
@@ -420,6 +430,96 @@ def check_prior_netem(prior: list[dict], netem_paths: list[str]) -> None:
             )
 
 
+def retime(prior: list[dict], netem: dict | None) -> None:
+    """Re-time the carried runs with this report's netem table (``--retime``: one sweep
+    that measured every recipe together, say). A record's time is its steps per stage at
+    the new speeds: the stage counts it stored, else those that reproduce its stored times
+    from the carried report's own netem files (:func:`pipeline.timing.infer_stage_steps`;
+    a record whose times they do not reproduce is refused). Each run gets ``retimed``:
+    true, or false where its stages cannot be recovered (0/1 Adam's kinds of step from an
+    older record) and its times are dropped."""
+    for p in prior:
+        try:
+            old = load_netem(p["netem"]) if p["netem"] else None
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"--prior {p['path']} modelled its times with {', '.join(p['netem'])}, and "
+                f"re-timing needs them to recover each run's steps per stage ({err}); run "
+                "from the directory those paths are relative to"
+            ) from err
+        for run in p["runs"]:
+            _check_same_setting(p["path"], run, old, netem)
+            old_speeds = speeds(old, run["strategy"], run["world_size"])
+            new_speeds = speeds(netem, run["strategy"], run["world_size"])
+            batch = run["global_batch_size"]
+            retimed = True
+
+            block = dict(run["time_to_target"])
+            if block.get("reached"):
+                split = _steps_per_stage(block, block["steps"], run, p, old_speeds)
+                retimed = split is not None
+                block["stage_steps"] = split
+                block["seconds"] = {f"{bw:g}": seconds_for(split, batch, sp)
+                                    for bw, sp in new_speeds.items()} if split else {}  # fmt: skip
+            block["measured_bandwidths"] = sorted(new_speeds) if retimed else []
+            run["time_to_target"] = block
+            if run.get("curve"):
+                points = []
+                for point in run["curve"]:
+                    split = _steps_per_stage(point, point["samples"] / batch, run, p, old_speeds)
+                    retimed = retimed and split is not None
+                    seconds = {f"{bw:g}": seconds_for(split, batch, sp)
+                               for bw, sp in new_speeds.items()} if split else {}  # fmt: skip
+                    points.append({**point, "stage_steps": split, "seconds": seconds})
+                run["curve"] = points
+            run["retimed"] = retimed
+
+
+def _steps_per_stage(block: dict, steps: float, run: dict, prior: dict,
+                     old_speeds: dict) -> dict | None:  # fmt: skip
+    """A carried time block's (``time_to_target`` or a curve point) steps per stage: stored,
+    or recovered from its stored times at the carried report's speeds; None when they
+    cannot be recovered."""
+    if block.get("stage_steps"):
+        return block["stage_steps"]
+    single = _single_stage(run["strategy"])
+    if not block.get("seconds"):  # the old table had no speed for it
+        return {"default": steps} if single else None
+    found = infer_stage_steps(steps, block["seconds"], old_speeds, run["global_batch_size"])
+    if found is None and single:
+        raise ValueError(
+            f"--prior {prior['path']}: {run['name']} seed {run['seed']}'s stored times are "
+            f"not {steps:g} steps at the speeds of {prior['netem']}: re-time only with the "
+            "netem files that report was made with"
+        )
+    return found
+
+
+def _single_stage(key: str) -> bool:
+    """Every step of the recipe runs at one speed (no warmup or kinds of step)."""
+    name = key.partition(":")[0].partition("/")[0]
+    return name in RECIPES and get_recipe(name).measure not in ("onebit", "zero_one_adam")
+
+
+def _check_same_setting(where: str, run: dict, old: dict | None, new: dict | None) -> None:
+    """A local-step run re-timed at another round length or inner optimizer than it was
+    measured at would take another recipe's time."""
+    name = run["strategy"].partition(":")[0].partition("/")[0]
+    if old is None or new is None or name not in RECIPES:
+        return
+    if get_recipe(name).measure != "local_steps" or not speeds(new, name, run["world_size"]):
+        return
+    was = (rounds_of(old, name), inner_optimizer(old, name))
+    now = (rounds_of(new, name), inner_optimizer(new, name))
+    if was != now:
+        raise ValueError(
+            f"--prior {where}: {name} was measured with rounds of {was[0]} steps and "
+            f"{was[1] or 'its own'} inside, the new netem table has {now[0]} and "
+            f"{now[1] or 'its own'}; measure it as before (bench.netem --outer-every "
+            f"...,{name}={was[0]}{f' --inner {name}={was[1]}' if was[1] else ''})"
+        )
+
+
 def _run_record(run: dict) -> dict:
     if "carried_from" in run:
         keep = {k: v for k, v in run.items() if k not in ("val_loss", "finetune")}
@@ -458,6 +558,7 @@ def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
             "how": "sum over steps up to the crossing of global batch / measured samples/s of "
             "the strategy in that step's stage, at each bandwidth, on the run's number of ranks",
             "netem": netem_paths,
+            "carried_runs_retimed": bool(data.get("retimed")),
             "netem_model": None if netem is None else netem.get("model"),
             "netem_seq_length": None if netem is None else netem.get("seq_length"),
         },
@@ -699,11 +800,26 @@ def _prior_lines(data: dict) -> list[str]:
     if not data["prior"]:
         return []
     carried = "; ".join(f"`{p['path']}`: {', '.join(p['names'])}" for p in data["prior"])
-    lines = [
-        f"Carried from earlier reports ({carried}): their figures are as those reports "
-        "measured them, against the same target and netem files; their run directories "
-        "were not read, and they carry no fine-tuning."
-    ]
+    if data.get("retimed"):
+        lines = [
+            f"Carried from earlier reports ({carried}): their figures are as those reports "
+            "measured them, against the same target, except their modelled times, which are "
+            "re-timed with this report's netem files (each record's steps per stage, stored "
+            "or recovered from the times it was given by its own netem files, at the new "
+            "speeds); their run directories were not read, and they carry no fine-tuning."
+        ]
+        lost = sorted({r["name"] for r in data["runs"] if r.get("retimed") is False})
+        if lost:
+            lines[0] += (
+                f" Records whose steps per stage could not be recovered ({', '.join(lost)}) "
+                "have no modelled time."
+            )
+    else:
+        lines = [
+            f"Carried from earlier reports ({carried}): their figures are as those reports "
+            "measured them, against the same target and netem files; their run directories "
+            "were not read, and they carry no fine-tuning."
+        ]
     flat = sorted({r["name"] for r in data["runs"] if "carried_from" in r and not r.get("curve")})
     if flat:
         lines[0] += (
@@ -753,23 +869,32 @@ def write_report(
     tuning_paths: list[str] | None = None,
     allow_unequal_budgets: bool = False,
     prior_paths: list[str] | None = None,
+    retime_prior: bool = False,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
     records (:mod:`pipeline.tuning`), refused when their budgets differ unless
     ``allow_unequal_budgets``. ``prior_paths``: earlier reports whose runs (and tuning
-    records) join this one as measured (:func:`load_prior`)."""
+    records) join this one as measured (:func:`load_prior`), with their times as measured
+    unless ``retime_prior`` (:func:`retime`: with this report's netem files instead of
+    theirs)."""
     from pipeline.compare_plots import write_figures
 
     if isinstance(netem_paths, str):
         netem_paths = [netem_paths]
     netem_paths = list(netem_paths or [])
     prior = [load_prior(path) for path in prior_paths or []]
-    check_prior_netem(prior, netem_paths)
+    if retime_prior and not prior:
+        raise ValueError("re-timing (--retime) needs an earlier report to carry (--prior)")
+    if not retime_prior:
+        check_prior_netem(prior, netem_paths)
     netem = load_netem(netem_paths)
+    if retime_prior:
+        retime(prior, netem)
     carried_tuning = [record for p in prior for record in p["tuning"].values()]
     tuning = load_tuning(list(tuning_paths or []), allow_unequal_budgets, carried_tuning)
     data = build(list(run_specs or []), netem, target_loss, prior)
+    data["retimed"] = retime_prior
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_figures(data, out, PLOT_BANDWIDTHS)
@@ -806,6 +931,13 @@ def main(argv: list[str] | None = None) -> int:
         "directories are gone. Its runs come first: its first name is the reference",
     )
     parser.add_argument(
+        "--retime",
+        action="store_true",
+        help="with --prior: model the carried runs' times with this report's --netem files "
+        "instead of the earlier report's (say, one sweep that measured every recipe "
+        "together); the earlier netem files must still be readable at their recorded paths",
+    )
+    parser.add_argument(
         "--netem",
         action="append",
         help="a bench.netem netem.json with measured speeds; repeat to merge sweeps of the "
@@ -829,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give runs (--run NAME=PRETRAIN[:FINETUNE]) or an earlier report (--prior)")
     try:
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
-                     args.allow_unequal_budgets, args.prior)  # fmt: skip
+                     args.allow_unequal_budgets, args.prior, args.retime)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -135,16 +135,71 @@ def speeds(netem: dict | None, key: str | None, world: int | None) -> dict[float
     return out
 
 
+def stage_steps(run: dict, upto_step: float) -> dict[str, float]:
+    """Steps per stage up to ``upto_step`` (a fractional last step counts its fraction);
+    steps that log no stage count under ``default``."""
+    counts: dict[str, float] = {}
+    whole = math.floor(upto_step)
+    for step in range(1, whole + 1):
+        stage = run["stages"].get(step) or "default"
+        counts[stage] = counts.get(stage, 0) + 1
+    if upto_step > whole:
+        stage = run["stages"].get(whole + 1) or "default"
+        counts[stage] = counts.get(stage, 0) + (upto_step - whole)
+    return counts
+
+
+def seconds_for(steps_by_stage: dict[str, float], batch: int, speed: dict) -> float:
+    """Seconds to train ``steps_by_stage`` (:func:`stage_steps`) at ``speed`` (one
+    bandwidth's entry of :func:`speeds`): a stage the benchmark did not measure runs at its
+    ``default`` speed."""
+    return sum(
+        n * batch / speed.get(stage, speed["default"])
+        for stage, n in sorted(steps_by_stage.items())
+    )
+
+
 def modelled_seconds(run: dict, upto_step: float, speed: dict) -> float:
     """Seconds to train ``upto_step`` steps (fractional last step) at the measured speed of
     each step's stage."""
-    batch = run["global_batch_size"]
-    total = 0.0
-    whole = math.floor(upto_step)
-    for step in range(1, whole + 1):
-        total += batch / speed.get(run["stages"].get(step), speed["default"])
-    if upto_step > whole:
-        total += (
-            (upto_step - whole) * batch / speed.get(run["stages"].get(whole + 1), speed["default"])
+    return seconds_for(stage_steps(run, upto_step), run["global_batch_size"], speed)
+
+
+def infer_stage_steps(
+    steps: float, seconds: dict[str, float], measured: dict[float, dict], batch: int
+) -> dict[str, float] | None:
+    """The steps per stage that reproduce modelled ``seconds`` (bandwidth as text -> s) from
+    the speeds that produced them (``measured``: :func:`speeds` of the same netem files), for
+    a record that kept its times but not its stages: every step at the default speed, or a
+    warmup and a compression stage (the 1-bit recipes) whose split is solved at one
+    bandwidth and checked at every other (two or more needed). None when neither
+    reproduces every stored time to a relative 1e-6."""
+    points = [(float(bw), value) for bw, value in seconds.items()]
+    if not points or any(bw not in measured for bw, _ in points):
+        return None
+
+    def fits(split: dict[str, float]) -> bool:
+        return all(
+            math.isclose(seconds_for(split, batch, measured[bw]), value, rel_tol=1e-6)
+            for bw, value in points
         )
-    return total
+
+    if fits({"default": steps}):
+        return {"default": steps}
+    if len(points) < 2 or any("warmup" not in measured[bw] for bw, _ in points):
+        return None
+
+    def gap(bw: float) -> float:
+        return 1 / measured[bw]["warmup"] - 1 / measured[bw]["compression"]
+
+    bw, value = max(points, key=lambda point: abs(gap(point[0])))
+    if gap(bw) == 0:
+        return None
+    warmup = (value / batch - steps / measured[bw]["compression"]) / gap(bw)
+    if not -1e-6 <= warmup <= steps + 1e-6:
+        return None
+    warmup = min(max(warmup, 0.0), steps)
+    if abs(warmup - round(warmup)) < 1e-6:
+        warmup = float(round(warmup))
+    split = {"warmup": warmup, "compression": steps - warmup}
+    return split if fits(split) else None

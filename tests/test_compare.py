@@ -497,3 +497,99 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
         compare.write_report(runs[4:], tmp_path / "x", prior_paths=[tmp_path / "parity.json"])
     assert compare.main(["--prior", str(tmp_path / "nothing.json"), "--out",
                          str(tmp_path / "x")]) == 2  # fmt: skip
+
+
+def test_stage_steps_are_recovered_from_stored_times_or_refused():
+    """A record that kept its times but not its stages: one speed, or a 1-bit warmup and
+    compression split solved at one bandwidth and checked at the other."""
+    measured = {25.0: {"default": 50.0, "warmup": 10.0, "compression": 50.0},
+                10000.0: {"default": 400.0, "warmup": 200.0, "compression": 400.0}}  # fmt: skip
+    run = {"global_batch_size": BATCH, "stages": {s: "warmup" if s <= 7 else "compression"
+                                                 for s in range(1, 31)}}  # fmt: skip
+    split = timing.stage_steps(run, 20.5)
+    assert split == {"warmup": 7, "compression": 13.5}
+    seconds = {f"{bw:g}": timing.modelled_seconds(run, 20.5, sp) for bw, sp in measured.items()}
+    assert seconds["25"] == pytest.approx(7 * 10 + 13.5 * 2)
+    assert timing.infer_stage_steps(20.5, seconds, measured, BATCH) == split
+    # still in the warmup at the crossing
+    early = {f"{bw:g}": timing.modelled_seconds(run, 5.5, sp) for bw, sp in measured.items()}
+    assert timing.infer_stage_steps(5.5, early, measured, BATCH) == {"warmup": 5.5,
+                                                                    "compression": 0.0}  # fmt: skip
+    # one speed
+    flat = {f"{bw:g}": 20.5 * BATCH / sp["default"] for bw, sp in measured.items()}
+    assert timing.infer_stage_steps(20.5, flat, measured, BATCH) == {"default": 20.5}
+    # times no split reproduces at both bandwidths, one bandwidth only, an unmeasured one
+    wrong = {**seconds, "10000": seconds["10000"] * 1.01}
+    assert timing.infer_stage_steps(20.5, wrong, measured, BATCH) is None
+    assert timing.infer_stage_steps(20.5, {"25": seconds["25"]}, measured, BATCH) is None
+    assert timing.infer_stage_steps(20.5, {"100": 3.0}, measured, BATCH) is None
+
+
+def test_carried_runs_are_retimed_with_a_new_sweep(runs, netem, tmp_path):
+    """--prior --retime: carried records, even ones that kept no stages, get the times a
+    report built from their run directories gets with the new netem file; a run measured
+    at another setting, or whose stored times its own netem files do not give, is refused."""
+    runs = [spec.rsplit(":", 1)[0] for spec in runs]
+    compare.write_report(runs[:4], tmp_path / "earlier", str(netem))
+    earlier = json.loads((tmp_path / "earlier" / "report.json").read_text())
+    for record in earlier["runs"]:  # as records from before stages were stored
+        record["time_to_target"].pop("stage_steps", None)
+        for point in record["curve"]:
+            point.pop("stage_steps")
+    prior = tmp_path / "earlier.json"
+    prior.write_text(json.dumps(earlier))
+    sweep = json.loads(netem.read_text())
+    for row in sweep["results"]:  # another sweep: every speed changed, the warmup's most
+        for entry in row["runs"].values():
+            entry["samples_per_s"] *= 1.5
+            if "warmup" in entry:
+                entry["warmup"]["samples_per_s"] *= 3.0
+    new = tmp_path / "joint.json"
+    new.write_text(json.dumps(sweep))
+
+    retimed = compare.write_report(runs[4:], tmp_path / "retimed", str(new),
+                                   prior_paths=[str(prior)], retime_prior=True)  # fmt: skip
+    direct = compare.write_report(runs, tmp_path / "direct", str(new))
+
+    def times(report):
+        out = {}
+        for r in report["runs"]:
+            for i, block in enumerate([r["time_to_target"], *r["curve"]]):
+                for bw, value in block["seconds"].items():
+                    out[(r["name"], r["seed"], i, bw)] = value
+        return out
+
+    assert times(retimed) == pytest.approx(times(direct)) and len(times(direct)) == 30
+    onebit = next(r for r in retimed["runs"] if r["name"] == "onebit")
+    assert onebit["retimed"] is True
+    assert onebit["time_to_target"]["stage_steps"] == {"warmup": 2, "compression": 3}
+    # 2 warmup steps at 30 samples/s, 3 compression steps at 75 (25 Mbit/s)
+    assert onebit["time_to_target"]["seconds"]["25"] == pytest.approx(2 * 100 / 30 + 3 * 100 / 75)
+    assert retimed["winners"] == direct["winners"]
+    assert retimed["time_model"]["carried_runs_retimed"] is True
+    assert "re-timed with this report's netem files" in (
+        tmp_path / "retimed" / "report.md").read_text()  # fmt: skip
+    # without --retime the earlier report's netem files are required, as before
+    with pytest.raises(ValueError, match="pass the same file"):
+        compare.write_report(runs[4:], tmp_path / "x", str(new), prior_paths=[str(prior)])
+    # stored times that the earlier netem files do not give
+    bad = json.loads(prior.read_text())
+    bad["runs"][0]["time_to_target"]["seconds"]["25"] *= 2
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="stored times are not"):
+        compare.write_report(runs[4:], tmp_path / "x", str(new), retime_prior=True,
+                             prior_paths=[str(tmp_path / "bad.json")])  # fmt: skip
+    with pytest.raises(ValueError, match="needs an earlier report"):
+        compare.write_report(runs, tmp_path / "x", str(new), retime_prior=True)
+
+
+def test_retiming_refuses_a_local_step_recipe_measured_at_another_round_length(tmp_path):
+    old = {"outer_every": 4, "outer_every_by_recipe": {"slowmo_node": 8},
+           "inner_by_recipe": {"slowmo_node": "adamw"},
+           "results": [{"bandwidth_mbit": 25, "world_size": 4,
+                        "runs": {"slowmo_node": {"samples_per_s": 20.0}}}]}  # fmt: skip
+    run = {"name": "slowmo_node", "strategy": "slowmo_node", "world_size": 4}
+    compare._check_same_setting("old.json", run, old, old)  # the same setting: fine
+    new = {**old, "outer_every_by_recipe": {}}
+    with pytest.raises(ValueError, match="rounds of 8 steps and adamw inside.*has 4"):
+        compare._check_same_setting("old.json", run, old, new)
