@@ -633,8 +633,9 @@ def winners(data: dict) -> list[dict]:
     """Per measured bandwidth, the strategy that reaches the target first in modelled time
     (mean over its seeds that reached it) and how sure that is: its seeds at target, the
     runner-up, and Welch's two-sided p for their per-seed times (both with two or more
-    seeds at target; otherwise no test). Strategies without a measured speed at that
-    bandwidth are left out; those that never reached the target are listed as such."""
+    seeds at target; otherwise no test). Strategies that never reached the target are
+    listed as such (measured there or not); those that did but have no measured speed at
+    that bandwidth are left out, listed as not measured."""
     bandwidths = sorted(
         {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
     )
@@ -644,14 +645,14 @@ def winners(data: dict) -> list[dict]:
         timed, missed, unmeasured = [], [], []
         for arm in data["arms"]:
             seeds = arm["seeds"]
+            if not any(r["time_to_target"]["reached"] for r in seeds):
+                missed.append(arm["name"])  # whether or not its speed was measured
+                continue
             if not any(bw in r["time_to_target"]["measured_bandwidths"] for r in seeds):
                 unmeasured.append(arm["name"])
                 continue
             times = [r["time_to_target"]["seconds"][key] for r in seeds
                      if r["time_to_target"]["reached"]]  # fmt: skip
-            if not times:
-                missed.append(arm["name"])
-                continue
             timed.append({"name": arm["name"], "seconds": times, "seeds": len(seeds),
                           "mean": sum(times) / len(times)})  # fmt: skip
         timed.sort(key=lambda t: t["mean"])

@@ -155,13 +155,15 @@ def test_report_content(runs, netem, tmp_path):
     assert loss["lamb"]["mean"] == pytest.approx(4.2)
 
     # per bandwidth, the first to the target: 1-bit LAMB (26 s against LAMB's two seeds
-    # at target, 46.7 s and 60 s); one seed of it, so no test; co2 has no measured speed
+    # at target, 46.7 s and 60 s); one seed of it, so no test; co2 never reaches the
+    # target (and has no measured speed, which it does not need)
     first = {w["bandwidth_mbit"]: w for w in report["winners"]}
     assert sorted(first) == [25, 10000]
     assert first[25]["winner"] == "onebit" and first[10000]["winner"] == "onebit"
     assert [t["name"] for t in first[25]["ranking"]] == ["onebit", "lamb"]
     assert first[25]["ranking"][1]["seconds"] == pytest.approx([step * BATCH / 10.0, 60.0])
-    assert first[25]["p_vs_runner_up"] is None and first[25]["not_measured"] == ["co2"]
+    assert first[25]["p_vs_runner_up"] is None and first[25]["not_reached"] == ["co2"]
+    assert first[25]["not_measured"] == []
 
     text = (out / "report.md").read_text()
     assert "## Which strategy reaches the target first" in text
@@ -427,14 +429,21 @@ def test_the_first_to_the_target_is_tested_against_the_second():
             {"name": "slow", "seeds": [run(30.0), run(32.0), run(None)]},
             {"name": "fast", "seeds": [run(10.0), run(11.0)]},
             {"name": "never", "seeds": [run(None)]},
-            {"name": "unmeasured", "seeds": [run(None, bandwidths=())]},
+            {
+                "name": "unmeasured",
+                "seeds": [
+                    {"time_to_target": {"reached": True, "measured_bandwidths": [], "seconds": {}}}
+                ],
+            },
+            {"name": "never, unmeasured", "seeds": [run(None, bandwidths=())]},
         ],
     }
     (row,) = compare.winners(data)
     assert row["winner"] == "fast" and [t["name"] for t in row["ranking"]] == ["fast", "slow"]
     assert row["ranking"][1]["seeds"] == 3 and row["ranking"][1]["seconds"] == [30.0, 32.0]
     assert 0 < row["p_vs_runner_up"] < 0.05
-    assert row["not_reached"] == ["never"] and row["not_measured"] == ["unmeasured"]
+    assert row["not_reached"] == ["never", "never, unmeasured"]
+    assert row["not_measured"] == ["unmeasured"]
 
 
 def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path):
