@@ -495,16 +495,16 @@ def _steps_per_stage(block: dict, steps: float, run: dict, prior: dict,
     return found
 
 
-def _single_stage(key: str) -> bool:
+def _single_stage(key: str | None) -> bool:
     """Every step of the recipe runs at one speed (no warmup or kinds of step)."""
-    name = key.partition(":")[0].partition("/")[0]
+    name = (key or "").partition(":")[0].partition("/")[0]
     return name in RECIPES and get_recipe(name).measure not in ("onebit", "zero_one_adam")
 
 
 def _check_same_setting(where: str, run: dict, old: dict | None, new: dict | None) -> None:
     """A local-step run re-timed at another round length or inner optimizer than it was
     measured at would take another recipe's time."""
-    name = run["strategy"].partition(":")[0].partition("/")[0]
+    name = (run["strategy"] or "").partition(":")[0].partition("/")[0]
     if old is None or new is None or name not in RECIPES:
         return
     if get_recipe(name).measure != "local_steps" or not speeds(new, name, run["world_size"]):

@@ -599,6 +599,9 @@ def test_retiming_refuses_a_local_step_recipe_measured_at_another_round_length(t
                         "runs": {"slowmo_node": {"samples_per_s": 20.0}}}]}  # fmt: skip
     run = {"name": "slowmo_node", "strategy": "slowmo_node", "world_size": 4}
     compare._check_same_setting("old.json", run, old, old)  # the same setting: fine
+    # a run no recipe describes has nothing to check and no known stages
+    compare._check_same_setting("old.json", {**run, "strategy": None}, old, old)
+    assert compare._single_stage(None) is False and compare._single_stage("slowmo_node")
     new = {**old, "outer_every_by_recipe": {}}
     with pytest.raises(ValueError, match="rounds of 8 steps and adamw inside.*has 4"):
         compare._check_same_setting("old.json", run, old, new)
