@@ -578,6 +578,10 @@ def test_carried_runs_are_retimed_with_a_new_sweep(runs, netem, tmp_path):
     assert retimed["time_model"]["carried_runs_retimed"] is True
     assert "re-timed with this report's netem files" in (
         tmp_path / "retimed" / "report.md").read_text()  # fmt: skip
+    argv = ["--prior", str(prior), "--netem", str(new), "--retime", "--out", str(tmp_path / "cli")]
+    assert compare.main([*argv, "--run", runs[4]]) == 0
+    cli = json.loads((tmp_path / "cli" / "report.json").read_text())
+    assert times(cli) == pytest.approx(times(direct))
     # without --retime the earlier report's netem files are required, as before
     with pytest.raises(ValueError, match="pass the same file"):
         compare.write_report(runs[4:], tmp_path / "x", str(new), prior_paths=[str(prior)])
