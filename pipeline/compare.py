@@ -56,7 +56,7 @@ from pipeline.timing import (
     inner_optimizer,
     load_netem,
     rounds_of,
-    seconds_for,
+    seconds_by_bandwidth,
     speeds,
     stage_steps,
 )
@@ -134,6 +134,12 @@ def load_run(spec: str) -> dict:
     return run
 
 
+def recipe_name(key: str | None) -> str:
+    """The recipe of a :func:`strategy_key` (``decentlam/ring`` -> ``decentlam``,
+    ``hybrid_onebit_lamb:int8`` -> ``hybrid_onebit_lamb``); empty for None."""
+    return (key or "").partition(":")[0].partition("/")[0]
+
+
 def check_netem_setting(run: dict, netem: dict | None) -> None:
     """A local-step run's modelled time is only its own when the benchmark measured its
     recipe at the run's round length and with the run's inner optimizer."""
@@ -199,9 +205,8 @@ def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
         k: _value_at_step({s: v.get(k, 0) for s, v in run["bytes_by_kind_at"].items()}, step)
         for k in sorted(kinds)
     }
-    split = stage_steps(run, step)
-    out["stage_steps"] = split
-    out["seconds"] = {f"{bw:g}": seconds_for(split, batch, sp) for bw, sp in measured.items()}
+    out["stage_steps"] = stage_steps(run, step)
+    out["seconds"] = seconds_by_bandwidth(out["stage_steps"], batch, measured)
     out["measured_bandwidths"] = sorted(measured)
     return out
 
@@ -353,7 +358,7 @@ def curve(run: dict, netem: dict | None) -> list[dict]:
             "val_mlm_loss": loss,
             "bytes": run["bytes_at"].get(round(samples / batch), 0),
             "stage_steps": split,
-            "seconds": {f"{bw:g}": seconds_for(split, batch, sp) for bw, sp in measured.items()},
+            "seconds": seconds_by_bandwidth(split, batch, measured),
         })  # fmt: skip
     return points
 
@@ -459,8 +464,7 @@ def retime(prior: list[dict], netem: dict | None) -> None:
                 split = _steps_per_stage(block, block["steps"], run, p, old_speeds)
                 retimed = split is not None
                 block["stage_steps"] = split
-                block["seconds"] = {f"{bw:g}": seconds_for(split, batch, sp)
-                                    for bw, sp in new_speeds.items()} if split else {}  # fmt: skip
+                block["seconds"] = seconds_by_bandwidth(split, batch, new_speeds)
             block["measured_bandwidths"] = sorted(new_speeds) if retimed else []
             run["time_to_target"] = block
             if run.get("curve"):
@@ -468,8 +472,7 @@ def retime(prior: list[dict], netem: dict | None) -> None:
                 for point in run["curve"]:
                     split = _steps_per_stage(point, point["samples"] / batch, run, p, old_speeds)
                     retimed = retimed and split is not None
-                    seconds = {f"{bw:g}": seconds_for(split, batch, sp)
-                               for bw, sp in new_speeds.items()} if split else {}  # fmt: skip
+                    seconds = seconds_by_bandwidth(split, batch, new_speeds)
                     points.append({**point, "stage_steps": split, "seconds": seconds})
                 run["curve"] = points
             run["retimed"] = retimed
@@ -497,14 +500,14 @@ def _steps_per_stage(block: dict, steps: float, run: dict, prior: dict,
 
 def _single_stage(key: str | None) -> bool:
     """Every step of the recipe runs at one speed (no warmup or kinds of step)."""
-    name = (key or "").partition(":")[0].partition("/")[0]
+    name = recipe_name(key)
     return name in RECIPES and get_recipe(name).measure not in ("onebit", "zero_one_adam")
 
 
 def _check_same_setting(where: str, run: dict, old: dict | None, new: dict | None) -> None:
     """A local-step run re-timed at another round length or inner optimizer than it was
     measured at would take another recipe's time."""
-    name = (run["strategy"] or "").partition(":")[0].partition("/")[0]
+    name = recipe_name(run["strategy"])
     if old is None or new is None or name not in RECIPES:
         return
     if get_recipe(name).measure != "local_steps" or not speeds(new, name, run["world_size"]):
@@ -801,26 +804,24 @@ def _prior_lines(data: dict) -> list[str]:
     if not data["prior"]:
         return []
     carried = "; ".join(f"`{p['path']}`: {', '.join(p['names'])}" for p in data["prior"])
-    if data.get("retimed"):
-        lines = [
-            f"Carried from earlier reports ({carried}): their figures are as those reports "
-            "measured them, against the same target, except their modelled times, which are "
-            "re-timed with this report's netem files (each record's steps per stage, stored "
-            "or recovered from the times it was given by its own netem files, at the new "
-            "speeds); their run directories were not read, and they carry no fine-tuning."
-        ]
-        lost = sorted({r["name"] for r in data["runs"] if r.get("retimed") is False})
-        if lost:
-            lines[0] += (
-                f" Records whose steps per stage could not be recovered ({', '.join(lost)}) "
-                "have no modelled time."
-            )
-    else:
-        lines = [
-            f"Carried from earlier reports ({carried}): their figures are as those reports "
-            "measured them, against the same target and netem files; their run directories "
-            "were not read, and they carry no fine-tuning."
-        ]
+    same = (
+        "against the same target, except their modelled times, which are re-timed with this "
+        "report's netem files (each record's steps per stage, stored or recovered from the "
+        "times it was given by its own netem files, at the new speeds)"
+        if data.get("retimed")
+        else "against the same target and netem files"
+    )
+    lines = [
+        f"Carried from earlier reports ({carried}): their figures are as those reports "
+        f"measured them, {same}; their run directories were not read, and they carry no "
+        "fine-tuning."
+    ]
+    lost = sorted({r["name"] for r in data["runs"] if r.get("retimed") is False})
+    if lost:
+        lines[0] += (
+            f" Records whose steps per stage could not be recovered ({', '.join(lost)}) "
+            "have no modelled time."
+        )
     flat = sorted({r["name"] for r in data["runs"] if "carried_from" in r and not r.get("curve")})
     if flat:
         lines[0] += (

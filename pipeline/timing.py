@@ -1,6 +1,7 @@
 """Modelled training time from measured speeds: a ``bench.netem`` JSON gives samples/s per
 strategy, stage and bandwidth on emulated links; a run's time to a step is the sum of its
-steps' global batch over the speed of each step's stage (:func:`modelled_seconds`)."""
+steps' global batch over the speed of each step's stage (:func:`stage_steps`,
+:func:`seconds_for`)."""
 
 from __future__ import annotations
 
@@ -159,10 +160,14 @@ def seconds_for(steps_by_stage: dict[str, float], batch: int, speed: dict) -> fl
     )
 
 
-def modelled_seconds(run: dict, upto_step: float, speed: dict) -> float:
-    """Seconds to train ``upto_step`` steps (fractional last step) at the measured speed of
-    each step's stage."""
-    return seconds_for(stage_steps(run, upto_step), run["global_batch_size"], speed)
+def seconds_by_bandwidth(
+    steps_by_stage: dict[str, float] | None, batch: int, measured: dict[float, dict]
+) -> dict[str, float]:
+    """:func:`seconds_for` at every bandwidth of ``measured`` (:func:`speeds`), keyed as
+    reports key them (``"25"``, ``"10000"``); empty when the stages are unknown (None)."""
+    if steps_by_stage is None:
+        return {}
+    return {f"{bw:g}": seconds_for(steps_by_stage, batch, sp) for bw, sp in measured.items()}
 
 
 def infer_stage_steps(

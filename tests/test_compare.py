@@ -517,11 +517,11 @@ def test_stage_steps_are_recovered_from_stored_times_or_refused():
                                                  for s in range(1, 31)}}  # fmt: skip
     split = timing.stage_steps(run, 20.5)
     assert split == {"warmup": 7, "compression": 13.5}
-    seconds = {f"{bw:g}": timing.modelled_seconds(run, 20.5, sp) for bw, sp in measured.items()}
+    seconds = timing.seconds_by_bandwidth(timing.stage_steps(run, 20.5), BATCH, measured)
     assert seconds["25"] == pytest.approx(7 * 10 + 13.5 * 2)
     assert timing.infer_stage_steps(20.5, seconds, measured, BATCH) == split
     # still in the warmup at the crossing
-    early = {f"{bw:g}": timing.modelled_seconds(run, 5.5, sp) for bw, sp in measured.items()}
+    early = timing.seconds_by_bandwidth(timing.stage_steps(run, 5.5), BATCH, measured)
     assert timing.infer_stage_steps(5.5, early, measured, BATCH) == {"warmup": 5.5,
                                                                     "compression": 0.0}  # fmt: skip
     # one speed
