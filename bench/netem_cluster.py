@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -174,6 +175,16 @@ def check_privileges() -> str | None:
 # ----------------------------------------------------------------------------- processes
 
 
+def _exit_status(code: int) -> str:
+    """``exit code 2`` or ``signal SIGABRT`` for a Popen return code."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
 def _launch(cmds: list[list[str]], envs: list[dict], logs: Path, timeout: float) -> None:
     """Start every command, wait for all; on a failure stop the others and raise."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -188,14 +199,17 @@ def _launch(cmds: list[list[str]], envs: list[dict], logs: Path, timeout: float)
             if failed:
                 i = failed[0]
                 tail = (logs / f"proc{i}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"process {i} ({' '.join(cmds[i][-4:])}) failed:\n{tail}")
+                raise RuntimeError(
+                    f"process {i} ({' '.join(cmds[i][-4:])}) failed with "
+                    f"{_exit_status(procs[i][0].returncode)}:\n{tail}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run did not finish within {timeout:.0f} s (logs: {logs})")
             time.sleep(0.2)
         for i, (p, _) in enumerate(procs):
             if p.returncode != 0:
                 tail = (logs / f"proc{i}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"process {i} failed:\n{tail}")
+                raise RuntimeError(f"process {i} failed with {_exit_status(p.returncode)}:\n{tail}")
     finally:
         for p, out in procs:
             if p.poll() is None:

@@ -5,6 +5,7 @@ writes one checkpoint in HF format (:mod:`pretrain.export`)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend = None if cfg.backend == "auto" else cfg.backend
     ctx = init_distributed(backend=backend, timeout_s=cfg.collective_timeout_s)
+    is_main = ctx.is_main
     try:
         summary = train(cfg, ctx)
     except TrainingDiverged as err:
@@ -71,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
+        ctx = None  # the process group goes with the last reference to it
         destroy_distributed()
-    if ctx.is_main:
+    if is_main:
         print(json.dumps(summary))
     return 0
 
 
 if __name__ == "__main__":
+    # An abort in native code (a collective library's thread) then prints every thread's
+    # Python stack instead of one line.
+    faulthandler.enable()
     sys.exit(main())

@@ -10,6 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,12 @@ def test_inner_names_an_open_recipes_searched_optimizer():
     ]:
         with pytest.raises(ValueError, match=message):
             parse_inner(bad)
+
+
+def test_a_process_killed_by_a_signal_is_reported_by_its_signal_and_stops_the_others(tmp_path):
+    abort = [sys.executable, "-c", "import os, sys; print('step 1', flush=True); os.abort()"]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"process 1 .* failed with signal SIGABRT:\n.*step 1"):
+        netem_cluster._launch([sleeper, abort], [dict(os.environ)] * 2, tmp_path / "logs", 60)
+    assert time.monotonic() - started < 30  # the sleeper was killed, not waited for

@@ -9,6 +9,7 @@ With neither, the process runs alone: no process group is created and every coll
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import zlib
@@ -210,3 +211,8 @@ def destroy_distributed() -> None:
         # reading its last message, which gloo reports as a fatal "connection closed".
         dist.barrier()
         dist.destroy_process_group()
+    # Free what still holds collective buffers (optimizer and trainer cycles) while the
+    # interpreter is fully alive: if it is left to interpreter shutdown, gloo's worker
+    # threads can drop the last reference to a tensor when they can no longer take the
+    # GIL, which aborts the process ("terminate called without an active exception").
+    gc.collect()
