@@ -69,9 +69,11 @@ repro-mini: setup
 # target fixed from LAMB before 1-bit LAMB runs, the gate on samples to target, fine-tuning
 # against a randomly initialised baseline, freeze-step sensitivity (docs/guide/parity.md).
 # Hours on 2 cores; every stage resumes, so run the same command again after any stop.
-# ARGS: e.g. workdir=/scratch/parity, or --stages pretrain/lamb-seed1 target
+# ARGS: e.g. workdir=/scratch/parity, or --stages pretrain/lamb-seed1 target.
+# PARITY=configs/experiments/parity_long.yaml runs the regime stretched to 6,000 steps.
+PARITY ?= configs/experiments/parity.yaml
 parity: setup
-	$(PY) -m pipeline run --config configs/experiments/parity.yaml \
+	$(PY) -m pipeline run --config $(PARITY) \
 		"data.overrides=[data_root=$(abspath $(DATA_ROOT))]" \
 		"finetune.overrides=[data_root=$(abspath $(DATA_ROOT))]" $(ARGS)
 

@@ -90,6 +90,31 @@ def test_the_target_stage_comes_between_the_reference_and_every_other_arm(tmp_pa
     assert "pretrain/onebit_freeze10-seed1/phase1" in report.depends
 
 
+def test_the_stretched_regime_keeps_every_dimensionless_quantity_of_the_parity_regime(tmp_path):
+    def arms(name: str) -> dict:
+        exp = load_experiment(ROOT / "configs/experiments" / name, [f"workdir={tmp_path / name}"])
+        return {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
+
+    short, long = arms("parity.yaml"), arms("parity_long.yaml")
+    assert short.keys() == long.keys()
+    for name, cfg in long.items():
+        ref = short[name]
+        assert cfg.schedule.max_steps == 2 * ref.schedule.max_steps
+        for field in ("name", "power", "warmup_proportion"):
+            assert getattr(cfg.schedule, field) == getattr(ref.schedule, field)
+        steps, ref_steps = cfg.schedule.max_steps, ref.schedule.max_steps
+        assert cfg.optimizer.freeze_step / steps == ref.optimizer.freeze_step / ref_steps
+        # the second moment's fill at the freeze: the recipe's 1 - 0.999^1000 = 0.632
+        fill = 1 - cfg.optimizer.betas[1] ** cfg.optimizer.freeze_step
+        ref_fill = 1 - ref.optimizer.betas[1] ** ref.optimizer.freeze_step
+        assert fill == pytest.approx(ref_fill, abs=1e-3)
+        if "freeze" not in name:  # the sensitivity arms move the freeze on purpose
+            assert fill == pytest.approx(0.633, abs=1e-3)
+        assert (cfg.model, cfg.batch) == (ref.model, ref.batch)
+        assert Path(cfg.data.path).parts[-2:] == Path(ref.data.path).parts[-2:]
+        assert cfg.optimizer.lr == ref.optimizer.lr
+
+
 def test_the_target_stage_refuses_a_file_that_disagrees_with_the_config(tmp_path):
     exp = load_experiment(
         ROOT / "configs/experiments/parity.yaml",
