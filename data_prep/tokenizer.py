@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from data_prep.config import DataPrepConfig
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 UINT16_LIMIT = 65536
+ALPHABET_SIZE = 1000
+"""Characters a trained vocabulary keeps as its alphabet (the ``tokenizers`` default)."""
 
 
 class TokenizerError(ValueError):
@@ -50,18 +53,51 @@ def build_tokenizer(cfg: DataPrepConfig, texts: Iterator[str] | None = None):
     else:
         if texts is None:
             raise TokenizerError("tokenizer.train needs corpus text")
-        trainer = BertWordPieceTokenizer(lowercase=tcfg.lowercase)
-        trainer.train_from_iterator(
-            texts, vocab_size=tcfg.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
-        )
-        # Training picks the same tokens every time but numbers them differently from run
-        # to run; a canonical order makes the ids (and so the shards) reproducible.
-        learned = sorted(t for t in trainer.get_vocab() if t not in SPECIAL_TOKENS)
-        vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + learned)}
+        vocab = train_vocabulary(list(texts), tcfg.vocab_size, tcfg.lowercase)
         wordpiece = BertWordPieceTokenizer(vocab, lowercase=tcfg.lowercase)
         tok = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=tcfg.lowercase)
     check_tokenizer(tok)
     return tok
+
+
+def train_vocabulary(texts: list[str], vocab_size: int, lowercase: bool) -> dict[str, int]:
+    """A WordPiece vocabulary of ``vocab_size`` tokens trained on ``texts``, the same in every
+    run: special tokens first, then the learned tokens in code-point order.
+
+    ``tokenizers`` trains by BPE and breaks ties between equally frequent choices by hash-map
+    order, which changes from process to process (huggingface/tokenizers#1794): which rare
+    characters make the alphabet, and which of two equally frequent merges comes first when
+    the continuation pieces (``##x``) they involve were numbered in that order. Two runs on
+    the same text then learn different vocabularies. Here the alphabet is chosen beforehand
+    (``training_alphabet``), and a first, merge-free pass finds the continuation pieces, which
+    the real pass receives up front in a fixed order, so every tie is broken the same way.
+    """
+    from tokenizers import BertWordPieceTokenizer
+
+    alphabet = training_alphabet(
+        BertWordPieceTokenizer(lowercase=lowercase)._tokenizer.normalizer, texts, ALPHABET_SIZE
+    )
+    common = dict(initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False)
+    pieces = BertWordPieceTokenizer(lowercase=lowercase)
+    pieces.train_from_iterator(texts, vocab_size=1, special_tokens=SPECIAL_TOKENS, **common)
+    continuations = sorted(t for t in pieces.get_vocab() if t.startswith("##"))
+    trainer = BertWordPieceTokenizer(lowercase=lowercase)
+    trainer.train_from_iterator(
+        texts, vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + continuations, **common
+    )
+    learned = sorted(t for t in trainer.get_vocab() if t not in SPECIAL_TOKENS)
+    return {t: i for i, t in enumerate(SPECIAL_TOKENS + learned)}
+
+
+def training_alphabet(normalizer, texts: list[str], limit: int) -> list[str]:
+    """The ``limit`` most frequent characters of the normalised ``texts`` (whitespace aside),
+    ties broken by code point: the alphabet ``train_vocabulary`` hands the trainer, with no
+    room for any other character."""
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(normalizer.normalize_str(text))
+    chars = sorted((c for c in counts if not c.isspace()), key=lambda c: (-counts[c], c))
+    return chars[:limit]
 
 
 def check_tokenizer(tok) -> None:

@@ -129,8 +129,7 @@ def test_tokenizer_is_saved_in_hf_format(finished):
 
 
 def test_trained_vocabulary_is_saved_and_reused(tmp_path, corpus):
-    # The tokenizers trainer breaks frequency ties differently from run to run, so a
-    # trained vocabulary is made once, saved with the shards, and reused on resume.
+    # A trained vocabulary is made once, saved with the shards, and reused on resume.
     cfg = config(tmp_path, corpus, tokenizer={"train": True, "vocab_size": 1000}, keep_work=True)
     prepare(cfg)
     tokenizer_json = Path(cfg.output) / "tokenizer" / "tokenizer.json"
@@ -142,6 +141,45 @@ def test_trained_vocabulary_is_saved_and_reused(tmp_path, corpus):
 
 
 # ----------------------------------------------------------------------------- determinism
+
+
+_TRAIN_IN_A_FRESH_PROCESS = """
+import json, sys
+from data_prep.tokenizer import train_vocabulary
+texts = json.loads(sys.stdin.read())
+vocab = train_vocabulary(texts, 2000, True)
+print(json.dumps(vocab, sort_keys=True))
+"""
+
+
+def test_a_trained_vocabulary_is_the_same_in_every_process():
+    # Every two-character word of 36 characters equally often: 1,296 equally frequent
+    # merges for 959 slots; and 1,200 rare characters of one count each for the alphabet's
+    # 1,000 places (with 36 frequent ones). The trainer alone breaks both kinds of tie in
+    # hash-map order, which changes from process to process; each process here gets its own
+    # hash seed.
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+    words = [a + b for a in chars for b in chars]
+    texts = [" ".join(words)] * 5 + [" ".join(chr(0x4E00 + i) for i in range(1200))]
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _TRAIN_IN_A_FRESH_PROCESS],
+            input=json.dumps(texts),
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout
+        for _ in range(3)
+    ]
+    assert runs[0] == runs[1] == runs[2]
+    vocab = json.loads(runs[0])
+    assert len(vocab) == 2000 and sorted(vocab.values()) == list(range(2000))
+    # the alphabet's cut: the frequent characters, then the rare ones by code point
+    alphabet = [t for t in vocab if len(t) == 1]
+    assert len(alphabet) == 1000 and set(chars) <= set(alphabet)
+    assert sorted(set(alphabet) - set(chars)) == [chr(0x4E00 + i) for i in range(964)]
+    assert sum(len(t) == 2 for t in vocab) == 2000 - 5 - 1000 - 36  # every slot a merge
 
 
 def test_same_bytes_whatever_the_worker_count(tmp_path, corpus, finished):
