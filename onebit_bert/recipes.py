@@ -321,12 +321,14 @@ for _recipe in (
            summary="Streaming DiLoCo with each node a worker (data-parallel inside the node)"),
     Recipe("co2_node", "CO2, nodes as workers", "lamb", "co2", measure="local_steps",
            settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
-           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS},
+           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS,
+                         "strategy.gap_penalty": _CO2_PENALTIES},
            summary="CO2 with each node a worker (data-parallel inside the node), LAMB or "
                    "AdamW inside"),
     Recipe("slowmo_node", "SlowMo, nodes as workers", "lamb", "slowmo", measure="local_steps",
            settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
-           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS},
+           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS,
+                         "strategy.outer_momentum": _SLOWMO_BETAS},
            summary="SlowMo with each node a worker (data-parallel inside the node), LAMB or "
                    "AdamW inside"),
     Recipe("decentlam", "DecentLaM", "sgd", "decentlam", measure="decentralized",

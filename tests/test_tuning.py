@@ -89,15 +89,23 @@ def test_every_grid_point_of_every_recipe_loads_in_the_parity_regime():
                     check_decentlam(topology, 4, cfg.optimizer.betas[0])
 
 
-def test_the_flat_local_step_recipes_and_dmsgd_search_the_issue_axes():
-    """SlowMo searches its slow momentum, CO2 its staleness penalty (on and off), DmSGD
-    its graph, each beside the learning rate (and tau for local steps)."""
-    axes = {name: set(get_recipe(name).search_space) for name in ("slowmo", "co2", "dmsgd")}
+def test_the_local_step_recipes_and_dmsgd_search_the_issue_axes():
+    """SlowMo searches its slow momentum, CO2 its staleness penalty (on and off), flat and
+    with nodes as workers alike, DmSGD its graph, each beside the learning rate (and tau for
+    local steps; the node recipes also the inner optimizer)."""
+    names = ("slowmo", "co2", "slowmo_node", "co2_node", "dmsgd")
+    axes = {name: set(get_recipe(name).search_space) for name in names}
     assert axes["slowmo"] == {"optimizer.lr", "strategy.outer_every", "strategy.outer_momentum"}
     assert axes["co2"] == {"optimizer.lr", "strategy.outer_every", "strategy.gap_penalty"}
+    inner = "optimizer.name,optimizer.lr"
+    assert axes["slowmo_node"] == {inner, "strategy.outer_every", "strategy.outer_momentum"}
+    assert axes["co2_node"] == {inner, "strategy.outer_every", "strategy.gap_penalty"}
     assert axes["dmsgd"] == {"optimizer.lr", "strategy.topology"}
-    assert {p["strategy.outer_momentum"] for p in grid(get_recipe("slowmo"))} == {0.0, 0.2, 0.5}
-    assert {p["strategy.gap_penalty"] for p in grid(get_recipe("co2"))} == {0.0, 1.0}
+    for name in ("slowmo", "slowmo_node"):
+        assert {p["strategy.outer_momentum"] for p in grid(get_recipe(name))} == {0.0, 0.2, 0.5}
+    for name in ("co2", "co2_node"):
+        assert {p["strategy.gap_penalty"] for p in grid(get_recipe(name))} == {0.0, 1.0}
+    assert {p["optimizer.name"] for p in grid(get_recipe("slowmo_node"))} == {"lamb", "adamw"}
 
 
 def test_rungs_double_up_to_the_run_length():
