@@ -193,3 +193,20 @@ def test_finetune_loop_benchmark_times_both_loops():
     assert set(result["seconds"]) == {"ours", "hf_trainer"}
     assert all(len(v) == 1 and v[0] > 0 for v in result["seconds"].values())
     assert result["hf_trainer_over_ours"] > 0
+
+
+@pytest.mark.slow
+def test_onebit_tensor_bench_times_three_ways_with_the_same_numbers():
+    from bench.onebit_tensor import main, tensor_sizes
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    model = build_model(ModelConfig(preset="bert-tiny"), 64)
+    assert tensor_sizes("bert-tiny", 64) == [p.numel() for p in model.parameters()]
+    out = main(["--model", "bert-tiny", "--vocab-size", "64", "--world-size", "2",
+                "--iters", "1", "--warmup", "0"])  # fmt: skip
+    assert out["identical"] is True
+    assert out["collectives_fused"] == out["collectives_per_tensor"] == 2
+    assert out["collectives_one_by_one"] == 2 * out["tensors"]
+    assert out["bytes_per_rank_per_tensor"] == out["bytes_per_rank_one_by_one"]
+    assert out["bytes_per_rank_fused"] <= out["bytes_per_rank_per_tensor"]

@@ -422,9 +422,10 @@ class OneBitCodec(Codec):
 
     ``per_tensor`` (codec ``onebit_tensor``): every tensor is compressed on its own, with
     scales of its own and errors under ``<key>/<i>``, as DeepSpeed's 1-bit optimizers
-    compress each tensor; otherwise the tensors are concatenated and share each chunk's
-    scale (a layer of small values next to one of large values is then rounded to the
-    large one's scale)."""
+    compress each tensor, but all tensors travel in one all-to-all and one all-gather
+    (DeepSpeed issues both per tensor); otherwise the tensors are concatenated and share
+    each chunk's scale (a layer of small values next to one of large values is then
+    rounded to the large one's scale)."""
 
     name = "onebit"
     lossy = True
@@ -444,12 +445,21 @@ class OneBitCodec(Codec):
         if self.comm.alone or not tensors:
             return
         if self.per_tensor and len(tensors) > 1:
-            for i, tensor in enumerate(tensors):
-                self._all_reduce_one([tensor], f"{key}/{i}")
+            # each tensor its own scales and errors, all of them in one pair of collectives
+            padded = [self._padded([t], f"{key}/{i}") for i, t in enumerate(tensors)]
+            self.comm.compressed_all_reduce_many([(buffer, fb) for buffer, fb, _ in padded])
+            for tensor, (buffer, _, numel) in zip(tensors, padded, strict=True):
+                self._unflatten(buffer[:numel], [tensor])
             return
-        self._all_reduce_one(tensors, key)
+        buffer, feedback, numel = self._padded(tensors, key)
+        self.comm.compressed_all_reduce(buffer, feedback)
+        self._unflatten(buffer[:numel], tensors)
 
-    def _all_reduce_one(self, tensors: Sequence[torch.Tensor], key: str) -> None:
+    def _padded(
+        self, tensors: Sequence[torch.Tensor], key: str
+    ) -> tuple[torch.Tensor, ErrorFeedback, int]:
+        """``tensors`` flattened into a zero-padded fp32 buffer, the error feedback of
+        ``key`` (created at zero for a new key or size) and the real element count."""
         flat = self._flatten(tensors)
         feedback = self.feedback.get(key)
         if feedback is None or feedback.numel != flat.numel():
@@ -462,8 +472,7 @@ class OneBitCodec(Codec):
             )
         buffer = torch.zeros(feedback.padded_numel, dtype=torch.float32, device=flat.device)
         buffer[: flat.numel()] = flat
-        self.comm.compressed_all_reduce(buffer, feedback)
-        self._unflatten(buffer[: flat.numel()], tensors)
+        return buffer, feedback, flat.numel()
 
     def fused_feedback(self, key: str, numel: int) -> ErrorFeedback:
         """The error feedback of fused buffer ``key`` of ``numel`` elements (created at

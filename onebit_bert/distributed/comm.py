@@ -461,6 +461,13 @@ class Communicator:
         one all-gather carrying the server signs with their scale, then expansion. The
         result is identical on every rank.
         """
+        self._check_compressed(buffer, feedback)
+        for index in range(len(feedback.buckets)):
+            self.compressed_all_reduce_bucket(buffer, feedback, index)
+        return buffer
+
+    def _check_compressed(self, buffer: torch.Tensor, feedback: ErrorFeedback) -> None:
+        """Refuse a buffer or errors that do not fit this communicator's 1-bit average."""
         p = self.world_size
         if feedback.world_size != p:
             raise ValueError(
@@ -474,9 +481,35 @@ class Communicator:
             )
         if buffer.dtype != torch.float32:
             raise ValueError(f"compressed_all_reduce needs fp32, got {buffer.dtype}")
-        for index in range(len(feedback.buckets)):
-            self.compressed_all_reduce_bucket(buffer, feedback, index)
-        return buffer
+
+    def compressed_all_reduce_many(
+        self, pairs: Sequence[tuple[torch.Tensor, ErrorFeedback]]
+    ) -> None:
+        """:meth:`compressed_all_reduce` on every ``(buffer, feedback)`` pair, each with its
+        own scales and errors, in one all-to-all and one all-gather for all of them: the
+        same numbers and bytes as one call per pair, in two collectives instead of two per
+        bucket (DeepSpeed's per-tensor compression, without a round trip per tensor)."""
+        for buffer, feedback in pairs:
+            self._check_compressed(buffer, feedback)
+        runs = [
+            CompressedBucket(self, buffer, feedback, index)
+            for buffer, feedback in pairs
+            for index in range(len(feedback.buckets))
+        ]
+        if not runs:
+            return
+        outgoing = [run.compress() for run in runs]
+        widths = [message.shape[1] for message in outgoing]
+        sent = torch.cat(outgoing, dim=1)
+        received = torch.empty_like(sent)
+        self.all_to_all_async(received, sent).wait()
+        own = torch.cat(
+            [run.serve(part) for run, part in zip(runs, received.split(widths, dim=1), strict=True)]
+        )
+        gathered = torch.empty(self.world_size, own.numel(), dtype=torch.uint8, device=own.device)
+        self.all_gather_async(gathered, own).wait()
+        for run, part in zip(runs, gathered.split(widths, dim=1), strict=True):
+            run.expand(part)
 
     def compressed_all_reduce_bucket(
         self, buffer: torch.Tensor, feedback: ErrorFeedback, index: int
@@ -594,14 +627,46 @@ class CompressedBucket:
         self.pending: Issued | None = None
         self.stage = "new"
 
-    def start(self) -> None:
-        """Worker: compress the local slice; chunk j of the signs is addressed to rank j."""
-        comm, p = self.comm, self.comm.world_size
+    def compress(self) -> torch.Tensor:
+        """Worker: compress the local slice into ``(p, chunk/8 + 4)`` bytes, row j (chunk
+        j's signs and this rank's scale) addressed to rank j. Nothing is sent."""
         signs, scale = compress_in_place(self.x, self.worker_error, self.real, self.table)
-        self.outgoing = frame(signs, scale, p)
+        self.outgoing = frame(signs, scale, self.comm.world_size)
+        return self.outgoing
+
+    def start(self) -> None:
+        """Worker: :meth:`compress`, then issue the all-to-all of the signs."""
+        self.compress()
         self.incoming = torch.empty_like(self.outgoing)
-        self.pending = comm.all_to_all_async(self.incoming, self.outgoing)
+        self.pending = self.comm.all_to_all_async(self.incoming, self.outgoing)
         self.stage = "exchanging"
+
+    def serve(self, incoming: torch.Tensor) -> torch.Tensor:
+        """Server: average this rank's chunk over the rows of ``incoming`` (one per rank)
+        and compress it again into one message (signs and scale), which is returned."""
+        p = self.comm.world_size
+        mine = torch.empty(self.chunk, dtype=self.x.dtype, device=self.x.device)
+        combine_chunks(incoming, p, self.table, mine)
+        mine[self.my_real :].zero_()
+        server_signs, server_scale = compress_in_place(
+            mine, self.server_error, self.my_real, self.table
+        )
+        self.own = frame(server_signs, server_scale, 1).view(-1)  # alive until sent
+        return self.own
+
+    def expand(self, gathered: torch.Tensor) -> None:
+        """Everyone: expand every server's message (row i of ``gathered`` from rank i) into
+        its chunk of the slice; the padding is zeroed again."""
+        body = gathered.shape[1] - SCALE_BYTES
+        server_scales = read_scales(gathered)
+        for i in range(self.comm.world_size):
+            unpack_signs(
+                gathered[i, :body],
+                server_scales[i],
+                out=self.x[i * self.chunk : (i + 1) * self.chunk],
+                table=self.table,
+            )
+        self.x[self.real :].zero_()
 
     def exchange(self, block: bool = False) -> bool:
         """Server: once the all-to-all is done (``block``: wait for it), average this
@@ -612,18 +677,11 @@ class CompressedBucket:
         if not block and not self.pending.ready():
             return False
         self.pending.wait()
-        comm, p = self.comm, self.comm.world_size
-        mine = torch.empty(self.chunk, dtype=self.x.dtype, device=self.x.device)
-        combine_chunks(self.incoming, p, self.table, mine)
-        mine[self.my_real :].zero_()
-        server_signs, server_scale = compress_in_place(
-            mine, self.server_error, self.my_real, self.table
-        )
+        own = self.serve(self.incoming)
         self.gathered = torch.empty(
-            p, self.outgoing.shape[1], dtype=torch.uint8, device=self.x.device
+            self.comm.world_size, own.numel(), dtype=torch.uint8, device=self.x.device
         )
-        self.own = frame(server_signs, server_scale, 1).view(-1)  # alive until finish()
-        self.pending = comm.all_gather_async(self.gathered, self.own)
+        self.pending = self.comm.all_gather_async(self.gathered, own)
         self.stage = "gathering"
         return True
 
@@ -633,14 +691,5 @@ class CompressedBucket:
         if self.stage != "gathering":
             raise RuntimeError(f"finish() on a bucket in stage {self.stage}")
         self.pending.wait()
-        body = self.outgoing.shape[1] - SCALE_BYTES
-        server_scales = read_scales(self.gathered)
-        for i in range(self.comm.world_size):
-            unpack_signs(
-                self.gathered[i, :body],
-                server_scales[i],
-                out=self.x[i * self.chunk : (i + 1) * self.chunk],
-                table=self.table,
-            )
-        self.x[self.real :].zero_()
+        self.expand(self.gathered)
         self.stage = "done"
