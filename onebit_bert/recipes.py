@@ -275,8 +275,10 @@ for _recipe in (
            search_space={LR: _ADAM_LRS},
            summary="Adam warmup, then 1-bit momentum with a frozen second moment"),
     Recipe("zero_one_adam", "0/1 Adam", "zero_one_adam", measure="zero_one_adam",
+           settings={"comm.compression.momentum": "onebit_tensor"},
            search_space={LR: _ADAM_LRS},
-           summary="0/1 Adam: variance freezing, 1-bit syncs and local steps"),
+           summary="0/1 Adam: variance freezing, 1-bit syncs and local steps, each tensor "
+                   "compressed with its own scales (DeepSpeed's)"),
     Recipe("co2", "CO2", "lamb", "co2", measure="local_steps",
            search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS,
                          "strategy.gap_penalty": _CO2_PENALTIES},

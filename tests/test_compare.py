@@ -356,7 +356,9 @@ def test_crossing_and_t_quantile():
         ({"optimizer": {"name": "onebit_lamb"}, "comm": {"compression": {"grad": "onebit"}}},
          "hybrid_onebit_lamb:onebit"),
         ({"optimizer": {"name": "onebit_lamb"}, "comm": {"overlap": True}}, "onebit_lamb_overlap"),
-        ({"optimizer": {"name": "zero_one_adam"}}, "zero_one_adam"),
+        ({"optimizer": {"name": "zero_one_adam"},
+          "comm": {"compression": {"momentum": "onebit_tensor"}}}, "zero_one_adam"),
+        ({"optimizer": {"name": "zero_one_adam"}}, None),  # fused scales: not the recipe
         ({"optimizer": {"name": "sgd"}, "strategy": {"name": "decentlam", "topology": None}},
          "decentlam/ring"),
         ({"optimizer": {"name": "sgd"}, "strategy": {"name": "dmsgd", "topology": "ring"}},

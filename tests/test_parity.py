@@ -3,6 +3,7 @@ the parity report's gate, signal and sensitivity sections on synthetic runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -248,3 +249,31 @@ def test_fine_tuning_rests_on_the_seeds_fine_tuned_so_far(tmp_path):
     assert rows["onebit"]["n"] == 2 * (len(onebit) - 1)
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert f"onebit {len(onebit) - 1} of {len(onebit)}" in markdown
+
+
+def test_zero_one_adams_parity_config_keeps_the_deepspeed_recipes_shares():
+    """configs/pretrain/parity_zero_one_adam.yaml: DeepSpeed's 0/1 Adam BERT recipe with
+    each step count at its share of the run, on the parity regime otherwise."""
+    from onebit_bert.config import load_config
+    from onebit_bert.recipes import identify
+    from pretrain.config import PretrainConfig
+
+    pretrain = ROOT / "configs/pretrain"
+    cfg = load_config(PretrainConfig, pretrain / "parity_zero_one_adam.yaml", [])
+    ref = load_config(PretrainConfig, pretrain / "parity.yaml", [])
+    ds = load_config(PretrainConfig, pretrain / "bert_large_seq128_4k_zero_one_adam.yaml", [])
+    steps, ds_steps = cfg.schedule.max_steps, ds.schedule.max_steps
+    # DeepSpeed freezes the variance at the end of its lr warmup; so does this config
+    assert ds.optimizer.var_freeze_step == round(ds.schedule.warmup_proportion * ds_steps)
+    assert cfg.optimizer.var_freeze_step == round(cfg.schedule.warmup_proportion * steps)
+    share = ds.optimizer.local_step_scaler / ds_steps
+    assert abs(cfg.optimizer.local_step_scaler - share * steps) <= 0.5
+    for field in ("var_update_scaler", "local_step_clipper"):
+        assert getattr(cfg.optimizer, field) == getattr(ds.optimizer, field)
+    assert cfg.comm.compression.momentum == ds.comm.compression.momentum == "onebit_tensor"
+    assert identify(dataclasses.asdict(cfg)) == "zero_one_adam"
+    assert identify(dataclasses.asdict(ds)) == "zero_one_adam"
+    # everything else is the parity regime
+    assert (cfg.model, cfg.batch, cfg.schedule, cfg.data) == (ref.model, ref.batch, ref.schedule,
+                                                             ref.data)  # fmt: skip
+    assert (cfg.optimizer.lr, cfg.optimizer.betas) == (ref.optimizer.lr, ref.optimizer.betas)
