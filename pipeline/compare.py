@@ -126,9 +126,6 @@ def load_run(spec: str) -> dict:
         bytes_by_kind_at=by_kind,
         stages={s: by_step[s]["stage"] for s in by_step if "stage" in by_step[s]},
         comm_bytes_by_kind=kinds,
-        freeze_step=config["optimizer"].get("freeze_step")
-        if run["optimizer"] in ("onebit_lamb", "onebit_adam")
-        else None,
         outer_every=(config.get("strategy") or {}).get("outer_every"),
     )
     return run

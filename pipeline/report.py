@@ -27,6 +27,7 @@ import yaml
 from finetune import outputs as finetune_outputs
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.metrics_log import read_metrics
+from onebit_bert.optim.auto_freeze import AUTO
 from pipeline import gate as gating
 from pipeline.report_plots import plot_samples_to_target, plot_val_loss_target, write_figures
 from pipeline.stats import mean_std, welch_t_test
@@ -146,7 +147,8 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         "pretrain_dir": str(run.pretrain_dir),
         "seed": config.get("seed"),
         "optimizer": optimizer,
-        "freeze_step": config["optimizer"].get("freeze_step") if "onebit" in optimizer else None,
+        "freeze_step": _freeze_step(config, optimizer, by_step),
+        "freeze_rule": config["optimizer"].get("freeze_step") == AUTO and "onebit" in optimizer,
         "global_batch_size": batch,
         "steps": steps[-1] if steps else 0,
         "train_loss": train,
@@ -395,6 +397,20 @@ def fixed_before(arms: list[dict], target: dict) -> str:
     return f"before any of the other arms' {len(starts)} runs started"
 
 
+def _freeze_step(config: dict, optimizer: str, by_step: dict[int, dict]) -> int | None:
+    """A 1-bit run's last warmup step: its ``freeze_step``, or with ``freeze_step: auto``
+    the step the detector chose (the last step logged in stage ``warmup``; None before
+    it has chosen)."""
+    if "onebit" not in optimizer:
+        return None
+    freeze = config["optimizer"].get("freeze_step")
+    if freeze != AUTO:
+        return freeze
+    warmup = [s for s in sorted(by_step) if by_step[s].get("stage") == "warmup"]
+    last = max(by_step, default=0)
+    return warmup[-1] if warmup and warmup[-1] < last else None
+
+
 def sensitivity_rows(runs: list[dict], target: dict | None) -> list[dict]:
     """One row per sensitivity run: its freeze step (and share of the run), final
     validation loss and samples to target."""
@@ -407,6 +423,7 @@ def sensitivity_rows(runs: list[dict], target: dict | None) -> list[dict]:
                 "name": run["name"],
                 "seed": run["seed"],
                 "freeze_step": freeze,
+                "freeze_rule": "auto" if run.get("freeze_rule") else "fixed",
                 "freeze_fraction": freeze / steps if isinstance(freeze, int) else None,
                 "final_val_mlm_loss": run["final"]["val_mlm_loss"],
                 "samples_to_target": None
@@ -622,8 +639,11 @@ def _sensitivity_section(rows: list[dict], reference_mean: float | None) -> list
     ]
     for row in rows:
         share = row["freeze_fraction"]
+        freeze = "–" if row["freeze_step"] is None else str(row["freeze_step"])
+        if row.get("freeze_rule") == "auto":
+            freeze = f"auto: {freeze}"
         lines.append(
-            f"| {row['name']} | {row['seed']} | {row['freeze_step']} | "
+            f"| {row['name']} | {row['seed']} | {freeze} | "
             f"{'–' if share is None else f'{share:.0%}'} | {_fmt(row['final_val_mlm_loss'])} | "
             f"{_samples(row['samples_to_target'])} |"
         )

@@ -22,7 +22,7 @@ START = 1_790_000_000  # the runs' clock (Unix seconds): 2026-09-21
 
 
 def _pretrain(directory: Path, optimizer: str, seed: int, delay: float, end: float = 3.0,
-              freeze_step: int = 10) -> Path:  # fmt: skip
+              freeze_step: int | str = 10) -> Path:  # fmt: skip
     """A finished run whose validation loss falls linearly from 8 to ``end``, shifted later
     by ``delay`` steps (a slower run reaches any loss later)."""
     directory.mkdir(parents=True)
@@ -65,7 +65,7 @@ def test_the_target_stage_comes_between_the_reference_and_every_other_arm(tmp_pa
     target = names.index("target")
     lamb = [i for i, n in enumerate(names) if n.startswith("pretrain/lamb-")]
     others = [i for i, n in enumerate(names) if n.startswith("pretrain/onebit")]
-    assert len(lamb) == 5 and len(others) == 5 + 3
+    assert len(lamb) == 5 and len(others) == 5 + 4
     assert max(lamb) < target < min(others)
     assert sorted(exp.stage("target").depends) == sorted(names[i] for i in lamb)
     assert all("target" in stages[i].depends for i in others)
@@ -79,13 +79,13 @@ def test_the_target_stage_comes_between_the_reference_and_every_other_arm(tmp_pa
     assert not any(n.startswith("finetune/onebit_freeze") for n in names)
     report = exp.stage("report")
     sensitivity = [a for a in report.args if a.startswith("onebit_freeze")]
-    assert len(sensitivity) == 3
+    assert len(sensitivity) == 4
     freeze = {
         n: exp.stage(n).stage_config().optimizer.freeze_step
         for n in names
         if n.startswith("pretrain/onebit_freeze")
     }
-    assert sorted(freeze.values()) == [300, 600, 1200]
+    assert sorted(freeze.values(), key=str) == [1200, 300, 600, "auto"]
     for flag in ("--target", "--baseline", "--margin", "--min-seeds"):
         assert flag in report.args
     assert "pretrain/onebit_freeze10-seed1/phase1" in report.depends
@@ -104,14 +104,17 @@ def test_the_stretched_regime_keeps_every_dimensionless_quantity_of_the_parity_r
         for field in ("name", "power", "warmup_proportion"):
             assert getattr(cfg.schedule, field) == getattr(ref.schedule, field)
         steps, ref_steps = cfg.schedule.max_steps, ref.schedule.max_steps
-        assert cfg.optimizer.freeze_step / steps == ref.optimizer.freeze_step / ref_steps
-        # the second moment's fill at the freeze: the recipe's 1 - 0.999^1000 = 0.632
-        fill = 1 - cfg.optimizer.betas[1] ** cfg.optimizer.freeze_step
-        ref_fill = 1 - ref.optimizer.betas[1] ** ref.optimizer.freeze_step
-        assert fill == pytest.approx(ref_fill, abs=1e-3)
-        if "freeze" not in name:  # the sensitivity arms move the freeze on purpose
-            assert fill == pytest.approx(0.633, abs=1e-3)
         assert (cfg.model, cfg.batch) == (ref.model, ref.batch)
+        if cfg.optimizer.freeze_step == "auto":  # the detector decides, in both regimes
+            assert ref.optimizer.freeze_step == "auto"
+        else:
+            assert cfg.optimizer.freeze_step / steps == ref.optimizer.freeze_step / ref_steps
+            # the second moment's fill at the freeze: the recipe's 1 - 0.999^1000 = 0.632
+            fill = 1 - cfg.optimizer.betas[1] ** cfg.optimizer.freeze_step
+            ref_fill = 1 - ref.optimizer.betas[1] ** ref.optimizer.freeze_step
+            assert fill == pytest.approx(ref_fill, abs=1e-3)
+            if "freeze" not in name:  # the sensitivity arms move the freeze on purpose
+                assert fill == pytest.approx(0.633, abs=1e-3)
         assert Path(cfg.data.path).parts[-2:] == Path(ref.data.path).parts[-2:]
         assert cfg.optimizer.lr == ref.optimizer.lr
 
@@ -233,6 +236,21 @@ def test_sensitivity_runs_are_shown_apart(tmp_path):
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "## Sensitivity (not gated)" in markdown
     assert (tmp_path / "report" / "sensitivity.png").stat().st_size > 0
+
+
+def test_a_sensitivity_run_with_freeze_auto_reports_the_step_it_chose(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 0.2, 0.9, 0.4])
+    auto = _pretrain(tmp_path / "auto", "onebit_lamb", 1, 0.3, freeze_step="auto")
+    records = (auto / "metrics.jsonl").read_text().splitlines()
+    staged = [{**r, "stage": "warmup" if r["step"] <= 12 else "compression"}
+              for r in map(json.loads, records)]  # fmt: skip
+    (auto / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in staged))
+    target = fix_target(lamb, 0.8)
+    report = write_report([*lamb, *onebit], tmp_path / "report", target, [f"auto={auto}"])
+    (row,) = report["sensitivity"]
+    assert (row["freeze_step"], row["freeze_rule"]) == (12, "auto")
+    assert row["freeze_fraction"] == 12 / STEPS
+    assert "| auto | 1 | auto: 12 |" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_fine_tuning_rests_on_the_seeds_fine_tuned_so_far(tmp_path):
