@@ -331,7 +331,14 @@ def build(
     return {
         "arms": arms,
         "runs": runs,
-        "prior": [{"path": p["path"], "names": p["names"]} for p in prior],
+        "prior": [
+            {
+                "path": p["path"],
+                "names": p["names"],
+                **({"dropped": p["dropped"]} if p.get("dropped") else {}),
+            }
+            for p in prior
+        ],
         "target": {
             "val_mlm_loss": target_loss,
             "from": source,
@@ -395,6 +402,35 @@ def load_prior(path: str | Path) -> dict:
         "netem": netem,
         "tuning": report.get("tuning") or {},
     }
+
+
+def drop_carried(prior: list[dict], names: list[str]) -> None:
+    """Leave ``names`` out of the carried reports, in place: their runs and their tuning
+    records (the carried reports' netem files are still needed for the others). Each name
+    must be carried and none may be the reference (the first carried name)."""
+    if not names:
+        return
+    if not prior:
+        raise ValueError("--drop leaves names out of earlier reports: give them (--prior)")
+    carried = [n for p in prior for n in p["names"]]
+    for name in names:
+        if name not in carried:
+            raise ValueError(
+                f"--drop {name}: no carried report has runs of that name (carried: "
+                f"{', '.join(carried)})"
+            )
+        if name == carried[0]:
+            raise ValueError(f"--drop {name}: it is the reference of the carried reports")
+    recipes = set(names)  # a tuning record is keyed by the recipe its runs ran
+    for p in prior:
+        for run in p["runs"]:
+            if run["name"] in names and run.get("strategy"):
+                recipes.add(run["strategy"].split(":")[0].split("/")[0])
+    for p in prior:
+        p["dropped"] = [n for n in p["names"] if n in names]
+        p["runs"] = [r for r in p["runs"] if r["name"] not in names]
+        p["names"] = [n for n in p["names"] if n not in names]
+        p["tuning"] = {k: v for k, v in p["tuning"].items() if k not in recipes}
 
 
 def _prior_target(prior: list[dict], target_loss: float | None) -> tuple[float, str]:
@@ -808,10 +844,15 @@ def _prior_lines(data: dict) -> list[str]:
         if data.get("retimed")
         else "against the same target and netem files"
     )
+    dropped = [n for p in data["prior"] for n in p.get("dropped", [])]
+    left_out = ""
+    if dropped:
+        names = ", ".join(dropped)
+        left_out = f" Left out of them, to be replaced by this report's runs and tuning: {names}."
     lines = [
         f"Carried from earlier reports ({carried}): their figures are as those reports "
         f"measured them, {same}; their run directories were not read, and they carry no "
-        "fine-tuning."
+        f"fine-tuning.{left_out}"
     ]
     lost = sorted({r["name"] for r in data["runs"] if r.get("retimed") is False})
     if lost:
@@ -869,6 +910,7 @@ def write_report(
     allow_unequal_budgets: bool = False,
     prior_paths: list[str] | None = None,
     retime_prior: bool = False,
+    drop_prior: list[str] | None = None,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
@@ -876,13 +918,15 @@ def write_report(
     ``allow_unequal_budgets``. ``prior_paths``: earlier reports whose runs (and tuning
     records) join this one as measured (:func:`load_prior`), with their times as measured
     unless ``retime_prior`` (:func:`retime`: with this report's netem files instead of
-    theirs)."""
+    theirs). ``drop_prior``: names whose carried runs and tuning records are left out
+    (:func:`drop_carried`: a recipe tuned again replaces its earlier record)."""
     from pipeline.compare_plots import write_figures
 
     if isinstance(netem_paths, str):
         netem_paths = [netem_paths]
     netem_paths = list(netem_paths or [])
     prior = [load_prior(path) for path in prior_paths or []]
+    drop_carried(prior, list(drop_prior or []))
     if retime_prior and not prior:
         raise ValueError("re-timing (--retime) needs an earlier report to carry (--prior)")
     if not retime_prior:
@@ -954,13 +998,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compare recipes tuned with unequal budgets (the report says so)",
     )
+    parser.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        help="with --prior: leave this name's carried runs and tuning record out (a recipe "
+        "tuned again, whose new runs and record replace them); repeatable",
+    )
     parser.add_argument("--out", required=True, help="report directory")
     args = parser.parse_args(argv)
     if not args.run and not args.prior:
         parser.error("give runs (--run NAME=PRETRAIN[:FINETUNE]) or an earlier report (--prior)")
     try:
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
-                     args.allow_unequal_budgets, args.prior, args.retime)  # fmt: skip
+                     args.allow_unequal_budgets, args.prior, args.retime,
+                     args.drop)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -483,6 +483,28 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
     assert text.replace(note + "\n\n", "") == (tmp_path / "direct" / "report.md").read_text()
     assert (tmp_path / "both" / "val_loss_time_25mbit.png").is_file()
 
+    # --drop: a recipe tuned again replaces its carried runs and tuning record
+    again = compare.write_report(runs[3:4], tmp_path / "again", str(netem), tuning_paths=[ob_t],
+                                 prior_paths=[prior], drop_prior=["onebit"])  # fmt: skip
+    alone = compare.write_report(runs[:4], tmp_path / "alone", str(netem),
+                                 tuning_paths=[lamb_t, ob_t])  # fmt: skip
+    again, alone = (json.loads((tmp_path / d / "report.json").read_text())
+                    for d in ("again", "alone"))  # fmt: skip
+    assert [r.pop("carried_from", None) for r in again["runs"]] == [prior] * 3 + [None]
+    assert again["runs"] == alone["runs"]
+    for key in ("target", "pretraining", "tuning", "winners"):
+        assert again[key] == alone[key], key
+    assert again["prior"] == [{"path": prior, "names": ["lamb"], "dropped": ["onebit"]}]
+    assert "Left out of them, to be replaced by this report's runs and tuning: onebit." in (
+        tmp_path / "again" / "report.md").read_text()  # fmt: skip
+    for drop, message in (("nope", "no carried report has runs of that name"),
+                          ("lamb", "it is the reference")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            compare.write_report(runs[3:4], tmp_path / "x", str(netem), prior_paths=[prior],
+                                 drop_prior=[drop])  # fmt: skip
+    with pytest.raises(ValueError, match="give them"):
+        compare.write_report(runs[3:4], tmp_path / "x", str(netem), drop_prior=["onebit"])
+
     # a record from before curves were stored: plotted against samples only, and said
     old = json.loads(Path(prior).read_text())
     for record in old["runs"]:
