@@ -22,14 +22,12 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.common import init_gloo
+from bench.common import init_gloo, run_gloo_ranks
 from onebit_bert.distributed import Communicator, ErrorFeedback
 from onebit_bert.distributed.netdev import read_interfaces
 from onebit_bert.distributed.packing import pack_signs, sign_table, unpack_signs
@@ -126,22 +124,9 @@ def main(argv=None) -> dict:
         parser.error("--numel and --iters must be positive")
 
     pack_gbps, unpack_gbps = packing_throughput(args.numel)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.pt")
-        mp.spawn(
-            _rank_main,
-            args=(
-                args.world_size,
-                os.path.join(tmp, "store"),
-                out_path,
-                args.numel,
-                args.iters,
-                args.warmup,
-                args.bucket_numel,
-            ),
-            nprocs=args.world_size,
-        )
-        res = torch.load(out_path)
+    res = run_gloo_ranks(
+        _rank_main, args.world_size, args.numel, args.iters, args.warmup, args.bucket_numel
+    )
     (ar_s, ar_wire, ar_bytes), (cp_s, cp_wire, cp_bytes) = res["allreduce"], res["compressed"]
     summary = {
         "world_size": args.world_size,

@@ -174,3 +174,23 @@ def init_gloo(rank: int, world_size: int, store: str) -> None:
         world_size=world_size,
         timeout=datetime.timedelta(minutes=10),
     )
+
+
+def run_gloo_ranks(rank_main, world_size: int, *args):
+    """Run ``rank_main(rank, world_size, store, out_path, *args)`` on ``world_size`` spawned
+    gloo processes (``store`` for :func:`init_gloo`) and return what rank 0 saved to
+    ``out_path`` with ``torch.save``."""
+    import os
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.pt")
+        mp.spawn(
+            rank_main,
+            args=(world_size, os.path.join(tmp, "store"), out_path, *args),
+            nprocs=world_size,
+        )
+        return torch.load(out_path)

@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from bench.common import init_gloo
+from bench.common import init_gloo, run_gloo_ranks
 
 SIZES = (4096, 512)
 
@@ -92,12 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 2:
         parser.error("--ranks must be at least 2 (one rank averages nothing)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.spawn(_rank_main, nprocs=args.ranks, args=(
-            args.ranks, os.path.join(tmp, "store"), out,
-            (args.steps, args.small_scale, args.noise)))  # fmt: skip
-        result = torch.load(out)
+    result = run_gloo_ranks(_rank_main, args.ranks, (args.steps, args.small_scale, args.noise))
     print(json.dumps({"ranks": args.ranks, "steps": args.steps, "small_scale": args.small_scale,
                       "noise": args.noise, "layer_sizes": list(SIZES),
                       "relative_error": result}, indent=1))  # fmt: skip

@@ -24,15 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import BertForPreTraining
 
-from bench.common import init_gloo
+from bench.common import init_gloo, run_gloo_ranks
 from onebit_bert.distributed import Communicator, ErrorFeedback
 from pretrain.config import ModelConfig
 from pretrain.model import PRESET_SHAPES, bert_config
@@ -128,21 +126,7 @@ def main(argv=None) -> dict:
     if args.iters < 1 or args.warmup < 0 or args.vocab_size < 1:
         parser.error("--iters and --vocab-size must be positive, --warmup not negative")
     sizes = tensor_sizes(args.model, args.vocab_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.pt")
-        mp.spawn(
-            _rank_main,
-            args=(
-                args.world_size,
-                os.path.join(tmp, "store"),
-                out_path,
-                sizes,
-                args.iters,
-                args.warmup,
-            ),  # fmt: skip
-            nprocs=args.world_size,
-        )
-        saved = torch.load(out_path)
+    saved = run_gloo_ranks(_rank_main, args.world_size, sizes, args.iters, args.warmup)
     summary = {
         "model": args.model,
         "vocab_size": args.vocab_size,

@@ -148,7 +148,7 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         "seed": config.get("seed"),
         "optimizer": optimizer,
         "freeze_step": _freeze_step(config, optimizer, by_step),
-        "freeze_rule": config["optimizer"].get("freeze_step") == AUTO and "onebit" in optimizer,
+        "freeze_auto": "onebit" in optimizer and config["optimizer"].get("freeze_step") == AUTO,
         "global_batch_size": batch,
         "steps": steps[-1] if steps else 0,
         "train_loss": train,
@@ -423,7 +423,7 @@ def sensitivity_rows(runs: list[dict], target: dict | None) -> list[dict]:
                 "name": run["name"],
                 "seed": run["seed"],
                 "freeze_step": freeze,
-                "freeze_rule": "auto" if run.get("freeze_rule") else "fixed",
+                "freeze_rule": "auto" if run.get("freeze_auto") else "fixed",
                 "freeze_fraction": freeze / steps if isinstance(freeze, int) else None,
                 "final_val_mlm_loss": run["final"]["val_mlm_loss"],
                 "samples_to_target": None
