@@ -24,7 +24,7 @@ from onebit_bert.metrics_log import read_metrics
 from pretrain.config import ModelConfig
 from pretrain.model import PretrainingLoss, build_model
 from tests.distributed_harness import run_ranks
-from tests.helpers.compression import compressed_calls, run_onebit_lamb
+from tests.helpers.compression import compressed_calls, per_tensor_calls, run_onebit_lamb
 from tests.helpers.loss_scaling import OverflowOnce, fit_overflow_once, overflow_on_rank_one
 from tests.helpers.nccl import every_collective
 from tests.helpers.runs import mlm_losses, tiny_config, train_in_process
@@ -99,6 +99,28 @@ def test_compressed_allreduce_on_cuda_matches_the_cpu(world_size, numel, bucket)
     for gpu in on_gpu[1:]:
         for a, b in zip(gpu["outs"], on_gpu[0]["outs"], strict=True):
             assert torch.equal(a, b), "ranks disagree"
+
+
+@pytest.mark.parametrize("world_size,bucket", [(2, None), (2, 64), (4, 64)])
+def test_per_tensor_compression_in_one_exchange_on_cuda_matches_the_cpu(world_size, bucket):
+    # onebit_tensor (0/1 Adam's and 1-bit Adam's per-tensor scales) sends every tensor in
+    # one all-to-all and one all-gather; on the GPU it must still equal each tensor sent
+    # alone bit for bit, and the CPU within rounding.
+    sizes, steps = (300, 7, 64, 1), 3
+    on_cpu = run_ranks(per_tensor_calls, world_size, sizes, steps, bucket)
+    on_gpu = run_ranks(per_tensor_calls, world_size, sizes, steps, bucket, device=GPU)
+    for cpu, gpu in zip(on_cpu, on_gpu, strict=True):
+        assert gpu["bytes"] == cpu["bytes"]
+        for batched, alone in zip(gpu["batched"], gpu["alone"], strict=True):
+            for a, b in zip(batched, alone, strict=True):
+                assert torch.equal(a, b), "one exchange differs from one per tensor"
+        for got_step, want_step in zip(gpu["batched"], cpu["batched"], strict=True):
+            for got, want in zip(got_step, want_step, strict=True):
+                scale = max(want.abs().max().item(), 1e-30)
+                assert (got - want).abs().max().item() <= 1e-5 * scale
+        assert gpu["errors"].keys() == cpu["errors"].keys()
+    for a, b in zip(on_gpu[0]["batched"][-1], on_gpu[-1]["batched"][-1], strict=True):
+        assert torch.equal(a, b), "ranks disagree"
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

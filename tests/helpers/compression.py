@@ -163,3 +163,30 @@ def embedding_steps(comm, opt, emb, head, steps, after_step=None):
         opt.step()
         if after_step is not None:
             after_step()
+
+
+def per_tensor_calls(comm, sizes, steps, bucket):
+    """The onebit_tensor codec on tensors of ``sizes`` (all in one exchange) and the fused
+    codec on each tensor alone, ``steps`` times on ``comm.device``; results on the CPU."""
+    from onebit_bert.distributed.codecs import OneBitCodec, build_codec
+
+    per_tensor = build_codec("onebit_tensor", comm, bucket_numel=bucket)
+    alone = OneBitCodec(comm, bucket_numel=bucket)
+    batched_out, alone_out = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + comm.rank)
+        inputs = [(torch.randn(n, generator=g) * 10.0**i).to(comm.device) for i, n in
+                  enumerate(sizes)]  # fmt: skip
+        batched = [t.clone() for t in inputs]
+        per_tensor.all_reduce(batched, "m")
+        separate = [t.clone() for t in inputs]
+        for i, t in enumerate(separate):
+            alone.all_reduce([t], f"m/{i}")
+        batched_out.append([t.cpu() for t in batched])
+        alone_out.append([t.cpu() for t in separate])
+    return {
+        "batched": batched_out,
+        "alone": alone_out,
+        "errors": {k: f.worker_error.cpu().clone() for k, f in per_tensor.feedback.items()},
+        "bytes": comm.stats.bytes_sent,
+    }
