@@ -368,6 +368,10 @@ def run(cfg: FinetuneConfig) -> dict:
                         "metrics": metrics,
                         "train_seconds": time.perf_counter() - start,
                         "final_loss": losses[-1],
+                        # CPU kernels sum in an order set by the thread count: a run
+                        # repeats bit for bit only with the same device and threads.
+                        "device": str(device),
+                        "threads": torch.get_num_threads(),
                     },
                 )
                 log.info("%s lr=%g epochs=%g seed=%d: %s", runner.name, lr, epochs, seed, metrics)

@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from finetune.config import FinetuneConfig
@@ -147,6 +148,9 @@ def test_rerun_reuses_finished_runs(finished):
     again = run(cfg)
     assert {p: p.stat().st_mtime_ns for p in runs} == stamps
     assert again["sst2"]["accuracy"] == results["sst2"]["accuracy"]
+    for path in runs:  # what a bit-identical repeat needs besides the config
+        record = json.loads(path.read_text())
+        assert record["device"] == "cpu" and record["threads"] == torch.get_num_threads()
 
 
 def test_learning_rate_grid_and_seed_spread(setup, tmp_path):
