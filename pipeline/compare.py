@@ -406,8 +406,9 @@ def load_prior(path: str | Path) -> dict:
 
 def drop_carried(prior: list[dict], names: list[str]) -> None:
     """Leave ``names`` out of the carried reports, in place: their runs and their tuning
-    records (the carried reports' netem files are still needed for the others). Each name
-    must be carried and none may be the reference (the first carried name)."""
+    records (the carried reports' netem files are still needed for the others; a new
+    measurement of a dropped recipe replaces the carried one: :func:`carried_netem_ignored`).
+    Each name must be carried and none may be the reference (the first carried name)."""
     if not names:
         return
     if not prior:
@@ -428,6 +429,7 @@ def drop_carried(prior: list[dict], names: list[str]) -> None:
                 recipes.add(run["strategy"].split(":")[0].split("/")[0])
     for p in prior:
         p["dropped"] = [n for n in p["names"] if n in names]
+        p["dropped_recipes"] = sorted(recipes)
         p["runs"] = [r for r in p["runs"] if r["name"] not in names]
         p["names"] = [n for n in p["names"] if n not in names]
         p["tuning"] = {k: v for k, v in p["tuning"].items() if k not in recipes}
@@ -453,6 +455,27 @@ def _prior_target(prior: list[dict], target_loss: float | None) -> tuple[float, 
             "that one; leave --target-loss out or give the same value"
         )
     return first["val_mlm_loss"], first["from"]
+
+
+def carried_netem_ignored(prior: list[dict], netem_paths: list[str]) -> dict[str, set[str]]:
+    """Per carried netem file (resolved path), the recipes whose measurements in it give way:
+    those of the runs ``--drop`` replaced (:func:`drop_carried`) that a netem file of this
+    report's own measures again (a recipe tuned again to another setting). A dropped recipe
+    that nothing measures again keeps its carried measurement."""
+    carried = {str(Path(n).resolve()) for p in prior for n in p["netem"]}
+    again: set[str] = set()
+    for name in netem_paths:
+        path = Path(name)
+        if str(path.resolve()) in carried or not path.is_file():
+            continue
+        for row in json.loads(path.read_text()).get("results", []):
+            again.update(row.get("runs", {}))
+    ignored: dict[str, set[str]] = {}
+    for p in prior:
+        recipes = set(p.get("dropped_recipes", ())) & again
+        for name in p["netem"] if recipes else ():
+            ignored.setdefault(str(Path(name).resolve()), set()).update(recipes)
+    return ignored
 
 
 def check_prior_netem(prior: list[dict], netem_paths: list[str]) -> None:
@@ -775,7 +798,7 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
         "To-target figures are means over the seeds that reached the target. Bytes are what "
         "rank 0's communicator counted.",
         "",
-        *_prior_lines(data),
+        *_prior_lines(data, netem),
         "Bytes sent per rank over the whole run, by kind of traffic:",
         "",
     ]
@@ -832,7 +855,7 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
     return "\n".join(lines)
 
 
-def _prior_lines(data: dict) -> list[str]:
+def _prior_lines(data: dict, netem: dict | None = None) -> list[str]:
     """Which runs come from earlier reports rather than from run directories."""
     if not data["prior"]:
         return []
@@ -849,6 +872,11 @@ def _prior_lines(data: dict) -> list[str]:
     if dropped:
         names = ", ".join(dropped)
         left_out = f" Left out of them, to be replaced by this report's runs and tuning: {names}."
+        measured = [
+            f"{', '.join(r)} in `{f}`" for f, r in ((netem or {}).get("ignored") or {}).items()
+        ]
+        if measured:
+            left_out += f" Their netem measurements are left out too: {'; '.join(measured)}."
     lines = [
         f"Carried from earlier reports ({carried}): their figures are as those reports "
         f"measured them, {same}; their run directories were not read, and they carry no "
@@ -931,7 +959,7 @@ def write_report(
         raise ValueError("re-timing (--retime) needs an earlier report to carry (--prior)")
     if not retime_prior:
         check_prior_netem(prior, netem_paths)
-    netem = load_netem(netem_paths)
+    netem = load_netem(netem_paths, ignore=carried_netem_ignored(prior, netem_paths))
     if retime_prior:
         retime(prior, netem)
     carried_tuning = [record for p in prior for record in p["tuning"].values()]

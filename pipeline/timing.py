@@ -34,17 +34,20 @@ def inner_optimizer(netem: dict, recipe: str) -> str | None:
     return (netem.get("inner_by_recipe") or {}).get(recipe)
 
 
-def load_netem(paths: list[str]) -> dict | None:
+def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> dict | None:
     """One netem table from one or more ``bench.netem`` JSONs (None for none): the first
     file's settings, every file's result rows. Files must agree on :data:`NETEM_MUST_AGREE`.
     A (bandwidth, world size) point may appear in several files when they measured other
     recipes there (a recipe tuned later, measured alone): each recipe is measured once per
-    point, and ``runs_from`` names the file each recipe's speeds come from."""
+    point, and ``runs_from`` names the file each recipe's speeds come from. ``ignore``: per
+    file (resolved path), recipes whose measurements in it are left out (a recipe measured
+    again at a new setting, in another file)."""
     merged = None
     rows: dict[tuple[float, int], dict] = {}
     measured: dict[tuple[float, int, str], str] = {}
     rounds: dict[str, tuple[int | None, str]] = {}
     inners: dict[str, tuple[str | None, str]] = {}
+    ignored: dict[str, list[str]] = {}
     for name in paths:
         path = Path(name)
         if not path.is_file():
@@ -61,7 +64,13 @@ def load_netem(paths: list[str]) -> dict | None:
                     f"{merged.get(field)!r}; merge only sweeps of the same settings (rerun "
                     f"bench.netem with those of {paths[0]})"
                 )
+        skip = (ignore or {}).get(str(path.resolve()), set())
         for row in netem["results"]:
+            left = sorted(skip & set(row.get("runs", {})))
+            if left:
+                ignored.setdefault(str(path), [])
+                ignored[str(path)] += [r for r in left if r not in ignored[str(path)]]
+            row = {**row, "runs": {k: v for k, v in row.get("runs", {}).items() if k not in skip}}
             point = (float(row["bandwidth_mbit"]), int(row["world_size"]))
             for recipe in row.get("runs", {}):
                 key = (*point, recipe)
@@ -95,13 +104,14 @@ def load_netem(paths: list[str]) -> dict | None:
                 rows[point] = {**row, "runs": dict(row.get("runs", {}))}
                 merged["results"].append(rows[point])
         for strategy in netem.get("strategies", []):
-            if strategy not in merged["strategies"]:
+            if strategy not in merged["strategies"] and strategy not in skip:
                 merged["strategies"].append(strategy)
     if merged is not None:
         merged["outer_every_by_recipe"] = {
             r: tau for r, (tau, _) in rounds.items() if tau != merged.get("outer_every")
         }
         merged["inner_by_recipe"] = {r: o for r, (o, _) in inners.items() if o is not None}
+        merged["ignored"] = ignored
         merged["runs_from"] = {}
         for (*_, recipe), source in measured.items():
             files = merged["runs_from"].setdefault(recipe, [])

@@ -497,6 +497,30 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
     assert again["prior"] == [{"path": prior, "names": ["lamb"], "dropped": ["onebit"]}]
     assert "Left out of them, to be replaced by this report's runs and tuning: onebit." in (
         tmp_path / "again" / "report.md").read_text()  # fmt: skip
+    # ... and its measurements in the carried netem file: the recipe tuned again is measured
+    # again (here 5x faster), and the same measurement in two files is still refused
+    faster = json.loads(netem.read_text())
+    for row in faster["results"]:
+        row["runs"] = {k: {"samples_per_s": 5 * v["samples_per_s"],
+                           "warmup": {"samples_per_s": 5 * v["warmup"]["samples_per_s"]}}
+                       for k, v in row["runs"].items() if k == "onebit_lamb"}  # fmt: skip
+    remeasured = tmp_path / "onebit_again.json"
+    remeasured.write_text(json.dumps(faster))
+    with pytest.raises(ValueError, match="measured in .* as well"):
+        compare.write_report(runs[3:4], tmp_path / "x", [str(netem), str(remeasured)],
+                             prior_paths=[prior])  # fmt: skip
+    moved = compare.write_report(runs[3:4], tmp_path / "moved", [str(netem), str(remeasured)],
+                                 prior_paths=[prior], drop_prior=["onebit"])  # fmt: skip
+    (onebit_again,) = [r for r in moved["runs"] if r["name"] == "onebit"]
+    (onebit_before,) = [r for r in again["runs"] if r["name"] == "onebit"]
+    assert onebit_again["time_to_target"]["seconds"]["25"] == pytest.approx(
+        onebit_before["time_to_target"]["seconds"]["25"] / 5
+    )
+    lamb_runs = [r["time_to_target"] for r in moved["runs"] if r["name"] == "lamb"]
+    assert lamb_runs == [r["time_to_target"] for r in again["runs"] if r["name"] == "lamb"]
+    assert f"Their netem measurements are left out too: onebit_lamb in `{netem}`." in (
+        tmp_path / "moved" / "report.md").read_text()  # fmt: skip
+    assert "left out too" not in (tmp_path / "again" / "report.md").read_text()
     for drop, message in (("nope", "no carried report has runs of that name"),
                           ("lamb", "it is the reference")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
