@@ -12,11 +12,16 @@ from pathlib import Path
 
 
 def write_figures(arms: list[dict], finetuning: dict, out: Path) -> bool:
-    """Write every figure into ``out``; True when the 1-bit switch figure was written."""
+    """Write every figure into ``out``; True when the 1-bit switch figure was written. Without
+    fine-tuning results there is no fine-tuning figure (one left from an earlier report in
+    ``out`` is removed: the report would not show it)."""
     plot_loss(arms, out / "pretrain_loss.png")
     plot_val_accuracy(arms, out / "val_mlm_accuracy.png")
     has_switch = plot_switch(arms, out / "onebit_switch.png")
-    plot_finetune(arms, finetuning, out / "finetune_scores.png")
+    if finetuning:
+        plot_finetune(arms, finetuning, out / "finetune_scores.png")
+    else:
+        (out / "finetune_scores.png").unlink(missing_ok=True)
     return has_switch
 
 

@@ -186,6 +186,12 @@ def test_report_gates_samples_to_target(tmp_path, delays, verdict):
     assert early["fixed_before"] == "before any of the other arms' 5 runs started"
     for name in ("val_loss_target.png", "samples_to_target.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
+    # no fine-tuning yet: no fine-tuning figure, and none left from an earlier report
+    assert "finetune_scores.png" not in markdown
+    assert not (tmp_path / "report" / "finetune_scores.png").exists()
+    (tmp_path / "report2" / "finetune_scores.png").write_bytes(b"stale")
+    write_report([*lamb, *onebit], tmp_path / "report2", target)
+    assert not (tmp_path / "report2" / "finetune_scores.png").exists()
 
 
 def test_a_run_that_never_reaches_the_target_is_reported_as_such(tmp_path):
