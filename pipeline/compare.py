@@ -855,7 +855,7 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
     return "\n".join(lines)
 
 
-def _prior_lines(data: dict, netem: dict | None = None) -> list[str]:
+def _prior_lines(data: dict, netem: dict | None) -> list[str]:
     """Which runs come from earlier reports rather than from run directories."""
     if not data["prior"]:
         return []

@@ -47,7 +47,7 @@ def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> d
     measured: dict[tuple[float, int, str], str] = {}
     rounds: dict[str, tuple[int | None, str]] = {}
     inners: dict[str, tuple[str | None, str]] = {}
-    ignored: dict[str, list[str]] = {}
+    ignored: dict[str, set[str]] = {}
     for name in paths:
         path = Path(name)
         if not path.is_file():
@@ -66,10 +66,8 @@ def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> d
                 )
         skip = (ignore or {}).get(str(path.resolve()), set())
         for row in netem["results"]:
-            left = sorted(skip & set(row.get("runs", {})))
-            if left:
-                ignored.setdefault(str(path), [])
-                ignored[str(path)] += [r for r in left if r not in ignored[str(path)]]
+            if skip & set(row.get("runs", {})):
+                ignored.setdefault(str(path), set()).update(skip & set(row["runs"]))
             row = {**row, "runs": {k: v for k, v in row.get("runs", {}).items() if k not in skip}}
             point = (float(row["bandwidth_mbit"]), int(row["world_size"]))
             for recipe in row.get("runs", {}):
@@ -111,7 +109,7 @@ def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> d
             r: tau for r, (tau, _) in rounds.items() if tau != merged.get("outer_every")
         }
         merged["inner_by_recipe"] = {r: o for r, (o, _) in inners.items() if o is not None}
-        merged["ignored"] = ignored
+        merged["ignored"] = {path: sorted(recipes) for path, recipes in ignored.items()}
         merged["runs_from"] = {}
         for (*_, recipe), source in measured.items():
             files = merged["runs_from"].setdefault(recipe, [])

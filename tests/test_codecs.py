@@ -19,6 +19,7 @@ from onebit_bert.distributed.codecs import (
 )
 from onebit_bert.distributed.policy import CommConfig, CommPolicy, CompressionConfig
 from tests.distributed_harness import run_ranks
+from tests.helpers.compression import per_tensor_calls
 
 SHAPES = [(37, 5), (11,), (64, 3)]
 NUMEL = 37 * 5 + 11 + 64 * 3  # 388: padding in every codec
@@ -541,55 +542,24 @@ def test_onebit_tensor_compresses_each_tensor_with_its_own_scales():
         assert per_tensor < 1.0 < shared
 
 
-def _per_tensor_batched_vs_one_by_one(comm, bucket_numel):
-    """onebit_tensor on four tensors of unequal sizes (one of them over several buckets),
-    three steps so that the errors carry over, against the fused codec on each tensor
-    alone; and the collectives the per-tensor codec issues in a step."""
-    from onebit_bert.distributed.codecs import OneBitCodec, build_codec
-
-    sizes = (300, 7, 64, 1)
-    per_tensor = build_codec("onebit_tensor", comm, bucket_numel=bucket_numel)
-    alone = OneBitCodec(comm, bucket_numel=bucket_numel)
-    issued = []
-    for name in ("all_to_all_async", "all_gather_async"):
-        original = getattr(comm, name)
-
-        def counted(*args, _original=original, _name=name):
-            issued.append(_name)
-            return _original(*args)
-
-        setattr(comm, name, counted)
-    out = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(100 * step + comm.rank)
-        inputs = [torch.randn(n, generator=g) * 10.0**i for i, n in enumerate(sizes)]
-        batched = [t.clone() for t in inputs]
-        issued.clear()
-        per_tensor.all_reduce(batched, "m")
-        collectives = list(issued)
-        separate = [t.clone() for t in inputs]
-        for i, t in enumerate(separate):
-            alone.all_reduce([t], f"m/{i}")
-        out.append((batched, separate, collectives))
-    errors = {k: f.worker_error.clone() for k, f in per_tensor.feedback.items()}
-    alone_errors = {k: f.worker_error.clone() for k, f in alone.feedback.items()}
-    return {"out": out, "errors": errors, "alone_errors": alone_errors}
-
-
 @pytest.mark.parametrize(("world_size", "bucket_numel"), [(2, None), (4, 64)])
 def test_onebit_tensor_sends_every_tensor_in_one_exchange_with_the_same_numbers(
     world_size, bucket_numel
 ):
-    ranks = run_ranks(_per_tensor_batched_vs_one_by_one, world_size, bucket_numel)
+    """onebit_tensor on four tensors of unequal sizes (one of them over several buckets),
+    three steps so that the errors carry over, against the fused codec on each tensor
+    alone; and the collectives the per-tensor codec issues in a step."""
+    ranks = run_ranks(per_tensor_calls, world_size, (300, 7, 64, 1), 3, bucket_numel)
     for r in ranks:
-        for batched, separate, collectives in r["out"]:
+        for batched, separate, collectives in zip(r["batched"], r["alone"], r["collectives"],
+                                                  strict=True):  # fmt: skip
             for a, b in zip(batched, separate, strict=True):
                 assert torch.equal(a, b)  # bit for bit, every tensor, every step
             assert collectives == ["all_to_all_async", "all_gather_async"]
         assert r["errors"].keys() == r["alone_errors"].keys() == {f"m/{i}" for i in range(4)}
         for key, error in r["errors"].items():
             assert torch.equal(error, r["alone_errors"][key])
-    for a, b in zip(ranks[0]["out"][-1][0], ranks[-1]["out"][-1][0], strict=True):
+    for a, b in zip(ranks[0]["batched"][-1], ranks[-1]["batched"][-1], strict=True):
         assert torch.equal(a, b)  # the same average on every rank
 
 

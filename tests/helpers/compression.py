@@ -167,18 +167,30 @@ def embedding_steps(comm, opt, emb, head, steps, after_step=None):
 
 def per_tensor_calls(comm, sizes, steps, bucket):
     """The onebit_tensor codec on tensors of ``sizes`` (all in one exchange) and the fused
-    codec on each tensor alone, ``steps`` times on ``comm.device``; results on the CPU."""
+    codec on each tensor alone, ``steps`` times on ``comm.device`` so that the errors carry
+    over; results on the CPU, with the collectives the per-tensor codec issued each step."""
     from onebit_bert.distributed.codecs import OneBitCodec, build_codec
 
     per_tensor = build_codec("onebit_tensor", comm, bucket_numel=bucket)
     alone = OneBitCodec(comm, bucket_numel=bucket)
-    batched_out, alone_out = [], []
+    issued = []
+    for name in ("all_to_all_async", "all_gather_async"):
+        original = getattr(comm, name)
+
+        def counted(*args, _original=original, _name=name):
+            issued.append(_name)
+            return _original(*args)
+
+        setattr(comm, name, counted)
+    batched_out, alone_out, collectives = [], [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + comm.rank)
         inputs = [(torch.randn(n, generator=g) * 10.0**i).to(comm.device) for i, n in
                   enumerate(sizes)]  # fmt: skip
         batched = [t.clone() for t in inputs]
+        issued.clear()
         per_tensor.all_reduce(batched, "m")
+        collectives.append(list(issued))
         separate = [t.clone() for t in inputs]
         for i, t in enumerate(separate):
             alone.all_reduce([t], f"m/{i}")
@@ -187,6 +199,8 @@ def per_tensor_calls(comm, sizes, steps, bucket):
     return {
         "batched": batched_out,
         "alone": alone_out,
+        "collectives": collectives,
         "errors": {k: f.worker_error.cpu().clone() for k, f in per_tensor.feedback.items()},
+        "alone_errors": {k: f.worker_error.cpu().clone() for k, f in alone.feedback.items()},
         "bytes": comm.stats.bytes_sent,
     }
