@@ -75,6 +75,7 @@ def cmd_run(exp: Experiment, stages: list[str] | None) -> int:
         if stage.done():
             print(f"[pipeline] {stage.name}: complete, skipped", flush=True)
             continue
+        exp.save([stage])  # just before it starts: the file it reads is this invocation's
         _run_stage(exp, stage)
     summary = {
         "experiment": exp.cfg.name,
@@ -131,6 +132,7 @@ def cmd_submit(exp: Experiment, stages: list[str] | None, dry_run: bool) -> int:
     for stage in selected:  # generators run here; they are quick and need no cluster
         if stage.kind == "inputs" and not stage.done():
             _run_stage(exp, stage)
+    exp.save([s for s in selected if not s.done()])  # the scripts read these files
     chain = SlurmChain(exp)
     jobs = chain.submit([s for s in selected if s.kind != "inputs"], dry_run=dry_run)
     for name, job in jobs.items():
@@ -167,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, *extra]
     try:
         exp = load_experiment(Path(args.config), overrides)
-        # Every stage config is checked, and saved before anything runs; status writes nothing.
-        exp.resolve(write=args.command != "status")
+        # Every stage config is checked before anything runs; run and submit save only the
+        # configs of the stages they launch (see Experiment.save), status writes nothing.
+        exp.resolve(write=False)
         if args.command == "run":
             return cmd_run(exp, args.stages)
         if args.command == "submit":
@@ -176,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return cmd_status(exp)
         report = exp.stage("report")
+        exp.save([report])
         _run_stage(exp, report)  # always rewritten: the inputs may have changed
         print(f"report: {report.output / 'report.md'}")
         return 0

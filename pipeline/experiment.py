@@ -427,6 +427,16 @@ class Experiment:
         self.stages = stages
         return stages
 
+    def save(self, stages: list[Stage]) -> None:
+        """Save the experiment config and the configs of ``stages`` (those about to run or be
+        submitted) under ``<workdir>/configs``. Other stages' files are left alone, so two
+        invocations that run different stages of one workdir with different overrides (a
+        sweep beside a fine-tuning chain) never rewrite each other's configs."""
+        save_config(self.cfg, self.path("experiment.yaml"))
+        for stage in stages:
+            if stage.config_path is not None and stage.config is not None:
+                save_config(stage.config, stage.config_path)
+
     def _finetune_stage(self, name: str, source: Stage, out: Path, extra: list[str]) -> Stage:
         """Fine-tuning of ``source``'s final checkpoint into ``out``."""
         from finetune.config import FinetuneConfig

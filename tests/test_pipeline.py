@@ -154,6 +154,33 @@ def test_run_skips_completed_stages(tmp_path, capsys):
     assert "inputs: complete, skipped" in capsys.readouterr().out
 
 
+def test_an_invocation_saves_only_the_configs_of_the_stages_it_launches(tmp_path, capsys):
+    """Two invocations on one workdir, each running other stages with other overrides (a
+    sweep beside a fine-tuning chain), must not rewrite each other's stage configs: the
+    later one's resolve once turned the earlier one's data_root back to null."""
+    import yaml
+
+    work = tmp_path / "work"
+    configs = work / "configs"
+    base = ["--config", str(SMOKE), f"workdir={work}"]
+    assert main(["run", *base, "--stages", "inputs"]) == 0
+    assert (work / "experiment.yaml").is_file() and not configs.exists()
+
+    first = ["submit", *base, "finetune.overrides=[data_root=/first]", "--dry-run"]
+    assert main([*first, "--stages", "finetune/lamb"]) == 0
+    assert sorted(p.name for p in configs.iterdir()) == ["finetune_lamb.yaml"]
+    second = ["submit", *base, "finetune.overrides=[data_root=/second]", "--dry-run"]
+    assert main([*second, "--stages", "pretrain/onebit", "finetune/onebit"]) == 0
+    saved = {p.name: yaml.safe_load(p.read_text()) for p in configs.iterdir()}
+    assert sorted(saved) == [
+        "finetune_lamb.yaml",
+        "finetune_onebit.yaml",
+        "pretrain_onebit_phase1.yaml",
+    ]
+    assert saved["finetune_lamb.yaml"]["data_root"] == "/first"
+    assert saved["finetune_onebit.yaml"]["data_root"] == "/second"
+
+
 def test_status_lists_every_stage(tmp_path, capsys):
     assert main(["status", "--config", str(SMOKE), f"workdir={tmp_path / 'work'}"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
