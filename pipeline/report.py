@@ -299,6 +299,12 @@ def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:
                 row = per_arm[arm["name"]]
                 row["difference"] = row["mean"] - ref["mean"]
                 row.update(verdict(ref["pretrain_seed_means"], row["pretrain_seed_means"]))
+                interval = gating.difference_interval(
+                    ref["pretrain_seed_means"], row["pretrain_seed_means"]
+                )
+                row["interval"] = (
+                    None if interval["low"] is None else [interval["low"], interval["high"]]
+                )
             if baseline is not None:
                 flat = [v for r in baseline["seeds"] for v in finetune_values(r, task, metric)]
                 mean, std = mean_std(flat)
@@ -533,7 +539,13 @@ def _pretraining_section(arms: list[dict], pretraining: dict, has_switch: bool) 
 def _finetuning_section(arms: list[dict], finetuning: dict, names: list[str]) -> list[str]:
     others = [a["name"] for a in arms[1:]]
     ref = arms[0]["name"]
-    lines = ["## Fine-tuning", "", "Mean ± std over pretraining × fine-tuning seeds.", ""]
+    lines = [
+        "## Fine-tuning",
+        "",
+        "Mean ± std over pretraining × fine-tuning seeds. A difference's brackets hold its "
+        "95 % Welch interval over the pretraining seeds' means (two or more on each side).",
+        "",
+    ]
     missing = [
         f"{a['name']} {sum(1 for r in a['seeds'] if r['finetune'])} of {len(a['seeds'])}"
         for a in arms
@@ -556,12 +568,21 @@ def _finetuning_section(arms: list[dict], finetuning: dict, names: list[str]) ->
     for task, info in finetuning.items():
         for metric, rows in info["metrics"].items():
             cells = " | ".join(_cell(rows.get(n, {})) for n in names)
-            diffs = " | ".join(f"{rows[n]['difference']:+.4f}" for n in others)
+            diffs = " | ".join(_difference_cell(rows[n]) for n in others)
             verdicts = " | ".join(_verdict_cell(rows[n]) for n in others)
             main = " (main)" if metric == info["main_metric"] else ""
             lines.append(f"| {task} | {metric}{main} | {cells} | {diffs} | {verdicts} |")
     lines += ["", "![fine-tuning scores](finetune_scores.png)", ""]
     return lines
+
+
+def _difference_cell(row: dict) -> str:
+    """The difference of the means, with its 95 % Welch interval over pretraining seeds."""
+    text = f"{row['difference']:+.4f}"
+    if row.get("interval"):
+        low, high = row["interval"]
+        text += f" [{low:+.4f}, {high:+.4f}]"
+    return text
 
 
 def _samples(value: float | None) -> str:

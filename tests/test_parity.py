@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -225,6 +226,33 @@ def test_tasks_without_signal_get_no_verdict(tmp_path):
     assert sst2["metrics"]["accuracy"]["onebit"]["verdict"] != "no signal at this scale"
     markdown = (tmp_path / "report" / "report.md").read_text()
     assert "| mrpc | accuracy |" in markdown and "**no signal at this scale**" in markdown
+    # the difference's 95 % interval over pretraining seeds: every seed scored alike, so
+    # both arms' per-seed means are equal and the interval is the point 0
+    row = sst2["metrics"]["accuracy"]["onebit"]
+    assert row["difference"] == pytest.approx(0.0) and row["interval"] == pytest.approx([0, 0])
+    assert "+0.0000 [+0.0000, +0.0000]" in markdown
+
+
+def test_a_fine_tuning_difference_carries_its_interval():
+    """Known numbers: per-seed means 0.80/0.82/0.84 against 0.70/0.74/0.78 give a difference
+    of -0.08 with Welch's t interval (df from Welch-Satterthwaite)."""
+    from pipeline.report import compare_finetuning
+
+    def arm(name, scores):
+        seeds = [{"finetune": {"sst2": {"accuracy": v, "main_metric": "accuracy"}}}
+                 for v in scores]  # fmt: skip
+        return {"name": name, "seeds": seeds}
+
+    table = compare_finetuning([arm("lamb", [0.80, 0.82, 0.84]), arm("ob", [0.70, 0.74, 0.78])])
+    row = table["sst2"]["metrics"]["accuracy"]["ob"]
+    se = math.sqrt(0.02**2 / 3 + 0.04**2 / 3)
+    df = se**4 / ((0.02**2 / 3) ** 2 / 2 + (0.04**2 / 3) ** 2 / 2)
+    assert df == pytest.approx(2.9412, abs=1e-4)
+    half = 3.2187586 * se  # scipy.stats.t.ppf(0.975, 50 / 17)
+    assert row["difference"] == pytest.approx(-0.08)
+    assert row["interval"] == pytest.approx([-0.08 - half, -0.08 + half], abs=1e-6)
+    one = compare_finetuning([arm("lamb", [0.80]), arm("ob", [0.70])])
+    assert one["sst2"]["metrics"]["accuracy"]["ob"]["interval"] is None
 
 
 def test_sensitivity_runs_are_shown_apart(tmp_path):
