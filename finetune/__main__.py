@@ -16,6 +16,7 @@ import sys
 
 from finetune.config import FinetuneConfig
 from onebit_bert.config import ConfigError, config_help, load_config
+from onebit_bert.run_lock import RunLocked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
-    except (ConfigError, ValueError, FileNotFoundError) as err:
+    except (ConfigError, ValueError, FileNotFoundError, RunLocked) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

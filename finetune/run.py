@@ -35,6 +35,7 @@ from finetune.trainer import fit, predict, seed_everything
 from onebit_bert.config import save_config
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.precision import resolve_precision
+from onebit_bert.run_lock import RunLock
 
 log = logging.getLogger("finetune")
 
@@ -319,7 +320,17 @@ def run(cfg: FinetuneConfig) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = resolve_precision(cfg.precision, device)
     out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)  # one writer per output: a second launch stops here, named
+    lock.acquire()
+    try:
+        return _run_tasks(cfg, runners, tokenizer, device, precision, out, lock)
+    finally:
+        lock.release()
+
+
+def _run_tasks(cfg, runners, tokenizer, device, precision, out: Path, lock: RunLock) -> dict:
+    if lock.took_over:
+        log.warning("took over the output lock of %s", lock.took_over)
     save_config(cfg, config_path(out))
     results = {}
     for runner in runners:
@@ -347,6 +358,7 @@ def run(cfg: FinetuneConfig) -> dict:
                     weight_decay=cfg.weight_decay,
                     warmup_proportion=cfg.warmup_proportion,
                     max_grad_norm=cfg.max_grad_norm,
+                    on_step=lock.heartbeat,
                 )
                 where = partial(artifact_dir, out, runner.name, lr, epochs, seed)
                 metrics = runner.evaluate(
@@ -359,6 +371,7 @@ def run(cfg: FinetuneConfig) -> dict:
                 )
                 if cfg.save_model:
                     save_model(model, tokenizer, where("models"))
+                lock.heartbeat()  # raises if another launch took the output over meanwhile
                 atomic_write_json(
                     path,
                     {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -53,12 +54,15 @@ def fit(
     weight_decay: float = 0.01,
     warmup_proportion: float = 0.1,
     max_grad_norm: float = 1.0,
+    on_step: Callable[[], object] | None = None,
 ) -> list[float]:
     """Train ``model`` (its forward returns ``loss`` given the features' label keys) with
     HF ``Trainer``; returns the loss of every step, unfiltered (a NaN stays a NaN).
 
     ``epochs`` may be fractional: the run takes ``ceil(epochs * steps per epoch)`` steps,
     reshuffling at each epoch. The warmup is ``int(warmup_proportion * steps)`` steps.
+    ``on_step`` is called after every step (the output lock's heartbeat; what it raises
+    stops the training).
     fp16 and bf16 need a GPU (checked before anything runs); on one GPU of several, the
     process trains on the current one alone (``batch_size`` is the whole batch)."""
     from transformers import Trainer, TrainingArguments
@@ -80,6 +84,8 @@ def fit(
         def training_step(self, *args, **kwargs):
             loss = super().training_step(*args, **kwargs)
             self.losses.append(loss.detach())
+            if on_step is not None:
+                on_step()
             return loss
 
     with tempfile.TemporaryDirectory() as scratch:  # nothing is saved: save_strategy "no"

@@ -7,7 +7,9 @@ import json
 import os
 import random
 import shutil
+import socket
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import yaml
 
 from finetune.config import FinetuneConfig
 from finetune.run import run
-from onebit_bert.config import from_dict
+from onebit_bert.config import from_dict, to_dict
 from pipeline.report import write_report
 from tests.corpus import WORDS, sentence
 
@@ -167,6 +169,63 @@ def test_learning_rate_grid_and_seed_spread(setup, tmp_path):
     assert [(g["lr"], g["epochs"]) for g in result["grid"]] == [(1e-4, 1.0), (1e-3, 1.0)]
     best = max(result["grid"], key=lambda g: g["mean"]["accuracy"])
     assert result["lr"] == best["lr"] and result["accuracy"] == best["mean"]["accuracy"]
+
+
+# ----------------------------------------------------------------------------- one writer
+
+
+def test_a_second_launch_on_one_output_is_refused_before_training(setup, tmp_path, capsys):
+    """Two fine-tuning jobs on one output directory would interleave their run files: the
+    second stops at once, naming the live holder, and writes nothing."""
+    import subprocess
+
+    from finetune.__main__ import main
+    from onebit_bert.run_lock import LOCK_FILE, read_lock
+
+    checkpoint, data = setup
+    out = tmp_path / "out"
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        out.mkdir()
+        record = {"host": socket.gethostname(), "pids": [holder.pid], "token": "other"}
+        (out / LOCK_FILE).write_text(json.dumps({**record, "heartbeat": time.time()}))
+        cfg = finetune_config(checkpoint, data, out, tasks=["sst2"])
+        config = tmp_path / "ft.yaml"
+        config.write_text(yaml.safe_dump(to_dict(cfg)))
+        assert main(["run", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "being written by another launch" in err and f"pid {holder.pid}" in err
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing trained
+        assert read_lock(out)["token"] == "other"
+    finally:
+        holder.kill()
+        holder.wait()
+    # its holder gone, the lock is taken over; a finished run leaves no lock behind
+    run(cfg)
+    assert (out / "sst2" / "results.json").is_file() and not (out / LOCK_FILE).exists()
+
+
+def test_a_run_whose_output_is_taken_over_stops_without_writing(setup, tmp_path, monkeypatch):
+    """The heartbeat after every training step notices another launch's takeover: the
+    run stops before writing a result."""
+    import finetune.run as ft_run
+    from onebit_bert.run_lock import LOCK_FILE, RunLock, RunLocked
+
+    class TakenOver(RunLock):
+        def __init__(self, run_dir):
+            super().__init__(run_dir, interval=0.0)
+
+        def heartbeat(self):
+            record = {"host": "elsewhere", "pids": [1], "token": "new", "heartbeat": time.time()}
+            (self.run_dir / LOCK_FILE).write_text(json.dumps(record))
+            return super().heartbeat()
+
+    monkeypatch.setattr(ft_run, "RunLock", TakenOver)
+    checkpoint, data = setup
+    cfg = finetune_config(checkpoint, data, tmp_path / "out", tasks=["sst2"])
+    with pytest.raises(RunLocked, match="taken over by another launch"):
+        run(cfg)
+    assert not (tmp_path / "out" / "sst2" / "runs").exists()
 
 
 # ----------------------------------------------------------------------------- errors
