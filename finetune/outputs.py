@@ -7,6 +7,8 @@
         <task>/results.json             the same for one task
         <task>/runs/lr<LR>_ep<E>_seed<S>.json   one finished (lr, epochs, seed) run each;
                                         a rerun skips the ones present
+        <task>/locks/lr<LR>_ep<E>_seed<S>/run.lock   held while that run trains (one
+                                        launch per run; removed when it ends)
 
 ``results.json`` is rewritten at the end of every run of the stage with the tasks and seeds
 of that run (a SLURM array task writes one task and seed; the aggregating run writes all).

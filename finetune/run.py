@@ -320,17 +320,7 @@ def run(cfg: FinetuneConfig) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = resolve_precision(cfg.precision, device)
     out = Path(cfg.output)
-    lock = RunLock(out)  # one writer per output: a second launch stops here, named
-    lock.acquire()
-    try:
-        return _run_tasks(cfg, runners, tokenizer, device, precision, out, lock)
-    finally:
-        lock.release()
-
-
-def _run_tasks(cfg, runners, tokenizer, device, precision, out: Path, lock: RunLock) -> dict:
-    if lock.took_over:
-        log.warning("took over the output lock of %s", lock.took_over)
+    out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, config_path(out))
     results = {}
     for runner in runners:
@@ -341,57 +331,85 @@ def _run_tasks(cfg, runners, tokenizer, device, precision, out: Path, lock: RunL
                 path = run_path(out, runner.name, lr, epochs, seed)
                 if path.is_file():
                     continue
-                if features is None:
-                    features = runner.train_features(tokenizer)
-                seed_everything(seed)
-                model = runner.build_model(cfg.checkpoint, cfg.init == "random").to(device)
-                start = time.perf_counter()
-                losses = fit(
-                    model,
-                    features,
-                    lr=lr,
-                    epochs=epochs,
-                    batch_size=batch_size,
-                    seed=seed,
-                    device=device,
-                    precision=precision,
-                    weight_decay=cfg.weight_decay,
-                    warmup_proportion=cfg.warmup_proportion,
-                    max_grad_norm=cfg.max_grad_norm,
-                    on_step=lock.heartbeat,
-                )
-                where = partial(artifact_dir, out, runner.name, lr, epochs, seed)
-                metrics = runner.evaluate(
-                    model,
-                    tokenizer,
-                    device,
-                    precision,
-                    batch_size,
-                    predictions=where("predictions") if cfg.predictions else None,
-                )
-                if cfg.save_model:
-                    save_model(model, tokenizer, where("models"))
-                lock.heartbeat()  # raises if another launch took the output over meanwhile
-                atomic_write_json(
-                    path,
-                    {
-                        "lr": lr,
-                        "epochs": epochs,
-                        "seed": seed,
-                        "metrics": metrics,
-                        "train_seconds": time.perf_counter() - start,
-                        "final_loss": losses[-1],
-                        # CPU kernels sum in an order set by the thread count: a run
-                        # repeats bit for bit only with the same device and threads.
-                        "device": str(device),
-                        "threads": torch.get_num_threads(),
-                    },
-                )
-                log.info("%s lr=%g epochs=%g seed=%d: %s", runner.name, lr, epochs, seed, metrics)
+                # One launch trains a given run at a time (SLURM array tasks train
+                # different ones into the same output); a second stops here, named.
+                lock = RunLock(artifact_dir(out, runner.name, lr, epochs, seed, "locks"))
+                lock.acquire()
+                try:
+                    if lock.took_over:
+                        log.warning("took over the run lock of %s", lock.took_over)
+                    if not path.is_file():  # finished by another launch meanwhile
+                        if features is None:
+                            features = runner.train_features(tokenizer)
+                        _train_one(cfg, runner, tokenizer, device, precision, out, lock,
+                                   features, lr, epochs, seed, batch_size)  # fmt: skip
+                finally:
+                    lock.release()
+                    _remove_empty(lock.run_dir, lock.run_dir.parent)
         results[runner.name] = summarize(runner, cfg, out)
         write_task_results(out, runner.name, results[runner.name])
     write_results(out, results)
     return results
+
+
+def _remove_empty(*directories: Path) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (another run's lock), or gone
+            return
+
+
+def _train_one(cfg: FinetuneConfig, runner, tokenizer, device, precision: str, out: Path,
+               lock: RunLock, features: dict, lr: float, epochs: float, seed: int,
+               batch_size: int) -> None:  # fmt: skip
+    """Train and evaluate one (task, lr, epochs, seed) run under its ``lock`` and write its
+    record."""
+    seed_everything(seed)
+    model = runner.build_model(cfg.checkpoint, cfg.init == "random").to(device)
+    start = time.perf_counter()
+    losses = fit(
+        model,
+        features,
+        lr=lr,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        device=device,
+        precision=precision,
+        weight_decay=cfg.weight_decay,
+        warmup_proportion=cfg.warmup_proportion,
+        max_grad_norm=cfg.max_grad_norm,
+        on_step=lock.heartbeat,  # raises, and stops the training, if taken over
+    )
+    where = partial(artifact_dir, out, runner.name, lr, epochs, seed)
+    metrics = runner.evaluate(
+        model,
+        tokenizer,
+        device,
+        precision,
+        batch_size,
+        predictions=where("predictions") if cfg.predictions else None,
+    )
+    if cfg.save_model:
+        save_model(model, tokenizer, where("models"))
+    lock.heartbeat()  # raises if another launch took the run over meanwhile
+    atomic_write_json(
+        run_path(out, runner.name, lr, epochs, seed),
+        {
+            "lr": lr,
+            "epochs": epochs,
+            "seed": seed,
+            "metrics": metrics,
+            "train_seconds": time.perf_counter() - start,
+            "final_loss": losses[-1],
+            # CPU kernels sum in an order set by the thread count: a run
+            # repeats bit for bit only with the same device and threads.
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        },
+    )
+    log.info("%s lr=%g epochs=%g seed=%d: %s", runner.name, lr, epochs, seed, metrics)
 
 
 def summarize(runner, cfg: FinetuneConfig, out: Path) -> dict:

@@ -174,40 +174,50 @@ def test_learning_rate_grid_and_seed_spread(setup, tmp_path):
 # ----------------------------------------------------------------------------- one writer
 
 
-def test_a_second_launch_on_one_output_is_refused_before_training(setup, tmp_path, capsys):
-    """Two fine-tuning jobs on one output directory would interleave their run files: the
-    second stops at once, naming the live holder, and writes nothing."""
+def test_a_second_launch_of_one_run_is_refused_before_training(setup, tmp_path, capsys):
+    """Two launches training the same (task, lr, epochs, seed) into one output (a double
+    sbatch) would race on its record: the second stops at once, naming the live holder.
+    Other runs of the same output (SLURM array tasks) are not held up by it."""
     import subprocess
 
     from finetune.__main__ import main
+    from finetune.outputs import artifact_dir
     from onebit_bert.run_lock import LOCK_FILE, read_lock
 
     checkpoint, data = setup
     out = tmp_path / "out"
+    cfg = finetune_config(checkpoint, data, out, tasks=["sst2"], seeds=[1])
+    ((lr, epochs),) = cfg.grid("sst2")
+    held = artifact_dir(out, "sst2", lr, epochs, 1, "locks")
+    config = tmp_path / "ft.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg)))
     holder = subprocess.Popen(["sleep", "60"])
     try:
-        out.mkdir()
+        held.mkdir(parents=True)
         record = {"host": socket.gethostname(), "pids": [holder.pid], "token": "other"}
-        (out / LOCK_FILE).write_text(json.dumps({**record, "heartbeat": time.time()}))
-        cfg = finetune_config(checkpoint, data, out, tasks=["sst2"])
-        config = tmp_path / "ft.yaml"
-        config.write_text(yaml.safe_dump(to_dict(cfg)))
+        (held / LOCK_FILE).write_text(json.dumps({**record, "heartbeat": time.time()}))
         assert main(["run", "--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert "being written by another launch" in err and f"pid {holder.pid}" in err
-        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # nothing trained
-        assert read_lock(out)["token"] == "other"
+        assert not (out / "sst2" / "runs").exists()  # nothing trained
+        assert read_lock(held)["token"] == "other"
+        # another seed of the same output trains beside it
+        assert main(["run", "--config", str(config), "seeds=[2]"]) == 0
+        assert sorted(p.name for p in (out / "sst2" / "runs").iterdir()) == [
+            f"lr{lr:g}_ep{epochs:g}_seed2.json"
+        ]
     finally:
         holder.kill()
         holder.wait()
     # its holder gone, the lock is taken over; a finished run leaves no lock behind
     run(cfg)
-    assert (out / "sst2" / "results.json").is_file() and not (out / LOCK_FILE).exists()
+    assert (out / "sst2" / "runs" / f"lr{lr:g}_ep{epochs:g}_seed1.json").is_file()
+    assert not (out / "sst2" / "locks").exists()
 
 
-def test_a_run_whose_output_is_taken_over_stops_without_writing(setup, tmp_path, monkeypatch):
+def test_a_run_taken_over_by_another_launch_stops_without_writing(setup, tmp_path, monkeypatch):
     """The heartbeat after every training step notices another launch's takeover: the
-    run stops before writing a result."""
+    run stops before writing its record."""
     import finetune.run as ft_run
     from onebit_bert.run_lock import LOCK_FILE, RunLock, RunLocked
 
