@@ -29,7 +29,12 @@ from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim.auto_freeze import AUTO
 from pipeline import gate as gating
-from pipeline.report_plots import plot_samples_to_target, plot_val_loss_target, write_figures
+from pipeline.report_plots import (
+    plot_samples_to_target,
+    plot_sensitivity,
+    plot_val_loss_target,
+    write_figures,
+)
 from pipeline.stats import mean_std, welch_t_test
 from pipeline.tables import fmt as _fmt
 from pipeline.tables import summary as _summary
@@ -788,9 +793,15 @@ def write_report(
         plot_val_loss_target(arms, target["value"], out / "val_loss_target.png")
         plot_samples_to_target(gate, out / "samples_to_target.png")
     if sensitivity_runs:
-        groups = group_arms(sensitivity_runs)
-        value = target["value"] if target else groups[0]["seeds"][0]["final"]["val_mlm_loss"]
-        plot_val_loss_target(groups, value, out / "sensitivity.png", "sensitivity runs")
+        value = target["value"] if target else arms[0]["seeds"][0]["final"]["val_mlm_loss"]
+        per_seed = gate["per_seed"] if gate else {}
+        gated = [
+            {**arm, "samples_to_target": [r["samples_to_target"] for r in per_seed[arm["name"]]]}
+            if arm["name"] in per_seed
+            else arm
+            for arm in arms
+        ]
+        plot_sensitivity(sensitivity, sensitivity_runs, gated, value, out / "sensitivity.png")
     markdown = render_markdown(
         arms,
         pretraining,

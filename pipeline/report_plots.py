@@ -230,3 +230,76 @@ def plot_samples_to_target(gate: dict, path: Path) -> None:
         ax.set_ylim(min(reached_all) * 0.9, max(r["max_samples"] for rows in
                     gate["per_seed"].values() for r in rows) * 1.02)  # fmt: skip
     _finish(plt, fig, ax, "arm", "samples to target", path)
+
+
+def _mean_curve(runs: list[dict]) -> tuple[list[float], list[float]]:
+    """The mean validation loss over ``runs`` at the samples every one of them evaluated."""
+    common = set.intersection(*({x for x, _ in r["val_mlm_loss"]} for r in runs))
+    xs = sorted(common)
+    tables = [dict(r["val_mlm_loss"]) for r in runs]
+    return xs, [sum(t[x] for t in tables) / len(tables) for x in xs]
+
+
+def plot_sensitivity(rows: list[dict], runs: list[dict], arms: list[dict], target: float,
+                     path: Path) -> None:  # fmt: skip
+    """Left: each sensitivity run's validation loss against samples, beside the gated arms'
+    mean curves and the target. Right: samples to target against the share of the run at
+    the freeze, beside each gated arm's mean ± std band (when the arms have a gate)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=[3, 2])
+    for k, arm in enumerate(arms):
+        runs_with = [r for r in arm["seeds"] if r["val_mlm_loss"]]
+        if runs_with:
+            xs, ys = _mean_curve(runs_with)
+            left.plot(xs, ys, color="black", ls=("--", ":", "-.")[k % 3], lw=1.4,
+                      label=f"{arm['name']}: mean of {len(runs_with)}")  # fmt: skip
+    for i, run in enumerate(runs):
+        if run["val_mlm_loss"]:
+            xs, ys = zip(*run["val_mlm_loss"], strict=True)
+            left.plot(xs, ys, color=f"C{i}", lw=1, label=f"{run['name']} (seed {run['seed']})")
+    left.axhline(target, color="grey", ls=":", lw=1, label=f"target {target:.3f}")
+    low = min((y for r in runs for _, y in r["val_mlm_loss"]), default=target)
+    left.set_ylim(low - 0.1, target + 1.0)
+    left.set_title("validation loss", fontsize=9)
+    _finish_axis(left, "samples seen", "validation MLM loss")
+    for i, row in enumerate(rows):
+        if row["freeze_fraction"] is None:
+            continue
+        reached = row["samples_to_target"] is not None
+        y = row["samples_to_target"] if reached else row["max_samples"]
+        label = row["name"] + ("" if reached else " (not reached)")
+        marker = "o" if reached else "x"
+        right.scatter(
+            [row["freeze_fraction"]], [y], color=f"C{i}", marker=marker, label=label, zorder=3
+        )
+    for k, arm in enumerate(arms):
+        values = arm.get("samples_to_target", [])
+        reached = [v for v in values if v is not None]
+        if len(reached) >= 2:
+            mean = sum(reached) / len(reached)
+            std = (sum((v - mean) ** 2 for v in reached) / (len(reached) - 1)) ** 0.5
+            label = f"{arm['name']}: mean ± std of {len(reached)}"
+            color = ("0.75", "wheat", "lightblue")[k % 3]
+            right.axhspan(mean - std, mean + std, color=color, alpha=0.5, label=label)
+        # a gated arm that freezes: its own seeds at its freeze share
+        shares = [
+            (r["freeze_step"] / (r["max_samples"] // r["global_batch_size"]), v)
+            for r, v in zip(arm["seeds"], values, strict=False)
+            if isinstance(r.get("freeze_step"), int) and v is not None
+        ]
+        if shares:
+            right.scatter(*zip(*shares, strict=True), color="black", marker="_", s=80,
+                          label=f"{arm['name']}: its seeds")  # fmt: skip
+    right.set_title("samples to target by freeze share", fontsize=9)
+    right.xaxis.set_major_formatter(lambda v, _: f"{v:.0%}")
+    _finish_axis(right, "freeze step / run length", "samples to target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _finish_axis(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
