@@ -160,20 +160,24 @@ def plot_switch(arms: list[dict], path: Path) -> bool:
 
 
 def plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
-    """Each task's main metric per arm (mean with a ±std bar); GLUE fractions ×100."""
+    """Each task's main metric per arm, and the randomly initialised baseline's when the
+    table has one (mean with a ±std bar); GLUE fractions ×100."""
     plt = _pyplot()
     tasks = list(table)
+    names = list(table[tasks[0]]["metrics"][table[tasks[0]]["main_metric"]])  # arms, baseline
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks)), 4))
-    width = 0.8 / len(arms)
-    for i, arm in enumerate(arms):
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
         means, errs = [], []
         for task in tasks:
-            row = table[task]["metrics"][table[task]["main_metric"]][arm["name"]]
+            row = table[task]["metrics"][table[task]["main_metric"]][name]
             scale = 1.0 if task == "squad" else 100.0  # GLUE metrics are fractions
             means.append(row["mean"] * scale)
             errs.append(row["std"] * scale)
-        xs = [t + (i - (len(arms) - 1) / 2) * width for t in range(len(tasks))]
-        ax.bar(xs, means, width, yerr=errs, capsize=3, label=arm["name"])
+        xs = [t + (i - (len(names) - 1) / 2) * width for t in range(len(tasks))]
+        baseline = name not in {a["name"] for a in arms}
+        ax.bar(xs, means, width, yerr=errs, capsize=3, label=name,
+               color="0.6" if baseline else f"C{i}", hatch="//" if baseline else None)  # fmt: skip
     ax.set_xticks(range(len(tasks)))
     ax.set_xticklabels([f"{t}\n({table[t]['main_metric']})" for t in tasks])
     ax.set_ylabel("score (x100 for GLUE)")
