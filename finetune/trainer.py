@@ -61,7 +61,7 @@ def fit(
 
     ``epochs`` may be fractional: the run takes ``ceil(epochs * steps per epoch)`` steps,
     reshuffling at each epoch. The warmup is ``int(warmup_proportion * steps)`` steps.
-    ``on_step`` is called after every step (the output lock's heartbeat; what it raises
+    ``on_step`` is called after every step (the run lock's heartbeat; what it raises
     stops the training).
     fp16 and bf16 need a GPU (checked before anything runs); on one GPU of several, the
     process trains on the current one alone (``batch_size`` is the whole batch)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.stats import mean_std
+
 
 def write_figures(arms: list[dict], finetuning: dict, out: Path) -> bool:
     """Write every figure into ``out``; True when the 1-bit switch figure was written. Without
@@ -35,10 +37,7 @@ def _pyplot():
 
 
 def _finish(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    _finish_axis(ax, xlabel, ylabel, fontsize=None)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -280,8 +279,7 @@ def plot_sensitivity(rows: list[dict], runs: list[dict], arms: list[dict], targe
         values = arm.get("samples_to_target", [])
         reached = [v for v in values if v is not None]
         if len(reached) >= 2:
-            mean = sum(reached) / len(reached)
-            std = (sum((v - mean) ** 2 for v in reached) / (len(reached) - 1)) ** 0.5
+            mean, std = mean_std(reached)
             label = f"{arm['name']}: mean ± std of {len(reached)}"
             color = ("0.75", "wheat", "lightblue")[k % 3]
             right.axhspan(mean - std, mean + std, color=color, alpha=0.5, label=label)
@@ -302,8 +300,8 @@ def plot_sensitivity(rows: list[dict], runs: list[dict], arms: list[dict], targe
     plt.close(fig)
 
 
-def _finish_axis(ax, xlabel: str, ylabel: str) -> None:
+def _finish_axis(ax, xlabel: str, ylabel: str, fontsize: int | None = 7) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=fontsize)
