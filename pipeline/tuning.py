@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onebit_bert.recipes import Recipe, search_point
+from onebit_bert.recipes import RECIPES, Recipe, search_point
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,7 @@ def tuning_lines(records: Mapping[str, dict]) -> list[str]:
         chosen = ", ".join(f"`{k}={v}`" for k, v in (r["chosen_settings"] or {}).items())
         rungs_text = ", ".join(map(str, r["budget"]["rungs"]))
         lines.append(f"| {name} | {space} | {r['budget']['trials']} | {rungs_text} | {chosen} |")
+    lines += coverage_lines(records)
     lines += ["", "| trial | settings | validation loss by rung |", "|---|---|---|"]
     for r in records.values():
         for t in r["trials"]:
@@ -228,6 +229,42 @@ def tuning_lines(records: Mapping[str, dict]) -> list[str]:
             values = ", ".join(f"{v:.4f}" for v in finals)
             lines.append(f"| {name} | {seeds} | {values} | {sum(finals) / len(finals):.4f} |")
     return [*lines, ""]
+
+
+def stale_search_spaces(records: Mapping[str, dict]) -> dict[str, dict]:
+    """Recipe -> its registry search space today, for the recipes tuned in another one (the
+    registry widened or changed since), so a report cannot pass an old tuning for the
+    protocol's current one."""
+    stale = {}
+    for name, record in records.items():
+        if name not in RECIPES:
+            continue
+        now = {k: list(v) for k, v in RECIPES[name].search_space.items()}
+        if record["search_space"] != now:
+            stale[name] = now
+    return stale
+
+
+def coverage_lines(records: Mapping[str, dict]) -> list[str]:
+    """Under the tuning table: recipes tuned in a search space other than the registry's
+    today, and registry recipes with a search space that this comparison did not tune."""
+    lines = []
+    for name, now in stale_search_spaces(records).items():
+        space = "; ".join(f"`{k}` {v}" for k, v in now.items())
+        lines += [
+            "",
+            f"**{name} was tuned in another search space than its recipe's today** "
+            f"({space}): tune it again to compare it under the current protocol.",
+        ]
+    untuned = [n for n, r in RECIPES.items() if r.search_space and n not in records]
+    if untuned:
+        lines += [
+            "",
+            "Recipes of the registry not tuned in this comparison (so not in it): "
+            + ", ".join(untuned)
+            + ".",
+        ]
+    return lines
 
 
 def check_equal_budgets(budgets: Mapping[str, Mapping], allow_unequal: bool = False) -> None:

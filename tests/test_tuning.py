@@ -16,6 +16,7 @@ from pipeline.tuning import (
     rungs,
     successive_halving,
     trials,
+    tuning_lines,
 )
 
 TOY = Recipe("toy", "Toy", "lamb", search_space={"optimizer.lr": (0.1, 0.2, 0.3, 0.4),
@@ -159,3 +160,36 @@ def test_unequal_budgets_are_refused_unless_allowed():
     with pytest.raises(ValueError, match=r"unequal budgets \(lamb: 4 trials.*co2: 2 trials"):
         check_equal_budgets(unequal)
     check_equal_budgets(unequal, allow_unequal=True)
+
+
+def _record(name: str, space: dict) -> dict:
+    return {
+        "recipe": name,
+        "search_space": space,
+        "trials": [],
+        "chosen": None,
+        "chosen_settings": None,
+        "budget": {"trials": 3, "rungs": [375], "steps": 1125},
+    }
+
+
+def test_the_report_flags_a_tuning_in_an_older_search_space_and_lists_the_untuned():
+    lamb_now = {k: list(v) for k, v in get_recipe("lamb").search_space.items()}
+    slowmo_now = {k: list(v) for k, v in get_recipe("slowmo_node").search_space.items()}
+    narrower = {k: v for k, v in slowmo_now.items() if k != "strategy.outer_momentum"}
+    text = "\n".join(
+        tuning_lines(
+            {"lamb": _record("lamb", lamb_now), "slowmo_node": _record("slowmo_node", narrower)}
+        )
+    )
+    assert "**slowmo_node was tuned in another search space" in text
+    assert "strategy.outer_momentum" in text.split("**slowmo_node")[1]
+    assert "lamb was tuned in another" not in text
+    listed = text.split("not tuned in this comparison (so not in it): ")[1].split("\n")[0]
+    untuned = listed.rstrip(".").split(", ")
+    assert set(untuned) == set(RECIPES) - {"lamb", "slowmo_node"}
+
+    every = {n: _record(n, {k: list(v) for k, v in r.search_space.items()})
+             for n, r in RECIPES.items()}  # fmt: skip
+    text = "\n".join(tuning_lines(every))
+    assert "another search space" not in text and "not tuned in this comparison" not in text
