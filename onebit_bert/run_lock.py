@@ -154,11 +154,13 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise :class:`RunLocked` naming its live holder."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         record = self._record()
-        for _ in range(2):
+        for _ in range(3):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileNotFoundError:  # a releasing launch removed the empty folders: again
+                continue
             except FileExistsError:
                 holder = read_lock(self.run_dir)
                 if holder is None:  # released between our open and our read: try again

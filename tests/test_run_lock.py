@@ -54,6 +54,30 @@ def test_lock_is_taken_held_and_released(tmp_path):
     assert read_lock(tmp_path / "run") is None
 
 
+def test_folders_removed_by_a_releasing_launch_before_the_open_are_made_again(
+    tmp_path, monkeypatch
+):
+    # Another launch releasing its lock removes the empty run folder and its empty parent
+    # (fine-tuning's locks/) between this launch's mkdir and its open.
+    from onebit_bert import run_lock
+
+    run_dir = tmp_path / "locks" / "run"
+    real_open, calls = os.open, []
+
+    def open_after_removal(path, *args):
+        calls.append(path)
+        if len(calls) == 1:
+            run_dir.rmdir()
+            run_dir.parent.rmdir()
+        return real_open(path, *args)
+
+    monkeypatch.setattr(run_lock.os, "open", open_after_removal)
+    lock = RunLock(run_dir)
+    lock.acquire()
+    assert len(calls) == 2 and lock.held
+    assert read_lock(run_dir)["token"] == lock.token
+
+
 def test_a_live_holder_on_this_host_is_named_and_refused(tmp_path, live_pid):
     _write_lock(tmp_path, pids=[live_pid], job_id="12")
     with pytest.raises(
