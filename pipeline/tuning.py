@@ -239,8 +239,9 @@ def stale_search_spaces(records: Mapping[str, dict]) -> dict[str, dict]:
     for name, record in records.items():
         if name not in RECIPES:
             continue
-        now = {k: list(v) for k, v in RECIPES[name].search_space.items()}
-        if record["search_space"] != now:
+        # as a record stores it (JSON: a joint axis's tuples read back as lists)
+        now = json.loads(json.dumps({k: list(v) for k, v in RECIPES[name].search_space.items()}))
+        if json.loads(json.dumps(record["search_space"])) != now:
             stale[name] = now
     return stale
 
