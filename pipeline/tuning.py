@@ -152,7 +152,7 @@ def tuning_record(recipe: Recipe, candidates: list[Trial], record: Halving) -> d
     by_name = {t.name: t for t in candidates}
     return {
         "recipe": recipe.name,
-        "search_space": {k: list(v) for k, v in recipe.search_space.items()},
+        "search_space": stored_space(recipe),
         "trials": [
             {
                 "name": n,
@@ -231,6 +231,12 @@ def tuning_lines(records: Mapping[str, dict]) -> list[str]:
     return [*lines, ""]
 
 
+def stored_space(recipe: Recipe) -> dict[str, list]:
+    """The recipe's search space as a tuning record stores it: plain JSON, so a joint
+    axis's tuples are lists, equal to the same space read back from ``tuning.json``."""
+    return json.loads(json.dumps({k: list(v) for k, v in recipe.search_space.items()}))
+
+
 def stale_search_spaces(records: Mapping[str, dict]) -> dict[str, dict]:
     """Recipe -> its registry search space today, for the recipes tuned in another one (the
     registry widened or changed since), so a report cannot pass an old tuning for the
@@ -239,8 +245,7 @@ def stale_search_spaces(records: Mapping[str, dict]) -> dict[str, dict]:
     for name, record in records.items():
         if name not in RECIPES:
             continue
-        # as a record stores it (JSON: a joint axis's tuples read back as lists)
-        now = json.loads(json.dumps({k: list(v) for k, v in RECIPES[name].search_space.items()}))
+        now = stored_space(RECIPES[name])
         if json.loads(json.dumps(record["search_space"])) != now:
             stale[name] = now
     return stale
@@ -257,7 +262,7 @@ def coverage_lines(records: Mapping[str, dict]) -> list[str]:
             f"**{name} was tuned in another search space than its recipe's today** "
             f"({space}): tune it again to compare it under the current protocol.",
         ]
-    untuned = [n for n, r in RECIPES.items() if r.search_space and n not in records]
+    untuned = [n for n in RECIPES if n not in records]
     if untuned:
         lines += [
             "",
