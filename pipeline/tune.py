@@ -39,7 +39,14 @@ from onebit_bert.config import load_config, save_config
 from onebit_bert.io import atomic_write_json
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.recipes import Recipe, get_recipe
-from pipeline.tuning import Trial, rungs, successive_halving, trials, tuning_record
+from pipeline.tuning import (
+    Trial,
+    data_identity,
+    rungs,
+    successive_halving,
+    trials,
+    tuning_record,
+)
 from pretrain import outputs as pretrain_outputs
 from pretrain.config import PretrainConfig
 
@@ -160,6 +167,9 @@ class Tuner:
         record = {**tuning_record(recipe, candidates, halving), "seed": self.seed}
         if self.nodes > 1:
             record["nodes"] = self.nodes
+        data = data_identity(self.data)
+        if data:
+            record["data"] = data
         atomic_write_json(self.out / name / "tuning.json", record)
         if eval_seeds:
             record["evaluation"] = self.evaluate(name, record, list(eval_seeds))

@@ -22,6 +22,7 @@ The chosen setting is then evaluated on fresh seeds, not the tuning seed.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -207,6 +208,7 @@ def tuning_lines(records: Mapping[str, dict]) -> list[str]:
         rungs_text = ", ".join(map(str, r["budget"]["rungs"]))
         lines.append(f"| {name} | {space} | {r['budget']['trials']} | {rungs_text} | {chosen} |")
     lines += coverage_lines(records)
+    lines += data_lines(records)
     lines += ["", "| trial | settings | validation loss by rung |", "|---|---|---|"]
     for r in records.values():
         for t in r["trials"]:
@@ -249,6 +251,42 @@ def stale_search_spaces(records: Mapping[str, dict]) -> dict[str, dict]:
         if json.loads(json.dumps(record["search_space"])) != now:
             stale[name] = now
     return stale
+
+
+def data_identity(data_dir: Path) -> dict | None:
+    """What a tuning was pretrained on, from the prepared data's ``manifest.json``: the
+    tokenizer's sha256 and one sha256 over the training shards' (None without a manifest).
+    Two records with different identities were pretrained on different token streams."""
+    path = Path(data_dir) / "manifest.json"
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    shards = [s["sha256"] for s in manifest["splits"]["train"]["shards"]]
+    return {
+        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        "shards_sha256": hashlib.sha256("\n".join(shards).encode()).hexdigest(),
+    }
+
+
+def data_lines(records: Mapping[str, dict]) -> list[str]:
+    """Under the tuning table: which data each record was pretrained on, when the records
+    do not all carry one and the same :func:`data_identity`."""
+    groups: dict[str, list[str]] = {}
+    for name, record in records.items():
+        data = record.get("data")
+        key = "not recorded" if not data else (
+            f"tokenizer `{data['tokenizer_sha256'][:12]}…`, shards `{data['shards_sha256'][:12]}…`"
+        )  # fmt: skip
+        groups.setdefault(key, []).append(name)
+    if len(groups) <= 1 and "not recorded" not in groups:
+        return []
+    listed = "; ".join(f"{key}: {', '.join(names)}" for key, names in groups.items())
+    return [
+        "",
+        f"**The records do not all carry the same recorded data** ({len(groups)} group(s) by "
+        f"the sha256 of the tokenizer and of the training shards): {listed}. Across groups "
+        "the token streams may differ, and with them the losses.",
+    ]
 
 
 def coverage_lines(records: Mapping[str, dict]) -> list[str]:

@@ -13,6 +13,7 @@ from onebit_bert.recipes import RECIPES, Recipe, get_recipe
 from pipeline.tuning import (
     budget,
     check_equal_budgets,
+    data_identity,
     grid,
     rungs,
     successive_halving,
@@ -195,3 +196,38 @@ def test_the_report_flags_a_tuning_in_an_older_search_space_and_lists_the_untune
                                    for n, r in RECIPES.items()}))  # fmt: skip
     text = "\n".join(tuning_lines(every))
     assert "another search space" not in text and "not tuned in this comparison" not in text
+
+
+def _manifest(folder: Path, tokenizer: str, shards: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    manifest = {
+        "tokenizer": {"sha256": tokenizer},
+        "splits": {"train": {"shards": [{"file": f"train-{i:05d}.npy", "sha256": h}
+                                        for i, h in enumerate(shards)]}},
+    }  # fmt: skip
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_the_report_groups_records_by_the_data_they_were_pretrained_on(tmp_path):
+    old = data_identity(_manifest(tmp_path / "old", "a" * 64, ["1" * 64, "2" * 64]))
+    new = data_identity(_manifest(tmp_path / "new", "b" * 64, ["1" * 64, "2" * 64]))
+    reshuffled = data_identity(_manifest(tmp_path / "re", "a" * 64, ["2" * 64, "1" * 64]))
+    assert data_identity(tmp_path) is None  # no manifest
+    assert old["tokenizer_sha256"] == "a" * 64 and new["shards_sha256"] == old["shards_sha256"]
+    assert reshuffled["shards_sha256"] != old["shards_sha256"]
+
+    space = {k: list(v) for k, v in get_recipe("lamb").search_space.items()}
+    same = {n: {**_record(n, space), "data": old} for n in ("lamb", "onebit_lamb")}
+    assert "recorded data" not in "\n".join(tuning_lines(same))
+
+    mixed = {
+        **same,
+        "adamw": {**_record("adamw", space), "data": new},
+        "dmsgd": _record("dmsgd", space),
+    }
+    line = next(x for x in tuning_lines(mixed) if "recorded data" in x)
+    assert "(3 group(s)" in line
+    assert "`aaaaaaaaaaaa…`, shards" in line and "lamb, onebit_lamb" in line
+    assert "tokenizer `bbbbbbbbbbbb…`" in line.split("lamb, onebit_lamb")[1]
+    assert line.split("not recorded: ")[1].startswith("dmsgd")
