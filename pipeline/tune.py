@@ -163,13 +163,12 @@ class Tuner:
         rung_steps = rungs(first_rung, length)
         for trial in candidates:  # every config checked before the first run
             self.config(recipe, trial, rung_steps, rung_steps[0])
+        data = data_identity(self.data)  # a bad --data fails here, before any run
         halving = successive_halving(candidates, self.runner(recipe, rung_steps), rung_steps)
         record = {**tuning_record(recipe, candidates, halving), "seed": self.seed}
         if self.nodes > 1:
             record["nodes"] = self.nodes
-        data = data_identity(self.data)
-        if data:
-            record["data"] = data
+        record["data"] = data
         atomic_write_json(self.out / name / "tuning.json", record)
         if eval_seeds:
             record["evaluation"] = self.evaluate(name, record, list(eval_seeds))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from onebit_bert.recipes import RECIPES, Recipe, search_point
+from onebit_bert.shards import PretrainingShards
 
 
 @dataclass(frozen=True)
@@ -253,14 +254,12 @@ def stale_search_spaces(records: Mapping[str, dict]) -> dict[str, dict]:
     return stale
 
 
-def data_identity(data_dir: Path) -> dict | None:
-    """What a tuning was pretrained on, from the prepared data's ``manifest.json``: the
-    tokenizer's sha256 and one sha256 over the training shards' (None without a manifest).
-    Two records with different identities were pretrained on different token streams."""
-    path = Path(data_dir) / "manifest.json"
-    if not path.is_file():
-        return None
-    manifest = json.loads(path.read_text())
+def data_identity(data_dir: Path) -> dict:
+    """What a tuning is pretrained on, from the prepared data's manifest: the tokenizer's
+    sha256 and one sha256 over the training shards' (in order). Two records with different
+    identities were pretrained on different token streams. A directory that is not a
+    prepared corpus raises :class:`onebit_bert.shards.ShardFormatError` naming the fix."""
+    manifest = PretrainingShards(data_dir).manifest
     shards = [s["sha256"] for s in manifest["splits"]["train"]["shards"]]
     return {
         "tokenizer_sha256": manifest["tokenizer"]["sha256"],

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from onebit_bert.metrics_log import read_metrics
-from pipeline import tune
+from pipeline import tune, tuning
 from tests.helpers.runs import tiny_config
 
 
@@ -47,6 +47,9 @@ def test_a_recipe_is_tuned_by_halving_then_nothing_reruns(tiny_corpus, tmp_path)
         ]  # fmt: skip
     # the chosen setting ran the whole run on each fresh seed
     record = records["lamb"]
+    manifest = json.loads((tiny_corpus / "manifest.json").read_text())
+    assert record["data"] == tuning.data_identity(tiny_corpus)
+    assert record["data"]["tokenizer_sha256"] == manifest["tokenizer"]["sha256"]
     assert [run["seed"] for run in record["evaluation"]] == [7, 8]
     for run in record["evaluation"]:
         saved = yaml.safe_load((Path(run["run_dir"]) / "config.yaml").read_text())

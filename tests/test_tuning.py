@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from onebit_bert.recipes import RECIPES, Recipe, get_recipe
+from onebit_bert.shards import FORMAT_VERSION, ShardFormatError
 from pipeline.tuning import (
     budget,
     check_equal_budgets,
@@ -200,11 +201,16 @@ def test_the_report_flags_a_tuning_in_an_older_search_space_and_lists_the_untune
 
 def _manifest(folder: Path, tokenizer: str, shards: list[str]) -> Path:
     folder.mkdir(parents=True)
+    entries = [{"file": f"train-{i:05d}.npy", "sequences": 0, "sha256": h}
+               for i, h in enumerate(shards)]  # fmt: skip
+    for entry in entries:
+        (folder / entry["file"]).touch()
     manifest = {
+        "format_version": FORMAT_VERSION,
+        "seq_length": 8,
         "tokenizer": {"sha256": tokenizer},
-        "splits": {"train": {"shards": [{"file": f"train-{i:05d}.npy", "sha256": h}
-                                        for i, h in enumerate(shards)]}},
-    }  # fmt: skip
+        "splits": {"train": {"shards": entries}},
+    }
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -213,7 +219,8 @@ def test_the_report_groups_records_by_the_data_they_were_pretrained_on(tmp_path)
     old = data_identity(_manifest(tmp_path / "old", "a" * 64, ["1" * 64, "2" * 64]))
     new = data_identity(_manifest(tmp_path / "new", "b" * 64, ["1" * 64, "2" * 64]))
     reshuffled = data_identity(_manifest(tmp_path / "re", "a" * 64, ["2" * 64, "1" * 64]))
-    assert data_identity(tmp_path) is None  # no manifest
+    with pytest.raises(ShardFormatError, match="not a prepared corpus"):
+        data_identity(tmp_path)  # no manifest
     assert old["tokenizer_sha256"] == "a" * 64 and new["shards_sha256"] == old["shards_sha256"]
     assert reshuffled["shards_sha256"] != old["shards_sha256"]
 
