@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+from onebit_bert.recipes import RECIPES, get_recipe
+
 NETEM_MUST_AGREE = (
     "model",
     "seq_length",
@@ -16,11 +18,17 @@ NETEM_MUST_AGREE = (
     "micro_batch",
     "ranks_per_host",
     "hybrid_codec",
-    "outer_every",
 )
 """Settings of a bench.netem JSON that decide what its speeds mean: files merged into one
-table must agree on them. The per-recipe rounds (``outer_every_by_recipe``) and inner
-optimizers (``inner_by_recipe``) must agree for every recipe both files measured."""
+table must agree on them. The round length (``outer_every``, ``outer_every_by_recipe``)
+means something only for recipes that take local steps: for those, and the inner
+optimizers (``inner_by_recipe``), every file that measured a recipe must agree."""
+
+
+def takes_rounds(recipe: str) -> bool:
+    """Whether ``recipe``'s speed depends on its round length (a registered recipe that
+    takes local steps; a name the registry does not know is assumed to)."""
+    return recipe not in RECIPES or get_recipe(recipe).measure == "local_steps"
 
 
 def rounds_of(netem: dict, recipe: str) -> int | None:
@@ -79,7 +87,7 @@ def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> d
                         "recipe at each point"
                     )
                 measured[key] = str(path)
-                tau = rounds_of(netem, recipe)
+                tau = rounds_of(netem, recipe) if takes_rounds(recipe) else None
                 if recipe in rounds and rounds[recipe][0] != tau:
                     raise ValueError(
                         f"--netem {path}: {recipe} runs rounds of {tau} steps but "
@@ -106,7 +114,9 @@ def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> d
                 merged["strategies"].append(strategy)
     if merged is not None:
         merged["outer_every_by_recipe"] = {
-            r: tau for r, (tau, _) in rounds.items() if tau != merged.get("outer_every")
+            r: tau
+            for r, (tau, _) in rounds.items()
+            if tau is not None and tau != merged.get("outer_every")
         }
         merged["inner_by_recipe"] = {r: o for r, (o, _) in inners.items() if o is not None}
         merged["ignored"] = {path: sorted(recipes) for path, recipes in ignored.items()}

@@ -294,6 +294,18 @@ def test_a_recipe_measured_alone_later_joins_the_same_points(runs, netem, tmp_pa
     (tmp_path / "tau8.json").write_text(json.dumps(tau8))
     with pytest.raises(ValueError, match="co2 runs rounds of 8 steps but .* measured it at 4"):
         timing.load_netem([str(tmp_path / "tau4.json"), str(tmp_path / "tau8.json")])
+    # the round length of a file that measured no local-step recipe means nothing: it
+    # merges with a file of another one, and a local-step recipe keeps its own file's rounds
+    no_rounds = {**later, "outer_every": 8, "outer_every_by_recipe": None}
+    (tmp_path / "no_rounds.json").write_text(json.dumps(no_rounds))
+    merged = timing.load_netem([str(tmp_path / "tau4.json"), str(tmp_path / "no_rounds.json")])
+    assert merged["outer_every"] == 4 and merged["outer_every_by_recipe"] == {}
+    assert timing.rounds_of(merged, "co2") == 4
+    co2_at_8 = {**tau4, "outer_every": 8}
+    (tmp_path / "co2_at_8.json").write_text(json.dumps(co2_at_8))
+    merged = timing.load_netem([str(first), str(tmp_path / "co2_at_8.json")])
+    assert merged["outer_every_by_recipe"] == {"co2": 8}
+    assert timing.rounds_of(merged, "co2") == 8
 
 
 def test_a_local_step_run_is_timed_only_at_its_own_setting(netem, tmp_path):
