@@ -22,11 +22,18 @@ way) and adds their final validation losses to the record. ``--nodes`` runs ever
 that many torchrun agents on this machine (``--nproc`` split evenly between them, a static
 rendezvous on 127.0.0.1), so a recipe with ``comm.hierarchy: node`` sees nodes of
 ``nproc / nodes`` ranks: nodes as workers, tested on one host.
+
+``--evaluate FILE`` tunes nothing: it runs the chosen setting of a recorded tuning (a
+``tuning.json``, or a ``pipeline.compare`` report whose tuning section holds the recipe) on
+``--eval-seeds`` with ``--data``, for example on other data than the tuning saw, and writes
+``<recipe>/evaluation.json`` (the setting, where it came from, the data's identity and each
+seed's final validation loss).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
@@ -176,6 +183,46 @@ class Tuner:
         return record
 
 
+def recorded_tuning(path: Path, name: str) -> dict:
+    """``name``'s tuning record from a ``tuning.json`` (one record or a list) or from a
+    ``pipeline.compare`` report's tuning section."""
+    if not path.is_file():
+        raise FileNotFoundError(f"--evaluate {path}: no such file (a tuning.json or a report)")
+    loaded = json.loads(path.read_text())
+    if isinstance(loaded, dict) and isinstance(loaded.get("tuning"), dict):
+        found = loaded["tuning"].get(name)
+    else:
+        found = next((r for r in (loaded if isinstance(loaded, list) else [loaded])
+                      if isinstance(r, dict) and r.get("recipe") == name), None)  # fmt: skip
+    if not found or "chosen_settings" not in found:
+        raise ValueError(f"--evaluate {path}: it holds no tuning record of {name}")
+    return found
+
+
+def reevaluate(tuner: Tuner, name: str, source: Path, seeds: list[int]) -> dict:
+    """Run the chosen setting recorded in ``source`` for ``name`` on ``seeds`` with the
+    tuner's data; the result, also written to ``<out>/<recipe>/evaluation.json``."""
+    record = recorded_tuning(source, name)
+    if not seeds:
+        raise ValueError("--evaluate needs --eval-seeds: the seeds to run the setting on")
+    if record.get("seed") in seeds:
+        raise ValueError(f"--eval-seeds {seeds} holds {name}'s tuning seed {record['seed']}; "
+                         "evaluate on fresh seeds")  # fmt: skip
+    nodes = record.get("nodes", 1)
+    if nodes != tuner.nodes:
+        raise ValueError(f"--evaluate {source}: {name} was tuned with --nodes {nodes}; "
+                         f"evaluate it the same way (--nodes {nodes})")  # fmt: skip
+    tuner.config(get_recipe(name), Trial(name, -1, record["chosen_settings"] or {}), None, None)
+    result = {"recipe": name, "chosen_settings": record["chosen_settings"],
+              "from": str(source), "tuned_on": record.get("data"),
+              "data": data_identity(tuner.data)}  # fmt: skip
+    if tuner.nodes > 1:
+        result["nodes"] = tuner.nodes
+    result["evaluation"] = tuner.evaluate(name, record, seeds)
+    atomic_write_json(tuner.out / name / "evaluation.json", result)
+    return result
+
+
 def _wait_all(agents: list[subprocess.Popen], poll_s: float = 1.0) -> int:
     """Wait for every agent; when one fails, stop the others (they would wait for it at
     the rendezvous until their timeout). Returns the first non-zero exit code, else 0."""
@@ -223,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="base pretraining config")
     parser.add_argument("--data", required=True, type=Path, help="prepared shard folder")
     parser.add_argument("--recipes", required=True, help="comma list of registered recipes")
-    parser.add_argument("--budget", type=int, required=True, help="trials per recipe")
-    parser.add_argument("--first-rung", type=int, required=True, help="steps of the first rung")
+    parser.add_argument("--budget", type=int, help="trials per recipe")
+    parser.add_argument("--first-rung", type=int, help="steps of the first rung")
     parser.add_argument("--nproc", type=int, default=1, help="processes per trial")
     parser.add_argument("--seed", type=int, default=1, help="the tuning seed")
     parser.add_argument(
@@ -236,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--eval-seeds", default="", help="comma list of fresh seeds to run the chosen setting on"
     )
+    parser.add_argument(
+        "--evaluate",
+        type=Path,
+        help="tune nothing: run the chosen setting recorded in this tuning.json or report",
+    )
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("overrides", nargs="*", help="section.field=value for every trial")
     args = parser.parse_args(argv)
@@ -244,11 +296,19 @@ def main(argv: list[str] | None = None) -> int:
                       args.nodes)  # fmt: skip
         names = [n.strip() for n in args.recipes.split(",") if n.strip()]
         seeds = [int(s) for s in args.eval_seeds.split(",") if s.strip()]
+        for name in names:
+            get_recipe(name)
+        if args.evaluate is not None:
+            for name in names:
+                result = reevaluate(tuner, name, args.evaluate, seeds)
+                for run in result["evaluation"]:
+                    print(f"[tune] {name} seed {run['seed']}: final {run['final_val_loss']:.4f}")
+            return 0
+        if args.budget is None or args.first_rung is None:
+            raise ValueError("--budget and --first-rung are needed to tune (or give --evaluate)")
         if args.seed in seeds:
             raise ValueError(f"--eval-seeds {seeds} holds the tuning seed {args.seed}; "
                              "evaluate on fresh seeds")  # fmt: skip
-        for name in names:
-            get_recipe(name)
         for name in names:
             record = tuner.tune(name, args.budget, args.first_rung, seeds)
             print(f"[tune] {name}: chose {record['chosen']} {record['chosen_settings']}")

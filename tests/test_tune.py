@@ -100,3 +100,52 @@ def test_a_failed_agent_stops_the_others():
     assert slow.returncode is not None  # stopped, not left waiting for 60 s
     ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
     assert tune._wait_all(ok, poll_s=0.05) == 0
+
+
+def test_a_recorded_setting_is_evaluated_again_on_other_data(tiny_corpus, tmp_path, capsys):
+    """--evaluate runs a record's chosen setting on fresh seeds with the data given, tunes
+    nothing, states both data identities, and refuses records it cannot honour."""
+    base = tmp_path / "base.yaml"
+    cfg = tiny_config(tiny_corpus, tmp_path / "unused", **{"schedule.max_steps": 3,
+                                                           "checkpoint.every": 100})  # fmt: skip
+    base.write_text(yaml.safe_dump(cfg))
+    record = {"recipe": "lamb", "chosen": "lamb-t1", "chosen_settings": {"optimizer.lr": 0.004},
+              "seed": 3, "data": {"tokenizer_sha256": "old", "shards_sha256": "old"}}  # fmt: skip
+    report = tmp_path / "report.json"  # a comparison report: its tuning section
+    report.write_text(json.dumps({"runs": [], "tuning": {"lamb": record}}))
+    out = tmp_path / "again"
+    argv = ["--config", str(base), "--data", str(tiny_corpus), "--recipes", "lamb",
+            "--evaluate", str(report), "--eval-seeds", "5", "--out", str(out)]  # fmt: skip
+    assert tune.main(argv) == 0
+    result = json.loads((out / "lamb" / "evaluation.json").read_text())
+    assert result["chosen_settings"] == {"optimizer.lr": 0.004}
+    assert result["tuned_on"] == record["data"]
+    assert result["data"] == tuning.data_identity(tiny_corpus)
+    assert result["from"] == str(report)
+    (run,) = result["evaluation"]
+    saved = yaml.safe_load((Path(run["run_dir"]) / "config.yaml").read_text())
+    assert (saved["seed"], saved["optimizer"]["lr"]) == (5, 0.004)
+    metrics = read_metrics(Path(run["run_dir"]) / "metrics.jsonl")
+    logged = [(r["step"], r["val_mlm_loss"]) for r in metrics if "val_mlm_loss" in r]
+    assert logged[-1] == (3, run["final_val_loss"])
+    assert not any(p.name.startswith("lamb-t") for p in (out / "lamb").iterdir())  # no trials
+    # a tuning.json holding the record reads the same; the finished run is not run again
+    single = tmp_path / "tuning.json"
+    single.write_text(json.dumps(record))
+    tuner = tune.Tuner(base, tiny_corpus, out, [])
+    assert tune.reevaluate(tuner, "lamb", single, [5])["evaluation"] == result["evaluation"]
+    assert tuner.launches == 0
+    # refused before any run: the tuning seed, a recipe the file does not hold, other nodes
+    evaluate, nodes = argv[6:-2], ["--nodes", "2", "--nproc", "2"]
+    refused = {
+        "holds lamb's tuning seed 3": [*argv[:-3], "3", "--out", str(tmp_path / "a")],
+        "no tuning record of adamw": [*argv[:5], "adamw", *evaluate, "--out", str(tmp_path / "b")],
+        "tuned with --nodes 1": [*argv[:-2], *nodes, "--out", str(tmp_path / "c")],
+        "--budget and --first-rung are needed": [*argv[:6], "--out", str(tmp_path / "d")],
+    }
+    capsys.readouterr()
+    for message, bad in refused.items():
+        assert tune.main(bad) == 2
+        assert message in capsys.readouterr().err
+    for name in "abcd":
+        assert not (tmp_path / name).exists()
