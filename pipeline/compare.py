@@ -48,6 +48,7 @@ from onebit_bert.recipes import RECIPES, field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
+from pipeline.same_data import assign_data, data_of_dir, same_data_groups, same_data_lines
 from pipeline.stats import mean_std, t_quantile, welch_t_test
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
@@ -127,6 +128,8 @@ def load_run(spec: str) -> dict:
         stages={s: by_step[s]["stage"] for s in by_step if "stage" in by_step[s]},
         comm_bytes_by_kind=kinds,
         outer_every=(config.get("strategy") or {}).get("outer_every"),
+        data_path=(config.get("data") or {}).get("path"),
+        data=data_of_dir((config.get("data") or {}).get("path")),
     )
     return run
 
@@ -376,16 +379,19 @@ def load_prior(path: str | Path) -> dict:
         raise FileNotFoundError(f"--prior {path}: no such report.json")
     try:
         report = json.loads(path.read_text())
-        runs = [
-            {
-                **record,
-                "final": {**record["final"], "final_train_loss": record["final_train_loss"]},
-                "val_loss": [tuple(point) for point in record["val_mlm_loss"]],
-                "finetune": {},
-                "carried_from": str(path),
-            }
-            for record in report["runs"]
-        ]
+        runs, references = (
+            [
+                {
+                    **record,
+                    "final": {**record["final"], "final_train_loss": record["final_train_loss"]},
+                    "val_loss": [tuple(point) for point in record["val_mlm_loss"]],
+                    "finetune": {},
+                    "carried_from": str(path),
+                }
+                for record in report.get(field) or []
+            ]
+            for field in ("runs", "data_references")
+        )
         target = {"val_mlm_loss": float(report["target"]["val_mlm_loss"]),
                   "from": report["target"]["from"]}  # fmt: skip
         netem = list(report["time_model"].get("netem") or [])
@@ -401,6 +407,7 @@ def load_prior(path: str | Path) -> dict:
         "target": target,
         "netem": netem,
         "tuning": report.get("tuning") or {},
+        "data_references": references,
     }
 
 
@@ -604,6 +611,7 @@ def _run_record(run: dict) -> dict:
         "time_to_target": run["time_to_target"],
         "val_mlm_loss": run["val_loss"],
         "curve": run["curve"],
+        "data": run.get("data"),
     }
 
 
@@ -929,6 +937,30 @@ def _finetune_lines(data: dict) -> list[str]:
     return lines
 
 
+def data_references(prior: list[dict], specs: list[str], data: dict,
+                    netem: dict | None) -> list[dict]:  # fmt: skip
+    """The carried and the given ``--data-reference`` runs, timed to the report's target;
+    each (name, seed, data) once."""
+    fresh = [load_run(spec) for spec in specs]
+    target = data["target"]["val_mlm_loss"]
+    for run in fresh:
+        run["time_to_target"] = time_to_target(run, target, netem)
+        run["curve"] = curve(run, netem)
+    runs = [*(r for p in prior for r in p.get("data_references", [])), *fresh]
+    seen: dict[tuple, str] = {}
+    for run in runs:
+        where = run.get("carried_from") or run["pretrain_dir"]
+        tokens = (run.get("data") or {}).get("tokenizer_sha256")
+        key = (run["name"], str(run["seed"]), tokens)
+        if key in seen:
+            raise ValueError(
+                f"--data-reference {run['name']} seed {run['seed']} on the same data is given "
+                f"twice ({seen[key]} and {where}): give it once"
+            )
+        seen[key] = where
+    return runs
+
+
 def write_report(
     run_specs: list[str],
     out: str | Path,
@@ -939,6 +971,7 @@ def write_report(
     prior_paths: list[str] | None = None,
     retime_prior: bool = False,
     drop_prior: list[str] | None = None,
+    data_reference_specs: list[str] | None = None,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
@@ -947,7 +980,9 @@ def write_report(
     records) join this one as measured (:func:`load_prior`), with their times as measured
     unless ``retime_prior`` (:func:`retime`: with this report's netem files instead of
     theirs). ``drop_prior``: names whose carried runs and tuning records are left out
-    (:func:`drop_carried`: a recipe tuned again replaces its earlier record)."""
+    (:func:`drop_carried`: a recipe tuned again replaces its earlier record).
+    ``data_reference_specs``: runs of the reference's recipe on other data, each strategy
+    set against those on its own data (:mod:`pipeline.same_data`)."""
     from pipeline.compare_plots import write_figures
 
     if isinstance(netem_paths, str):
@@ -966,15 +1001,25 @@ def write_report(
     tuning = load_tuning(list(tuning_paths or []), allow_unequal_budgets, carried_tuning)
     data = build(list(run_specs or []), netem, target_loss, prior)
     data["retimed"] = retime_prior
+    references = data_references(prior, list(data_reference_specs or []), data, netem)
+    assign_data(data["runs"], tuning)
+    groups = same_data_groups(data["arms"], references, verdict)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_figures(data, out, PLOT_BANDWIDTHS)
     markdown = render_markdown(data, netem_paths, netem)
-    extra = [*winner_lines(data), *tuning_lines(tuning)]
+    extra = [
+        *winner_lines(data),
+        *same_data_lines(groups, data["arms"][0]["name"]),
+        *tuning_lines(tuning),
+    ]
     sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
     atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
     result = {**report_json(data, netem_paths, netem), "tuning": tuning,
               "winners": winners(data)}  # fmt: skip
+    if references:
+        result["data_references"] = [_run_record(r) for r in references]
+        result["same_data"] = groups
     atomic_write_json(out / "report.json", result)
     return result
 
@@ -1033,6 +1078,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --prior: leave this name's carried runs and tuning record out (a recipe "
         "tuned again, whose new runs and record replace them); repeatable",
     )
+    parser.add_argument(
+        "--data-reference",
+        action="append",
+        default=[],
+        help="NAME=PRETRAIN: a run of the reference's recipe on other data; each strategy "
+        "whose seeds ran on that data is also set against these runs; repeatable",
+    )
     parser.add_argument("--out", required=True, help="report directory")
     args = parser.parse_args(argv)
     if not args.run and not args.prior:
@@ -1040,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
                      args.allow_unequal_budgets, args.prior, args.retime,
-                     args.drop)  # fmt: skip
+                     args.drop, args.data_reference)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

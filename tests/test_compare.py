@@ -16,6 +16,7 @@ from onebit_bert.recipes import get_recipe
 from pipeline import compare, gate, timing
 from pipeline.experiment import ReportSpec
 from pipeline.stats import t_quantile
+from pipeline.tuning import data_identity as tuning_data
 from pipeline.tuning import successive_halving, trials, tuning_record
 
 BATCH = 100
@@ -669,3 +670,75 @@ def test_retiming_refuses_a_local_step_recipe_measured_at_another_round_length(t
     new = {**old, "outer_every_by_recipe": {}}
     with pytest.raises(ValueError, match="rounds of 8 steps and adamw inside.*has 4"):
         compare._check_same_setting("old.json", run, old, new)
+
+
+def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_corpus, tmp_path):
+    """--data-reference: runs of the reference's recipe on other data; a strategy whose
+    seeds all ran on that data is set against them (Welch), the main reference's shift to
+    them is reported, and both carry into a later report."""
+    other = tmp_path / "other_corpus"  # the same shards under another tokenizer
+    other.mkdir()
+    for path in tiny_corpus.iterdir():
+        (other / path.name).symlink_to(path)
+    manifest = json.loads((tiny_corpus / "manifest.json").read_text())
+    manifest["tokenizer"]["sha256"] = "f" * 64
+    (other / "manifest.json").unlink()
+    (other / "manifest.json").write_text(json.dumps(manifest))
+
+    def run(name, corpus, seed, final):
+        config = {**LAMB, "data": {"path": str(corpus)}}
+        val = [(2, 5.0), (4, 4.6), (6, final)]
+        return f"{name}={_pretrain(tmp_path / f'{name}{seed}', config, val, {'g': 10}, seed=seed)}"
+
+    specs = [run("lamb", tiny_corpus, s, f) for s, f in ((1, 4.18), (2, 4.2), (3, 4.22))]
+    specs += [run("mixed", tiny_corpus, 1, 4.3), run("mixed", other, 2, 4.3)]
+    specs += [run("onnew", other, s, f) for s, f in ((1, 4.50), (2, 4.52))]
+    references = [run("lambnew", other, s, f) for s, f in ((1, 4.49), (2, 4.53), (3, 4.51))]
+    references = [spec.replace("lambnew=", "lamb=") for spec in references]
+    out = tmp_path / "report"
+    report = compare.write_report(specs, out, data_reference_specs=references)
+    (group,) = report["same_data"]
+    assert group["data"]["tokenizer_sha256"] == "f" * 64 and group["seeds"] == [1, 2, 3]
+    assert group["final_val_mlm_loss"]["mean"] == pytest.approx(4.51)
+    # the main reference (LAMB on the first corpus, 4.2 on average) against LAMB on this one
+    assert group["main_reference_shift"]["difference"] == pytest.approx(0.31)
+    assert group["main_reference_shift"]["test"] == "welch"
+    # only the strategy whose seeds all ran on the other data is set against it
+    (arm,) = group["arms"]
+    assert arm["name"] == "onnew" and arm["difference"] == pytest.approx(0.0)
+    assert arm["verdict"] == "no significant difference" and arm["p"] > 0.5
+    # against the main reference the same runs differ
+    main = report["pretraining"]["val_mlm_loss"]["onnew"]
+    assert main["difference"] == pytest.approx(0.31) and main["verdict"] == "differs"
+    text = (out / "report.md").read_text()
+    assert "## Against the reference on the same data" in text
+    assert re.search(
+        r"\| onnew \| 4\.5100 \| [+-]0\.0000 \| welch \| 1 \| no significant difference \| 0/2 \|",
+        text,
+    )
+    by = {(r["name"], r["seed"]): r for r in report["runs"]}
+    assert by[("onnew", 1)]["data"]["tokenizer_sha256"] == "f" * 64
+    assert by[("lamb", 1)]["data"] == tuning_data(tiny_corpus)
+    # a later report carrying this one keeps the references and the section
+    later = compare.write_report([], tmp_path / "later", prior_paths=[str(out / "report.json")])
+    assert later["same_data"] == report["same_data"]
+    with pytest.raises(ValueError, match="lamb seed 1 on the same data is given twice"):
+        compare.write_report([], tmp_path / "twice", prior_paths=[str(out / "report.json")],
+                             data_reference_specs=references[:1])  # fmt: skip
+    # a reference whose data folder is gone has no known data: refused
+    gone = run("lambgone", tmp_path / "no_such_corpus", 4, 4.5).replace("lambgone=", "lamb=")
+    with pytest.raises(ValueError, match="data folder .*no_such_corpus.* is not readable"):
+        compare.write_report(specs, tmp_path / "gone", data_reference_specs=[gone])
+
+
+def test_a_carried_run_takes_its_data_from_the_tuning_that_evaluated_it():
+    from pipeline.same_data import assign_data
+
+    data = {"tokenizer_sha256": "a" * 64, "shards_sha256": "b" * 64}
+    tuning = {"x": {"data": data, "evaluation": [{"seed": 2, "run_dir": "/r/x-eval-seed2"}]},
+              "y": {"evaluation": [{"seed": 2, "run_dir": "/r/y-eval-seed2"}]}}  # fmt: skip
+    runs = [{"pretrain_dir": "/r/x-eval-seed2"}, {"pretrain_dir": "/r/y-eval-seed2"},
+            {"pretrain_dir": "/r/z", "data": {**data, "shards_sha256": "c" * 64}}]  # fmt: skip
+    assign_data(runs, tuning)
+    assert runs[0]["data"] == data and runs[1]["data"] is None
+    assert runs[2]["data"]["shards_sha256"] == "c" * 64  # a recorded identity is kept
