@@ -133,6 +133,13 @@ def _samples(row: dict) -> str:
     return f"{row['reached']}/{row['n']}, {row['mean_samples']:,.0f}"
 
 
+def _reached_text(row: dict) -> str:
+    text = f"{row['reached']} of {row['n']} seeds reached the target"
+    if row["mean_samples"] is not None:
+        text += f", after {row['mean_samples']:,.0f} samples on average"
+    return text
+
+
 def same_data_lines(groups: list[dict], main_name: str) -> list[str]:
     """The report's section for :func:`same_data_groups`."""
     if not groups:
@@ -144,10 +151,12 @@ def same_data_lines(groups: list[dict], main_name: str) -> list[str]:
         lines += [
             f"**{group['reference']} on {label(group['data'])}** (seeds "
             f"{', '.join(map(str, group['seeds']))}): final validation MLM loss "
-            f"{final['mean']:.4f} ± {final['std']:.4f}; reached the target in "
-            f"{_samples(group)} samples on average. Against the main reference "
+            f"{final['mean']:.4f} ± {final['std']:.4f}; {_reached_text(group)}. Against the "
+            "main reference "
             f"({main_name}'s seeds in the table above): {shift['difference']:+.4f}, "
-            f"{shift['verdict']} ({shift.get('test') or 'no test'}, p = {_p(shift)}).",
+            f"{shift['verdict']} ({shift.get('test') or 'no test'}, p = {_p(shift)}). Below: "
+            "the strategies whose seeds all ran on this data, against these runs; strategies "
+            "whose data is not recorded stand against the main reference only.",
             "",
         ]
         if not group["arms"]:
