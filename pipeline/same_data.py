@@ -20,7 +20,7 @@ from pathlib import Path
 
 from onebit_bert.shards import ShardFormatError
 from pipeline.stats import mean_std
-from pipeline.tuning import data_identity
+from pipeline.tuning import data_identity, data_label
 
 Verdict = Callable[[list[float], list[float]], dict]
 
@@ -50,10 +50,6 @@ def assign_data(runs: list[dict], tuning: Mapping[str, dict]) -> None:
 
 def _key(data: dict | None) -> tuple[str, str] | None:
     return None if not data else (data["tokenizer_sha256"], data["shards_sha256"])
-
-
-def label(data: dict) -> str:
-    return f"tokenizer `{data['tokenizer_sha256'][:12]}…`, shards `{data['shards_sha256'][:12]}…`"
 
 
 def _finals(runs: list[dict]) -> list[float]:
@@ -149,7 +145,7 @@ def same_data_lines(groups: list[dict], main_name: str) -> list[str]:
         final = group["final_val_mlm_loss"]
         shift = group["main_reference_shift"]
         lines += [
-            f"**{group['reference']} on {label(group['data'])}** (seeds "
+            f"**{group['reference']} on {data_label(group['data'])}** (seeds "
             f"{', '.join(map(str, group['seeds']))}): final validation MLM loss "
             f"{final['mean']:.4f} ± {final['std']:.4f}; {_reached_text(group)}. Against the "
             "main reference "

@@ -267,15 +267,18 @@ def data_identity(data_dir: Path) -> dict:
     }
 
 
+def data_label(data: dict) -> str:
+    """A :func:`data_identity` as the reports print it (the hashes' first 12 digits)."""
+    return f"tokenizer `{data['tokenizer_sha256'][:12]}…`, shards `{data['shards_sha256'][:12]}…`"
+
+
 def data_lines(records: Mapping[str, dict]) -> list[str]:
     """Under the tuning table: which data each record was pretrained on, when the records
     do not all carry one and the same :func:`data_identity`."""
     groups: dict[str, list[str]] = {}
     for name, record in records.items():
         data = record.get("data")
-        key = "not recorded" if not data else (
-            f"tokenizer `{data['tokenizer_sha256'][:12]}…`, shards `{data['shards_sha256'][:12]}…`"
-        )  # fmt: skip
+        key = data_label(data) if data else "not recorded"
         groups.setdefault(key, []).append(name)
     if len(groups) <= 1 and "not recorded" not in groups:
         return []
