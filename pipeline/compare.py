@@ -947,11 +947,17 @@ def data_references(prior: list[dict], specs: list[str], data: dict,
         run["time_to_target"] = time_to_target(run, target, netem)
         run["curve"] = curve(run, netem)
     runs = [*(r for p in prior for r in p.get("data_references", [])), *fresh]
+    reference = data["arms"][0]["name"]
     seen: dict[tuple, str] = {}
     for run in runs:
         where = run.get("carried_from") or run["pretrain_dir"]
-        tokens = (run.get("data") or {}).get("tokenizer_sha256")
-        key = (run["name"], str(run["seed"]), tokens)
+        if run["name"] != reference:
+            raise ValueError(
+                f"--data-reference {run['name']}={where}: the runs on other data must be the "
+                f"reference's ({reference}=RUN_DIR), the recipe every strategy is set against"
+            )
+        data_key = tuple(sorted((run.get("data") or {}).items()))
+        key = (run["name"], str(run["seed"]), data_key)
         if key in seen:
             raise ValueError(
                 f"--data-reference {run['name']} seed {run['seed']} on the same data is given "

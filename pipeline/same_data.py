@@ -108,10 +108,11 @@ def same_data_groups(arms: list[dict], references: list[dict], verdict: Verdict)
             if keys != {_key(refs[0]["data"])}:
                 continue
             values = _finals(arm["seeds"])
+            arm_mean = mean_std(values)[0]
             group["arms"].append({
                 "name": arm["name"],
-                "final_val_mlm_loss": {"mean": mean_std(values)[0], "values": values},
-                "difference": mean_std(values)[0] - mean,
+                "final_val_mlm_loss": {"mean": arm_mean, "values": values},
+                "difference": arm_mean - mean,
                 **_reached(arm["seeds"]),
                 **verdict(finals, values),
             })  # fmt: skip

@@ -725,6 +725,10 @@ def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_co
     with pytest.raises(ValueError, match="lamb seed 1 on the same data is given twice"):
         compare.write_report([], tmp_path / "twice", prior_paths=[str(out / "report.json")],
                              data_reference_specs=references[:1])  # fmt: skip
+    # runs on other data of another name than the reference's: refused
+    with pytest.raises(ValueError, match="must be the reference's \\(lamb=RUN_DIR\\)"):
+        renamed = [references[0].replace("lamb=", "onnew=")]
+        compare.write_report(specs, tmp_path / "other_name", data_reference_specs=renamed)
     # a reference whose data folder is gone has no known data: refused
     gone = run("lambgone", tmp_path / "no_such_corpus", 4, 4.5).replace("lambgone=", "lamb=")
     with pytest.raises(ValueError, match="data folder .*no_such_corpus.* is not readable"):
