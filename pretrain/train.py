@@ -301,6 +301,7 @@ class Trainer:
             untrained_position_rows(self.model, self.seq_length),
             total_steps=cfg.schedule.max_steps,
             comm_cfg=cfg.comm,
+            clip_grad_norm=cfg.clip_grad_norm,
         )
 
     # ------------------------------------------------------------------ one step
@@ -343,10 +344,7 @@ class Trainer:
         bad_grads = not ok and self.scaler.scale <= 1.0  # overflow at the smallest scale
         if ok:
             if cfg.clip_grad_norm > 0:
-                # an overlapped compression step has used its gradients already: measured
-                # (and checked), not clipped
-                limit = cfg.clip_grad_norm if strategy.clips_gradients() else math.inf
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(strategy.params, limit))
+                grad_norm = strategy.clip_gradients(cfg.clip_grad_norm)
                 bad_grads = not math.isfinite(grad_norm)
             strategy.step()
         self.scaler.update(ok)

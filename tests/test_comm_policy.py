@@ -58,25 +58,68 @@ def test_overlap_with_backward_is_bit_identical(tiny_corpus, tmp_path, optimizer
         assert a["compression_error"] == pytest.approx(b["compression_error"], rel=1e-5)
 
 
+def _train_clipping_one_step_late(comm, cfg: dict) -> dict:
+    """The reference of overlapped clipping through the plain (not overlapped) step: each
+    compression step's local gradients are multiplied by the clipping coefficient of this
+    rank's previous compression step, the first one clipped by its own (torch's rule)."""
+    from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
+
+    def clip(self, max_norm):
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        if self.gradient_sync() != "optimizer":
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        previous = norm if self.local_grad_norm is None else torch.tensor(self.local_grad_norm)
+        coefficient = torch.clamp(max_norm / (previous + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coefficient)
+        self.local_grad_norm = float(norm)
+        return float(norm)
+
+    SelfSyncingDataParallel.clip_gradients = clip
+    return train_in_process(comm, cfg)
+
+
 @pytest.mark.slow
-def test_overlapped_steps_measure_but_do_not_clip(tiny_corpus, tmp_path):
-    """With clipping configured, an overlapped step logs its gradient norm (the
-    divergence guard still sees it) but its gradients went into the momentum unclipped."""
-    cfg = tiny_config(
-        tiny_corpus,
-        tmp_path / "run",
-        **{
-            "optimizer.name": "onebit_lamb",
-            "optimizer.freeze_step": 3,
-            "schedule.max_steps": 5,
-            "clip_grad_norm": 1e-3,
-            "comm.overlap": True,
-        },
+@pytest.mark.parametrize("optimizer", ["onebit_lamb", "onebit_adam"])
+def test_overlapped_steps_clip_by_the_previous_steps_norm(tiny_corpus, tmp_path, optimizer):
+    """An overlapped step folds its gradients before their norm is known, so it clips them
+    by this rank's previous compression step's coefficient: bit for bit the plain step
+    clipped that way (same buckets). The first compression step does not overlap and clips
+    its own; the clipping binds (a run without it ends elsewhere); a stop and a resume
+    give the uninterrupted run (the norm is per-rank checkpoint state)."""
+    common = {
+        "optimizer.name": optimizer,
+        "optimizer.lr": 0.02 if optimizer == "onebit_lamb" else 1e-3,
+        "optimizer.freeze_step": 3,
+        "optimizer.bucket_numel": 40_000,
+        "schedule.max_steps": 8,
+        "clip_grad_norm": 0.5,
+    }
+    overlap = {**common, "comm.overlap": True}
+    straight = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "o", **overlap))
+    reference = run_ranks(
+        _train_clipping_one_step_late, 2, tiny_config(tiny_corpus, tmp_path / "ref", **common)
     )
-    run_ranks(train_in_process, 2, cfg)
-    records = _records(tmp_path / "run")
-    assert all(r["grad_norm"] > 1e-3 for r in records)
-    assert [bool(r.get("overlapped")) for r in records] == [False] * 3 + [True] * 2
+    assert mlm_losses(tmp_path / "o") == mlm_losses(tmp_path / "ref")
+    for a, b in zip(straight, reference, strict=True):
+        assert _same_model(a["model"], b["model"])
+    records = _records(tmp_path / "o")
+    assert [bool(r.get("overlapped")) for r in records] == [False] * 4 + [True] * 4
+    assert all(r["grad_norm"] > 0.5 for r in records)  # the limit binds on every step
+    unclipped = run_ranks(
+        train_in_process,
+        2,
+        tiny_config(tiny_corpus, tmp_path / "u", **{**overlap, "clip_grad_norm": 0.0}),
+    )
+    assert not _same_model(straight[0]["model"], unclipped[0]["model"])
+    cut = tiny_config(tiny_corpus, tmp_path / "cut", **overlap)
+    run_ranks(train_in_process, 2, {**cut, "stop_after": 6})
+    resumed = run_ranks(train_in_process, 2, cut)
+    by_step = {r["step"]: r for r in _records(tmp_path / "cut")}
+    assert [bool(by_step[s].get("overlapped")) for s in sorted(by_step)] == [False] * 4 + [True] * 4
+    for a, b in zip(straight, resumed, strict=True):
+        assert _same_model(a["model"], b["model"])
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -285,9 +285,11 @@ class CompressedOptimizer(Optimizer):
         if run is not None:
             run.grad_ready(p)
 
-    def begin_overlap(self) -> bool:
+    def begin_overlap(self, grad_scale: torch.Tensor | None = None) -> bool:
         """Before the last micro-batch's backward of a step: arm the overlap if that step
-        compresses with a codec that can overlap (:meth:`_codec_overlaps`); True when armed."""
+        compresses with a codec that can overlap (:meth:`_codec_overlaps`); True when armed.
+        ``grad_scale`` (a 0-d tensor): every gradient of the step is multiplied by it before
+        it is folded (the caller's clipping coefficient); None: folded as it is."""
         if getattr(self, "_overlap_comm", None) is None or not self._next_step_overlaps():
             return False
         layout = self._layout("exp_avg", "after the freeze step")
@@ -296,7 +298,7 @@ class CompressedOptimizer(Optimizer):
             return False
         flat = self._fused(members, "exp_avg")
         self._prepare_compression(members, flat)
-        self._overlapped = OverlappedCompression(self, layout, flat, self._overlap_comm)
+        self._overlapped = OverlappedCompression(self, layout, flat, self._overlap_comm, grad_scale)
         return True
 
     def _take_overlapped(self) -> OverlappedCompression | None:
@@ -313,10 +315,22 @@ class CompressedOptimizer(Optimizer):
     def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
         """State a compression step needs before it folds gradients (subclasses)."""
 
-    def _fold_for_compression(self, group: dict, params: list[torch.Tensor]) -> None:
-        """Fold ``params``' gradients into their momenta and scale for compression
-        (subclasses that can overlap)."""
+    def _fold_for_compression(
+        self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> None:
+        """Fold ``params``' gradients (times ``grad_scale``, a 0-d tensor, when given) into
+        their momenta and scale for compression (subclasses that can overlap)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _gradients(params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list:
+        """``params``' gradients (zeros where there is none), times ``grad_scale`` when
+        given: new tensors, the same numbers as clipping them in place by that
+        coefficient."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if grad_scale is None:
+            return grads
+        return list(torch._foreach_mul(grads, grad_scale))
 
     def _set_scaling_coefficients(self, params: list[torch.Tensor], source: str) -> None:
         """``scaling_coeff`` of every parameter from its ``source`` state, which must be
@@ -367,10 +381,19 @@ class OverlappedCompression:
     its all-to-all, then its all-gather once the all-to-all is done, then the next
     bucket's. Each hook issues what it can without blocking; :meth:`finish` folds what got
     no gradient and issues and waits for the rest. The buckets are independent, so the
-    numbers are those of the step without overlap."""
+    numbers are those of the step without overlap whose gradients were multiplied by
+    ``grad_scale`` (when given) before the step."""
 
-    def __init__(self, opt: CompressedOptimizer, layout, flat: torch.Tensor, comm: Communicator):
+    def __init__(
+        self,
+        opt: CompressedOptimizer,
+        layout,
+        flat: torch.Tensor,
+        comm: Communicator,
+        grad_scale: torch.Tensor | None = None,
+    ):
         self.opt = opt
+        self.grad_scale = grad_scale
         self.flat = flat
         self.comm = comm
         self.feedback = opt.codec.fused_feedback(opt._codec_key("momentum"), opt._flat_numel)
@@ -422,7 +445,7 @@ class OverlappedCompression:
         if entry is None:
             return
         group, param, hit = entry
-        self.opt._fold_for_compression(group, [param])
+        self.opt._fold_for_compression(group, [param], self.grad_scale)
         for k in hit:
             self.pending[k] -= 1
         self._progress(block=False)

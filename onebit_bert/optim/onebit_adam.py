@@ -216,10 +216,13 @@ class OneBitAdam(WarmupThenCompress):
             # the momentum is identical on every rank here: warmup averaged the gradients
             self._set_scaling_coefficients(members, "exp_avg")
 
-    def _fold_for_compression(self, group: dict, params: list[torch.Tensor]) -> None:
-        """``m = β1·m + (1-β1)·g``, then the scaling coefficient when compressing."""
+    def _fold_for_compression(
+        self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> None:
+        """``m = β1·m + (1-β1)·g`` (``g`` times ``grad_scale`` when given), then the scaling
+        coefficient when compressing."""
         momenta = [self.state[p]["exp_avg"] for p in params]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = self._gradients(params, grad_scale)
         fold_gradients(momenta, grads, group["betas"][0])
         if self.compresses:
             torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])

@@ -253,16 +253,19 @@ class OneBitLamb(WarmupThenCompress):
             for p in members:
                 self.state[p].setdefault("last_factor", torch.ones((), device=p.device))
 
-    def _fold_for_compression(self, group: dict, params: list[torch.Tensor]) -> None:
+    def _fold_for_compression(
+        self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> None:
         """Keep each momentum before the step (the scratch buffer, same layout as the
-        fused one), then ``m = β1·m + (1-β1)·g`` and the scaling coefficient."""
+        fused one), then ``m = β1·m + (1-β1)·g`` (``g`` times ``grad_scale`` when given)
+        and the scaling coefficient."""
         beta1 = group["betas"][0]
         momenta = [self.state[p]["exp_avg"] for p in params]
         base = self._flat.data_ptr()
         for m in momenta:
             offset = (m.data_ptr() - base) // m.element_size()
             self._scratch[offset : offset + m.numel()].copy_(m.view(-1))
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = self._gradients(params, grad_scale)
         torch._foreach_mul_(momenta, beta1)
         torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
         torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])

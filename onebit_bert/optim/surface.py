@@ -59,6 +59,7 @@ class OverlappingOptimizer(SelfSyncingOptimizer, Protocol):
         """Use side communicator ``comm`` for the overlapped all-reduces."""
         ...
 
-    def begin_overlap(self) -> bool:
-        """Before the last micro-batch's backward: whether this step overlaps."""
+    def begin_overlap(self, grad_scale: torch.Tensor | None = None) -> bool:
+        """Before the last micro-batch's backward: whether this step overlaps; its gradients
+        are multiplied by ``grad_scale`` (a 0-d tensor) before they are folded, when given."""
         ...

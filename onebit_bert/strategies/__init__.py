@@ -95,7 +95,7 @@ def _averaging(cls: type[DataParallel]):
             grad_codec=_grad_codec(args),
         )
         if comm.overlap and spec.overlap and args.ctx.world_size > 1:
-            strategy.enable_overlap(comm.bucket_mb)
+            strategy.enable_overlap(comm.bucket_mb, args.clip_grad_norm)
         return strategy
 
     return build
@@ -322,11 +322,14 @@ def build_strategy(
     momentum_masks: dict[str, torch.Tensor] | None = None,
     total_steps: int | None = None,
     comm_cfg: CommConfig | None = None,
+    clip_grad_norm: float = 0.0,
 ) -> Strategy:
     """The configured strategy over ``model`` (forward passes run through ``loss_module``,
     which holds it), with its optimizer built from ``optimizer_cfg``; ``total_steps`` (the
     run's length) bounds ``optimizer.freeze_step: auto``; ``comm_cfg`` chooses the codec
-    of each kind of traffic and the hierarchy (default: today's behaviour).
+    of each kind of traffic and the hierarchy (default: today's behaviour);
+    ``clip_grad_norm`` is the loop's (steps whose gradients the optimizer folds during the
+    backward pass clip them by it themselves).
 
     1-bit LAMB on a world of one runs as exact LAMB with the same hyperparameters (no bias
     correction, as 1-bit LAMB has none) unless ``cfg.force_compression``; 1-bit Adam and
@@ -366,5 +369,6 @@ def build_strategy(
         comm=comm_cfg,
         policy=policy,
         use_ddp=use_ddp,
+        clip_grad_norm=clip_grad_norm,
     )
     return strategy_spec(name).build(args)

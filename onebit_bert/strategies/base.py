@@ -5,7 +5,8 @@ One optimizer step of the loop, and the hook each part calls::
     strategy.gradient_sync()           what happens to this step's gradients (asked first)
     for each micro-batch:   with strategy.backward_context(last): forward, backward
     strategy.after_backward()          gradient sync (all-reduce, DDP's, or none)
-    (loss-scale check, clipping: the loop's own, where strategy.clips_gradients())
+    (loss-scale check)
+    strategy.clip_gradients(max_norm)  where clip_grad_norm > 0: the norm, logged
     strategy.step()                    the optimizer step (may communicate)
     strategy.after_step(step)          outer step / neighbour exchange (may start async work)
     strategy.drain()                   before validation, checkpoints, export and exit
@@ -22,6 +23,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 
 from onebit_bert.checkpoint import WRITTEN_WORLD_SIZE
@@ -194,10 +196,11 @@ class Strategy:
     def after_backward(self) -> None:
         """After the last micro-batch's backward: make gradients ready for the step."""
 
-    def clips_gradients(self) -> bool:
-        """Whether the loop may clip this step's gradients before :meth:`step` (False
-        where the optimizer consumed them during the backward pass)."""
-        return True
+    def clip_gradients(self, max_norm: float) -> float:
+        """After :meth:`after_backward`, before :meth:`step`: clip the step's gradients to a
+        total norm of ``max_norm``; their norm before clipping (not finite when they are
+        not)."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def step(self) -> None:
         """The optimizer step."""

@@ -6,7 +6,9 @@ only on the steps whose optimizer asks for it."""
 from __future__ import annotations
 
 import contextlib
+import math
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -92,25 +94,60 @@ class SelfSyncingDataParallel(DataParallel):
     def gradient_sync(self) -> GradientSync:
         return "optimizer" if self.optimizer.syncs_internally else "allreduce"
 
-    def enable_overlap(self, bucket_mb: float) -> None:
+    overlap_clip = 0.0
+    """``clip_grad_norm`` of the overlapped steps (0: they do not clip)."""
+    local_grad_norm: float | None = None
+    """This rank's gradient norm at its last compression step (where gradients stay
+    local), before clipping; per-rank checkpoint state."""
+
+    def enable_overlap(self, bucket_mb: float, clip_grad_norm: float = 0.0) -> None:
         """``comm.overlap``: compression steps fold each gradient into the momentum as soon
         as it is complete and all-reduce each bucket of the momentum as soon as it is
         folded, during the last micro-batch's backward. The momentum is compressed in
         buckets of about ``bucket_mb`` MB (unless ``optimizer.bucket_numel`` sets them), on
-        a process group of its own."""
+        a process group of its own.
+
+        Such a step folds its gradients before their norm is known, so with
+        ``clip_grad_norm`` > 0 it clips them by the coefficient of this rank's previous
+        compression step, ``min(1, clip_grad_norm / (norm + 1e-6))`` (torch's), one step
+        late; the first compression step (of a run, or after a resume without that norm)
+        does not overlap and clips its own."""
         opt = self.optimizer
         if opt.bucket_numel is None:
             opt.bucket_numel = max(1, int(bucket_mb * (1 << 20)) // 4)
         opt.enable_overlap(self.comm.side_channel())
+        self.overlap_clip = clip_grad_norm
 
     def backward_context(self, last_micro_batch: bool):
         if last_micro_batch and isinstance(self.optimizer, OverlappingOptimizer):
-            self.overlapping = self.optimizer.begin_overlap()
+            if self.overlap_clip <= 0:
+                self.overlapping = self.optimizer.begin_overlap()
+            elif self.local_grad_norm is not None:
+                self.overlapping = self.optimizer.begin_overlap(self._lagged_clip_coefficient())
         return super().backward_context(last_micro_batch)
 
-    def clips_gradients(self) -> bool:
-        """An overlapped step has folded its gradients before the loop could clip them."""
-        return not self.overlapping
+    def _lagged_clip_coefficient(self) -> torch.Tensor:
+        """torch's clipping coefficient for :attr:`local_grad_norm`, as a 0-d fp32 tensor."""
+        norm = torch.tensor(self.local_grad_norm, dtype=torch.float32, device=self.ctx.device)
+        return torch.clamp(self.overlap_clip / (norm + 1e-6), max=1.0)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """An overlapped step has clipped its gradients already (one step late): measured
+        only. A compression step keeps this rank's norm for the next overlapped step."""
+        norm = super().clip_gradients(math.inf if self.overlapping else max_norm)
+        if self.gradient_sync() == "optimizer" and math.isfinite(norm):
+            self.local_grad_norm = norm
+        return norm
+
+    def state_dict(self) -> tuple[dict, dict]:
+        shared, per_rank = super().state_dict()
+        if self.local_grad_norm is not None:
+            per_rank["local_grad_norm"] = self.local_grad_norm
+        return shared, per_rank
+
+    def load_state_dict(self, shared: dict, per_rank: dict | None, same_run: bool = True) -> None:
+        super().load_state_dict(shared, per_rank, same_run)
+        self.local_grad_norm = (per_rank or {}).get("local_grad_norm")
 
     def step(self) -> None:
         self.optimizer.step()

@@ -55,6 +55,8 @@ class BuildArgs:
     """The codec of each kind of traffic; None on a world of one (nothing is sent)."""
     use_ddp: bool
     """Gradients averaged by DistributedDataParallel's hooks (``strategy.grad_sync``)."""
+    clip_grad_norm: float = 0.0
+    """The loop's gradient clipping (0: none)."""
 
 
 @dataclass(frozen=True)
