@@ -58,23 +58,52 @@ def test_overlap_with_backward_is_bit_identical(tiny_corpus, tmp_path, optimizer
         assert a["compression_error"] == pytest.approx(b["compression_error"], rel=1e-5)
 
 
-def _train_clipping_one_step_late(comm, cfg: dict) -> dict:
-    """The reference of overlapped clipping through the plain (not overlapped) step: each
-    compression step's local gradients are multiplied by the clipping coefficient of this
-    rank's previous compression step, the first one clipped by its own (torch's rule)."""
+def _train_clipping_bucket_by_bucket(comm, cfg: dict) -> dict:
+    """The reference of overlapped clipping through the plain (not overlapped) step: the
+    first compression step clips as torch does; on later ones, going through the momentum
+    buckets from the last to the first, each bucket's parameters not clipped yet are
+    multiplied by torch's coefficient for the norm of (this step's gradients of the
+    parameters in that bucket or a later one, the previous compression step's for the
+    others)."""
     from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
 
     def clip(self, max_norm):
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         if self.gradient_sync() != "optimizer":
             return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        previous = norm if self.local_grad_norm is None else torch.tensor(self.local_grad_norm)
-        coefficient = torch.clamp(max_norm / (previous + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coefficient)
-        self.local_grad_norm = float(norm)
-        return float(norm)
+        present = [p for p in self.params if p.grad is not None]
+        current = dict(
+            zip(map(id, present), torch._foreach_norm([p.grad for p in present]), strict=True)
+        )
+        total = torch.linalg.vector_norm(torch.stack(list(current.values())))
+        previous = getattr(self, "reference_norms", None)
+        self.reference_norms = current
+        if previous is None:
+            torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            return float(total)
+        opt = self.optimizer
+        buckets = opt.codec.fused_feedback(opt._codec_key("momentum"), opt._flat_numel).buckets
+        spans, offset = {}, 0
+        for _, params in opt._layout("exp_avg", "after the freeze step"):
+            for p in params:
+                spans[id(p)] = (offset, offset + p.numel())
+                offset += p.numel()
+        seen, coefficient = set(), {}
+        for b in reversed(buckets):
+            hit = [i for i, (lo, hi) in spans.items() if lo < b.start + b.size and b.start < hi]
+            seen.update(hit)
+            norms = [
+                (current if id(p) in seen else previous).get(id(p))
+                for p in self.params
+                if (current if id(p) in seen else previous).get(id(p)) is not None
+            ]
+            c = torch.clamp(
+                max_norm / (torch.linalg.vector_norm(torch.stack(norms)) + 1e-6), max=1.0
+            )
+            for i in hit:
+                coefficient.setdefault(i, c)
+        for p in present:
+            p.grad.mul_(coefficient[id(p)])
+        return float(total)
 
     SelfSyncingDataParallel.clip_gradients = clip
     return train_in_process(comm, cfg)
@@ -82,12 +111,14 @@ def _train_clipping_one_step_late(comm, cfg: dict) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["onebit_lamb", "onebit_adam"])
-def test_overlapped_steps_clip_by_the_previous_steps_norm(tiny_corpus, tmp_path, optimizer):
-    """An overlapped step folds its gradients before their norm is known, so it clips them
-    by this rank's previous compression step's coefficient: bit for bit the plain step
-    clipped that way (same buckets). The first compression step does not overlap and clips
-    its own; the clipping binds (a run without it ends elsewhere); a stop and a resume
-    give the uninterrupted run (the norm is per-rank checkpoint state)."""
+def test_overlapped_steps_clip_bucket_by_bucket(tiny_corpus, tmp_path, optimizer):
+    """An overlapped step sends a bucket before the whole gradient's norm is known, so it
+    clips each bucket by the norm estimated from the gradients complete by then and the
+    previous compression step's norms for the rest: bit for bit the plain step clipped that
+    way (same buckets), and with one bucket the plain step clipped as torch clips. The
+    first compression step does not overlap; the clipping binds (a run without it ends
+    elsewhere); a stop and a resume give the uninterrupted run (the norms are per-rank
+    checkpoint state)."""
     common = {
         "optimizer.name": optimizer,
         "optimizer.lr": 0.02 if optimizer == "onebit_lamb" else 1e-3,
@@ -99,7 +130,7 @@ def test_overlapped_steps_clip_by_the_previous_steps_norm(tiny_corpus, tmp_path,
     overlap = {**common, "comm.overlap": True}
     straight = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "o", **overlap))
     reference = run_ranks(
-        _train_clipping_one_step_late, 2, tiny_config(tiny_corpus, tmp_path / "ref", **common)
+        _train_clipping_bucket_by_bucket, 2, tiny_config(tiny_corpus, tmp_path / "ref", **common)
     )
     assert mlm_losses(tmp_path / "o") == mlm_losses(tmp_path / "ref")
     for a, b in zip(straight, reference, strict=True):
@@ -120,6 +151,18 @@ def test_overlapped_steps_clip_by_the_previous_steps_norm(tiny_corpus, tmp_path,
     assert [bool(by_step[s].get("overlapped")) for s in sorted(by_step)] == [False] * 4 + [True] * 4
     for a, b in zip(straight, resumed, strict=True):
         assert _same_model(a["model"], b["model"])
+    # one bucket: the plain step clipped by torch, bit for bit
+    one = {**common, "optimizer.bucket_numel": 100_000_000}
+    plain = run_ranks(train_in_process, 2, tiny_config(tiny_corpus, tmp_path / "p1", **one))
+    overlapped = run_ranks(
+        train_in_process,
+        2,
+        tiny_config(tiny_corpus, tmp_path / "o1", **one, **{"comm.overlap": True}),
+    )
+    assert mlm_losses(tmp_path / "p1") == mlm_losses(tmp_path / "o1")
+    for a, b in zip(plain, overlapped, strict=True):
+        assert _same_model(a["model"], b["model"])
+    assert not _same_model(straight[0]["model"], overlapped[0]["model"])
 
 
 # ----------------------------------------------------------------------------- gradients

@@ -127,7 +127,8 @@ class CommConfig:
     """1-bit LAMB and 1-bit Adam after freeze_step: start each bucket's momentum update and
     compressed all-reduce during the last micro-batch's backward, as soon as the bucket's
     gradients are complete (same numbers as without, except clipping: with clip_grad_norm
-    > 0 such a step clips by its rank's previous compression step's norm, one step late)."""
+    > 0 each bucket is clipped by the norm estimated when it is sent, exact with one
+    bucket)."""
     bucket_mb: float = 25.0
     """overlap: momentum buckets of about this many MB (fp32)."""
 

@@ -285,11 +285,11 @@ class CompressedOptimizer(Optimizer):
         if run is not None:
             run.grad_ready(p)
 
-    def begin_overlap(self, grad_scale: torch.Tensor | None = None) -> bool:
+    def begin_overlap(self, clip: OverlapClip | None = None) -> bool:
         """Before the last micro-batch's backward of a step: arm the overlap if that step
         compresses with a codec that can overlap (:meth:`_codec_overlaps`); True when armed.
-        ``grad_scale`` (a 0-d tensor): every gradient of the step is multiplied by it before
-        it is folded (the caller's clipping coefficient); None: folded as it is."""
+        ``clip``: clip the step's gradients bucket by bucket (:class:`OverlapClip`); None:
+        fold them as they are."""
         if getattr(self, "_overlap_comm", None) is None or not self._next_step_overlaps():
             return False
         layout = self._layout("exp_avg", "after the freeze step")
@@ -298,7 +298,7 @@ class CompressedOptimizer(Optimizer):
             return False
         flat = self._fused(members, "exp_avg")
         self._prepare_compression(members, flat)
-        self._overlapped = OverlappedCompression(self, layout, flat, self._overlap_comm, grad_scale)
+        self._overlapped = OverlappedCompression(self, layout, flat, self._overlap_comm, clip)
         return True
 
     def _take_overlapped(self) -> OverlappedCompression | None:
@@ -326,7 +326,7 @@ class CompressedOptimizer(Optimizer):
     def _gradients(params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> list:
         """``params``' gradients (zeros where there is none), times ``grad_scale`` when
         given: new tensors, the same numbers as clipping them in place by that
-        coefficient."""
+        coefficient (torch's ``clip_grad_norm_`` multiplies by a 0-d tensor too)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if grad_scale is None:
             return grads
@@ -367,6 +367,57 @@ STAGES = ("start", "exchange")
 """The two collectives of a bucket's 1-bit all-reduce, in issue order."""
 
 
+class OverlapClip:
+    """Gradient clipping for an overlapped step, whose buckets are sent before the whole
+    gradient's norm is known.
+
+    When a bucket is ready, the gradients of every parameter in it or in a bucket sent
+    before it (the parameters "seen") are complete; the others are not. The step's norm is
+    estimated from the seen parameters' norms now and the others' norms at the previous
+    compression step (:attr:`previous`), summed as torch's ``clip_grad_norm_`` sums them
+    (each parameter's norm, in :attr:`params`' order), and the bucket's parameters not
+    folded yet are folded with torch's coefficient ``min(1, max_norm / (norm + 1e-6))``
+    for that estimate. The last bucket sent sees every parameter, so its coefficient is
+    exactly the plain step's; with a single bucket the whole step is the plain clipped
+    step, bit for bit. A spike in any bucket's gradients is clipped in that bucket and in
+    every bucket sent after it."""
+
+    def __init__(
+        self, max_norm: float, params: list[torch.Tensor], previous: list[torch.Tensor | None]
+    ):
+        if len(previous) != len(params):
+            raise ValueError(f"{len(previous)} previous norms for {len(params)} parameters")
+        self.max_norm = max_norm
+        self.params = params
+        """Every parameter whose gradient is clipped, in the order its norm is summed."""
+        self.previous = previous
+        """Each parameter's gradient norm at the previous compression step (a 0-d tensor;
+        None where it had no gradient)."""
+        self._current: dict[int, torch.Tensor | None] = {}
+
+    def see(self, params: list[torch.Tensor]) -> None:
+        """``params``' gradients are complete: their norms replace the previous ones."""
+        new = [p for p in params if id(p) not in self._current]
+        present = [p for p in new if p.grad is not None]
+        norms = torch._foreach_norm([p.grad for p in present]) if present else []
+        for p in new:
+            self._current[id(p)] = None
+        for p, n in zip(present, norms, strict=True):
+            self._current[id(p)] = n
+
+    def coefficient(self) -> torch.Tensor:
+        """The clipping coefficient for the norm estimated from what has been seen."""
+        norms = []
+        for p, before in zip(self.params, self.previous, strict=True):
+            n = self._current.get(id(p), before)  # None: seen, no gradient
+            if n is not None:
+                norms.append(n)
+        if not norms:
+            return torch.ones((), device=self.params[0].device)
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        return torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+
+
 class OverlappedCompression:
     """One compression step whose bucket all-reduces start during the backward pass.
 
@@ -374,15 +425,17 @@ class OverlappedCompression:
     as each parameter's gradient is complete (its post-accumulate-grad hook), the
     optimizer folds it into the momentum (the same per-group arithmetic, one parameter at
     a time); once every parameter overlapping a bucket of the fused buffer is folded, the
-    bucket is ready. No thread of its own: the hooks (which run on the thread running the
-    backward pass) and :meth:`finish` issue the buckets' asynchronous collectives
-    (:class:`~onebit_bert.distributed.comm.CompressedBucket`) in one fixed order, the same
-    on every rank: for the last bucket first (the order the backward pass completes them),
-    its all-to-all, then its all-gather once the all-to-all is done, then the next
-    bucket's. Each hook issues what it can without blocking; :meth:`finish` folds what got
-    no gradient and issues and waits for the rest. The buckets are independent, so the
-    numbers are those of the step without overlap whose gradients were multiplied by
-    ``grad_scale`` (when given) before the step."""
+    bucket is ready. With ``clip`` (:class:`OverlapClip`) the fold waits for the bucket
+    instead: when every parameter overlapping it has its gradient, they are folded with the
+    bucket's clipping coefficient. No thread of its own: the hooks (which run on the thread
+    running the backward pass) and :meth:`finish` issue the buckets' asynchronous
+    collectives (:class:`~onebit_bert.distributed.comm.CompressedBucket`) in one fixed
+    order, the same on every rank: for the last bucket first (the order the backward pass
+    completes them), its all-to-all, then its all-gather once the all-to-all is done, then
+    the next bucket's. Each hook issues what it can without blocking; :meth:`finish` folds
+    what got no gradient and issues and waits for the rest. The buckets are independent,
+    so the numbers are those of the step without overlap whose gradients were multiplied,
+    parameter by parameter, by the coefficients the step used (1 without ``clip``)."""
 
     def __init__(
         self,
@@ -390,16 +443,19 @@ class OverlappedCompression:
         layout,
         flat: torch.Tensor,
         comm: Communicator,
-        grad_scale: torch.Tensor | None = None,
+        clip: OverlapClip | None = None,
     ):
         self.opt = opt
-        self.grad_scale = grad_scale
+        self.clip = clip
         self.flat = flat
         self.comm = comm
         self.feedback = opt.codec.fused_feedback(opt._codec_key("momentum"), opt._flat_numel)
         buckets = self.feedback.buckets
         self.pending = [0] * len(buckets)
         self.where: dict[int, tuple[dict, torch.Tensor, list[int]]] = {}
+        self.members: list[list[tuple[dict, torch.Tensor]]] = [[] for _ in buckets]
+        """The parameters overlapping each bucket."""
+        self.unfolded: dict[int, tuple[dict, torch.Tensor]] = {}
         offset = 0
         for group, params in layout:
             for p in params:
@@ -410,7 +466,9 @@ class OverlappedCompression:
                 ]
                 for k in hit:
                     self.pending[k] += 1
+                    self.members[k].append((group, p))
                 self.where[id(p)] = (group, p, hit)
+                self.unfolded[id(p)] = (group, p)
                 offset += p.numel()
         # The collectives in issue order: (bucket, "start" | "exchange"), last bucket first.
         self.order = [(k, op) for k in reversed(range(len(buckets))) for op in STAGES]
@@ -418,6 +476,11 @@ class OverlappedCompression:
         self.runs: dict[int, CompressedBucket] = {}
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=flat.device)
         self.before = comm.snapshot()
+
+    def _fold(self, members: list[tuple[dict, torch.Tensor]], scale) -> None:
+        for group, p in members:
+            if self.unfolded.pop(id(p), None) is not None:
+                self.opt._fold_for_compression(group, [p], scale)
 
     def _progress(self, block: bool) -> None:
         """Issue the collectives whose turn has come, in :attr:`order`, until one must wait
@@ -428,6 +491,9 @@ class OverlappedCompression:
                 if op == "start":
                     if self.pending[k] > 0:
                         return
+                    if self.clip is not None:
+                        self.clip.see([p for _, p in self.members[k]])
+                        self._fold(self.members[k], self.clip.coefficient())
                     b = self.feedback.buckets[k]
                     self.norm_sq += (
                         torch.linalg.vector_norm(self.flat[b.start : b.start + b.size]).double()
@@ -445,7 +511,8 @@ class OverlappedCompression:
         if entry is None:
             return
         group, param, hit = entry
-        self.opt._fold_for_compression(group, [param], self.grad_scale)
+        if self.clip is None or not hit:
+            self._fold([(group, param)], None)
         for k in hit:
             self.pending[k] -= 1
         self._progress(block=False)

@@ -59,7 +59,8 @@ class OverlappingOptimizer(SelfSyncingOptimizer, Protocol):
         """Use side communicator ``comm`` for the overlapped all-reduces."""
         ...
 
-    def begin_overlap(self, grad_scale: torch.Tensor | None = None) -> bool:
-        """Before the last micro-batch's backward: whether this step overlaps; its gradients
-        are multiplied by ``grad_scale`` (a 0-d tensor) before they are folded, when given."""
+    def begin_overlap(self, clip=None) -> bool:
+        """Before the last micro-batch's backward: whether this step overlaps; ``clip`` (an
+        :class:`~onebit_bert.optim.compressed.OverlapClip`) clips its gradients bucket by
+        bucket."""
         ...

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, PlainCodec, bucketed
 from onebit_bert.distributed.env import DistContext
+from onebit_bert.optim.compressed import OverlapClip
 from onebit_bert.optim.surface import OverlappingOptimizer
 from onebit_bert.strategies.base import GradientSync, Strategy
 
@@ -96,9 +97,10 @@ class SelfSyncingDataParallel(DataParallel):
 
     overlap_clip = 0.0
     """``clip_grad_norm`` of the overlapped steps (0: they do not clip)."""
-    local_grad_norm: float | None = None
-    """This rank's gradient norm at its last compression step (where gradients stay
-    local), before clipping; per-rank checkpoint state."""
+    grad_norms: list[torch.Tensor | None] | None = None
+    """Each parameter's gradient norm on this rank at its last compression step (where
+    gradients stay local), None where it had no gradient; kept only with
+    :attr:`overlap_clip`; per-rank checkpoint state."""
 
     def enable_overlap(self, bucket_mb: float, clip_grad_norm: float = 0.0) -> None:
         """``comm.overlap``: compression steps fold each gradient into the momentum as soon
@@ -107,11 +109,13 @@ class SelfSyncingDataParallel(DataParallel):
         buckets of about ``bucket_mb`` MB (unless ``optimizer.bucket_numel`` sets them), on
         a process group of its own.
 
-        Such a step folds its gradients before their norm is known, so with
-        ``clip_grad_norm`` > 0 it clips them by the coefficient of this rank's previous
-        compression step, ``min(1, clip_grad_norm / (norm + 1e-6))`` (torch's), one step
-        late; the first compression step (of a run, or after a resume without that norm)
-        does not overlap and clips its own."""
+        Such a step sends a bucket before the whole gradient's norm is known, so with
+        ``clip_grad_norm`` > 0 each bucket is clipped by the norm estimated from the
+        gradients complete by then and this rank's previous compression step's norms for
+        the rest (:class:`~onebit_bert.optim.compressed.OverlapClip`; exact for the last
+        bucket, and for the whole step when there is one bucket). The first compression
+        step (of a run, or after a resume without those norms) does not overlap and clips
+        as the plain step does."""
         opt = self.optimizer
         if opt.bucket_numel is None:
             opt.bucket_numel = max(1, int(bucket_mb * (1 << 20)) // 4)
@@ -122,32 +126,38 @@ class SelfSyncingDataParallel(DataParallel):
         if last_micro_batch and isinstance(self.optimizer, OverlappingOptimizer):
             if self.overlap_clip <= 0:
                 self.overlapping = self.optimizer.begin_overlap()
-            elif self.local_grad_norm is not None:
-                self.overlapping = self.optimizer.begin_overlap(self._lagged_clip_coefficient())
+            elif self.grad_norms is not None:
+                clip = OverlapClip(self.overlap_clip, self.params, self.grad_norms)
+                self.overlapping = self.optimizer.begin_overlap(clip)
         return super().backward_context(last_micro_batch)
 
-    def _lagged_clip_coefficient(self) -> torch.Tensor:
-        """torch's clipping coefficient for :attr:`local_grad_norm`, as a 0-d fp32 tensor."""
-        norm = torch.tensor(self.local_grad_norm, dtype=torch.float32, device=self.ctx.device)
-        return torch.clamp(self.overlap_clip / (norm + 1e-6), max=1.0)
-
     def clip_gradients(self, max_norm: float) -> float:
-        """An overlapped step has clipped its gradients already (one step late): measured
-        only. A compression step keeps this rank's norm for the next overlapped step."""
-        norm = super().clip_gradients(math.inf if self.overlapping else max_norm)
-        if self.gradient_sync() == "optimizer" and math.isfinite(norm):
-            self.local_grad_norm = norm
-        return norm
+        """An overlapped step has clipped its gradients already, bucket by bucket: measured
+        only. With :attr:`overlap_clip`, a compression step keeps each parameter's norm
+        for the next overlapped step."""
+        if self.overlap_clip > 0 and self.gradient_sync() == "optimizer":
+            present = [p for p in self.params if p.grad is not None]
+            norms = torch._foreach_norm([p.grad for p in present]) if present else []
+            by_id = {id(p): n for p, n in zip(present, norms, strict=True)}
+            self.grad_norms = [by_id.get(id(p)) for p in self.params]
+        return super().clip_gradients(math.inf if self.overlapping else max_norm)
 
     def state_dict(self) -> tuple[dict, dict]:
         shared, per_rank = super().state_dict()
-        if self.local_grad_norm is not None:
-            per_rank["local_grad_norm"] = self.local_grad_norm
+        if self.grad_norms is not None:
+            nan = torch.tensor(math.nan, device=self.ctx.device)
+            per_rank["grad_norms"] = torch.stack([nan if n is None else n for n in self.grad_norms])
         return shared, per_rank
 
     def load_state_dict(self, shared: dict, per_rank: dict | None, same_run: bool = True) -> None:
         super().load_state_dict(shared, per_rank, same_run)
-        self.local_grad_norm = (per_rank or {}).get("local_grad_norm")
+        saved = (per_rank or {}).get("grad_norms")
+        self.grad_norms = None
+        if saved is not None and len(saved) == len(self.params):
+            self.grad_norms = [
+                None if math.isnan(float(n)) else n.to(self.ctx.device).clone()
+                for n in saved.unbind(0)
+            ]
 
     def step(self) -> None:
         self.optimizer.step()
