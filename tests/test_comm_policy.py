@@ -91,11 +91,8 @@ def _train_clipping_bucket_by_bucket(comm, cfg: dict) -> dict:
         for b in reversed(buckets):
             hit = [i for i, (lo, hi) in spans.items() if lo < b.start + b.size and b.start < hi]
             seen.update(hit)
-            norms = [
-                (current if id(p) in seen else previous).get(id(p))
-                for p in self.params
-                if (current if id(p) in seen else previous).get(id(p)) is not None
-            ]
+            chosen = [(current if id(p) in seen else previous).get(id(p)) for p in self.params]
+            norms = [n for n in chosen if n is not None]
             c = torch.clamp(
                 max_norm / (torch.linalg.vector_norm(torch.stack(norms)) + 1e-6), max=1.0
             )

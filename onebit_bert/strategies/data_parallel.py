@@ -133,14 +133,22 @@ class SelfSyncingDataParallel(DataParallel):
 
     def clip_gradients(self, max_norm: float) -> float:
         """An overlapped step has clipped its gradients already, bucket by bucket: measured
-        only. With :attr:`overlap_clip`, a compression step keeps each parameter's norm
-        for the next overlapped step."""
-        if self.overlap_clip > 0 and self.gradient_sync() == "optimizer":
-            present = [p for p in self.params if p.grad is not None]
-            norms = torch._foreach_norm([p.grad for p in present]) if present else []
-            by_id = {id(p): n for p, n in zip(present, norms, strict=True)}
-            self.grad_norms = [by_id.get(id(p)) for p in self.params]
-        return super().clip_gradients(math.inf if self.overlapping else max_norm)
+        only. With :attr:`overlap_clip`, a compression step keeps each parameter's norm for
+        the next overlapped step and clips as torch does from those norms (one pass over
+        the gradients)."""
+        if self.overlap_clip <= 0 or self.gradient_sync() != "optimizer":
+            return super().clip_gradients(max_norm)
+        present = [p for p in self.params if p.grad is not None]
+        norms = torch._foreach_norm([p.grad for p in present]) if present else []
+        by_id = {id(p): n for p, n in zip(present, norms, strict=True)}
+        self.grad_norms = [by_id.get(id(p)) for p in self.params]
+        if not present:
+            return 0.0
+        total = torch.linalg.vector_norm(torch.stack(list(norms)))
+        if not self.overlapping:
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad for p in present], coefficient)
+        return float(total)
 
     def state_dict(self) -> tuple[dict, dict]:
         shared, per_rank = super().state_dict()
