@@ -24,6 +24,13 @@ def _same_model(a: dict, b: dict) -> bool:
     return all(torch.equal(t, b[k]) for k, t in a.items())
 
 
+def _assert_same_runs(dir_a, ranks_a: list[dict], dir_b, ranks_b: list[dict]) -> None:
+    """Two runs trained alike: the same MLM losses and every rank's model, bit for bit."""
+    assert mlm_losses(dir_a) == mlm_losses(dir_b)
+    for a, b in zip(ranks_a, ranks_b, strict=True):
+        assert _same_model(a["model"], b["model"])
+
+
 # ----------------------------------------------------------------------------- overlap
 
 
@@ -47,15 +54,55 @@ def test_overlap_with_backward_is_bit_identical(tiny_corpus, tmp_path, optimizer
         2,
         tiny_config(tiny_corpus, tmp_path / "overlap", **common, **{"comm.overlap": True}),
     )
-    assert mlm_losses(tmp_path / "plain") == mlm_losses(tmp_path / "overlap")
-    for a, b in zip(plain, overlap, strict=True):
-        assert _same_model(a["model"], b["model"])
+    _assert_same_runs(tmp_path / "plain", plain, tmp_path / "overlap", overlap)
     records = _records(tmp_path / "overlap")
     assert [bool(r.get("overlapped")) for r in records] == [False] * 3 + [True] * 5
     plain_records = _records(tmp_path / "plain")
     for a, b in zip(plain_records[3:], records[3:], strict=True):
         assert a["comm_bytes_momentum"] == b["comm_bytes_momentum"] > 0
         assert a["compression_error"] == pytest.approx(b["compression_error"], rel=1e-5)
+
+
+def _torch_coefficient(max_norm: float, norms: list[torch.Tensor]) -> torch.Tensor:
+    return torch.clamp(max_norm / (torch.linalg.vector_norm(torch.stack(norms)) + 1e-6), max=1.0)
+
+
+@pytest.mark.parametrize("with_gaps", [False, True])
+def test_overlap_clip_estimates_from_what_each_bucket_has_seen(with_gaps):
+    """OverlapClip's coefficient after each bucket is torch's for the norms seen so far and
+    the previous step's for the rest, bit for bit, both while every parameter counts (one
+    buffer) and with parameters that had or have no gradient (not counted); measuring the
+    rest early for the step's norm does not change what later buckets count as seen."""
+    from onebit_bert.optim.compressed import OverlapClip
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.zeros(n, requires_grad=True) for n in (5, 3, 7, 2)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    previous = [p.grad.norm() * 3 for p in params]
+    if with_gaps:
+        previous[1] = None  # no gradient last step
+        params[3].grad = None  # none this step
+    now = [None if p.grad is None else torch.linalg.vector_norm(p.grad) for p in params]
+    clip = OverlapClip(1.0, params, previous)
+    order = ([2], [1], [0, 3])  # buckets in issue order
+
+    def expected(seen):
+        chosen = [now[i] if i in seen else previous[i] for i in range(4)]
+        return _torch_coefficient(1.0, [n for n in chosen if n is not None])
+
+    seen: set[int] = set()
+    for k, bucket in enumerate(order):
+        clip.see([params[i] for i in bucket])
+        seen.update(bucket)
+        assert torch.equal(clip.coefficient(), expected(seen))
+        assert clip.coefficient() < 1.0
+        if k == 0:  # the step's norm measured before the other buckets are sent
+            assert [None if n is None else float(n) for n in clip.norms()] == [
+                None if n is None else float(n) for n in now
+            ]
+            assert torch.equal(clip.coefficient(), expected(seen))
+    assert torch.equal(clip.coefficient(), expected({0, 1, 2, 3}))
 
 
 def _train_clipping_bucket_by_bucket(comm, cfg: dict) -> dict:
@@ -129,9 +176,7 @@ def test_overlapped_steps_clip_bucket_by_bucket(tiny_corpus, tmp_path, optimizer
     reference = run_ranks(
         _train_clipping_bucket_by_bucket, 2, tiny_config(tiny_corpus, tmp_path / "ref", **common)
     )
-    assert mlm_losses(tmp_path / "o") == mlm_losses(tmp_path / "ref")
-    for a, b in zip(straight, reference, strict=True):
-        assert _same_model(a["model"], b["model"])
+    _assert_same_runs(tmp_path / "o", straight, tmp_path / "ref", reference)
     records = _records(tmp_path / "o")
     assert [bool(r.get("overlapped")) for r in records] == [False] * 4 + [True] * 4
     assert all(r["grad_norm"] > 0.5 for r in records)  # the limit binds on every step
@@ -156,9 +201,7 @@ def test_overlapped_steps_clip_bucket_by_bucket(tiny_corpus, tmp_path, optimizer
         2,
         tiny_config(tiny_corpus, tmp_path / "o1", **one, **{"comm.overlap": True}),
     )
-    assert mlm_losses(tmp_path / "p1") == mlm_losses(tmp_path / "o1")
-    for a, b in zip(plain, overlapped, strict=True):
-        assert _same_model(a["model"], b["model"])
+    _assert_same_runs(tmp_path / "p1", plain, tmp_path / "o1", overlapped)
     assert not _same_model(straight[0]["model"], overlapped[0]["model"])
 
 

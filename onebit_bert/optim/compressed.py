@@ -393,10 +393,23 @@ class OverlapClip:
         self.previous = previous
         """Each parameter's gradient norm at the previous compression step (a 0-d tensor;
         None where it had no gradient)."""
+        self._index = {id(p): i for i, p in enumerate(params)}
         self._current: dict[int, torch.Tensor | None] = {}
+        self._seen: set[int] = set()
+        self._estimate = list(previous)
+        """The norms the estimate sums, in params' order: this step's for the parameters
+        seen, the previous step's for the rest (None: no gradient, not counted)."""
+        self._uncounted = sum(n is None for n in previous)
+        # While every parameter counts, the estimate is also kept in one buffer, written
+        # as buckets are seen, so a bucket's coefficient is one norm of it (the same
+        # numbers as stacking the list, with no per-parameter work and no host
+        # synchronisation on an accelerator); otherwise the counted norms are stacked.
+        self._buffer = None
+        if self._uncounted == 0 and len({n.dtype for n in previous}) == 1:
+            self._buffer = torch.stack(previous).to(params[0].device)
 
-    def see(self, params: list[torch.Tensor]) -> None:
-        """``params``' gradients are complete: their norms replace the previous ones."""
+    def _measure(self, params: list[torch.Tensor]) -> None:
+        """This step's norms of ``params``' gradients not measured yet (None: no gradient)."""
         new = [p for p in params if id(p) not in self._current]
         present = [p for p in new if p.grad is not None]
         norms = torch._foreach_norm([p.grad for p in present]) if present else []
@@ -405,17 +418,45 @@ class OverlapClip:
         for p, n in zip(present, norms, strict=True):
             self._current[id(p)] = n
 
+    def see(self, params: list[torch.Tensor]) -> None:
+        """``params``' gradients are complete and their bucket is being sent: their norms
+        replace the previous ones in the estimate."""
+        self._measure(params)
+        for p in params:
+            if id(p) in self._seen:
+                continue
+            self._seen.add(id(p))
+            i = self._index.get(id(p))
+            if i is None:
+                continue
+            n = self._current[id(p)]
+            self._uncounted += (n is None) - (self._estimate[i] is None)
+            self._estimate[i] = n
+            if self._buffer is not None:
+                if n is None or n.dtype != self._buffer.dtype:
+                    self._buffer = None
+                else:
+                    self._buffer[i].copy_(n)
+
     def coefficient(self) -> torch.Tensor:
         """The clipping coefficient for the norm estimated from what has been seen."""
-        norms = []
-        for p, before in zip(self.params, self.previous, strict=True):
-            n = self._current.get(id(p), before)  # None: seen, no gradient
-            if n is not None:
-                norms.append(n)
-        if not norms:
-            return torch.ones((), device=self.params[0].device)
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        if self._buffer is not None and self._uncounted == 0:
+            total = torch.linalg.vector_norm(self._buffer)
+        else:
+            norms = [n for n in self._estimate if n is not None]
+            if not norms:
+                return torch.ones((), device=self.params[0].device)
+            total = torch.linalg.vector_norm(torch.stack(norms))
         return torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+
+    def norms(self) -> list[torch.Tensor | None]:
+        """Each parameter's gradient norm this step (None where it has no gradient), to be
+        called once every gradient is complete: the step's norm, and the previous norms of
+        the next overlapped step. The buckets not sent yet use the norms measured here, but
+        still estimate as if sent in turn (what each bucket counts as seen does not depend
+        on when its collectives could be issued)."""
+        self._measure(self.params)
+        return [self._current[id(p)] for p in self.params]
 
 
 class OverlappedCompression:

@@ -97,6 +97,8 @@ class SelfSyncingDataParallel(DataParallel):
 
     overlap_clip = 0.0
     """``clip_grad_norm`` of the overlapped steps (0: they do not clip)."""
+    _overlap_clip: OverlapClip | None = None
+    """The clipping of the overlapped step in progress."""
     grad_norms: list[torch.Tensor | None] | None = None
     """Each parameter's gradient norm on this rank at its last compression step (where
     gradients stay local), None where it had no gradient; kept only with
@@ -129,23 +131,32 @@ class SelfSyncingDataParallel(DataParallel):
             elif self.grad_norms is not None:
                 clip = OverlapClip(self.overlap_clip, self.params, self.grad_norms)
                 self.overlapping = self.optimizer.begin_overlap(clip)
+                self._overlap_clip = clip if self.overlapping else None
         return super().backward_context(last_micro_batch)
 
     def clip_gradients(self, max_norm: float) -> float:
-        """An overlapped step has clipped its gradients already, bucket by bucket: measured
-        only. With :attr:`overlap_clip`, a compression step keeps each parameter's norm for
-        the next overlapped step and clips as torch does from those norms (one pass over
-        the gradients)."""
+        """An overlapped step clips its gradients bucket by bucket, from per-parameter
+        norms it measures as each bucket is ready; here those of the buckets not sent yet
+        are measured too (and reused when they are sent), and the step's norm from them
+        all. With :attr:`overlap_clip`, every compression step keeps each parameter's norm
+        for the next overlapped step, and one not overlapped clips as torch does from
+        those norms: one pass over the gradients either way."""
         if self.overlap_clip <= 0 or self.gradient_sync() != "optimizer":
             return super().clip_gradients(max_norm)
-        present = [p for p in self.params if p.grad is not None]
-        norms = torch._foreach_norm([p.grad for p in present]) if present else []
-        by_id = {id(p): n for p, n in zip(present, norms, strict=True)}
-        self.grad_norms = [by_id.get(id(p)) for p in self.params]
-        if not present:
+        clip = self._overlap_clip if self.overlapping else None
+        if clip is not None:
+            self.grad_norms = clip.norms()
+        else:
+            present = [p for p in self.params if p.grad is not None]
+            norms = torch._foreach_norm([p.grad for p in present]) if present else []
+            by_id = {id(p): n for p, n in zip(present, norms, strict=True)}
+            self.grad_norms = [by_id.get(id(p)) for p in self.params]
+        norms = [n for n in self.grad_norms if n is not None]
+        if not norms:
             return 0.0
-        total = torch.linalg.vector_norm(torch.stack(list(norms)))
+        total = torch.linalg.vector_norm(torch.stack(norms))
         if not self.overlapping:
+            present = [p for p in self.params if p.grad is not None]
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_([p.grad for p in present], coefficient)
         return float(total)
@@ -171,6 +182,7 @@ class SelfSyncingDataParallel(DataParallel):
         self.optimizer.step()
         self.last_overlapped = self.overlapping
         self.overlapping = False
+        self._overlap_clip = None
 
     last_overlapped = False
 
