@@ -367,6 +367,14 @@ STAGES = ("start", "exchange")
 """The two collectives of a bucket's 1-bit all-reduce, in issue order."""
 
 
+def gradient_norms(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Each parameter's gradient norm (a 0-d tensor; None where it has no gradient), as
+    torch's ``clip_grad_norm_`` computes them (one ``_foreach_norm``)."""
+    present = [p.grad for p in params if p.grad is not None]
+    norms = iter(torch._foreach_norm(present) if present else [])
+    return [None if p.grad is None else next(norms) for p in params]
+
+
 class OverlapClip:
     """Gradient clipping for an overlapped step, whose buckets are sent before the whole
     gradient's norm is known.
@@ -374,7 +382,7 @@ class OverlapClip:
     When a bucket is ready, the gradients of every parameter in it or in a bucket sent
     before it (the parameters "seen") are complete; the others are not. The step's norm is
     estimated from the seen parameters' norms now and the others' norms at the previous
-    compression step (:attr:`previous`), summed as torch's ``clip_grad_norm_`` sums them
+    compression step (``previous``), summed as torch's ``clip_grad_norm_`` sums them
     (each parameter's norm, in :attr:`params`' order), and the bucket's parameters not
     folded yet are folded with torch's coefficient ``min(1, max_norm / (norm + 1e-6))``
     for that estimate. The last bucket sent sees every parameter, so its coefficient is
@@ -390,32 +398,25 @@ class OverlapClip:
         self.max_norm = max_norm
         self.params = params
         """Every parameter whose gradient is clipped, in the order its norm is summed."""
-        self.previous = previous
-        """Each parameter's gradient norm at the previous compression step (a 0-d tensor;
-        None where it had no gradient)."""
         self._index = {id(p): i for i, p in enumerate(params)}
         self._current: dict[int, torch.Tensor | None] = {}
         self._seen: set[int] = set()
         self._estimate = list(previous)
         """The norms the estimate sums, in params' order: this step's for the parameters
-        seen, the previous step's for the rest (None: no gradient, not counted)."""
-        self._uncounted = sum(n is None for n in previous)
+        seen, ``previous`` (each parameter's norm at the previous compression step) for the
+        rest; None (no gradient) is not counted."""
         # While every parameter counts, the estimate is also kept in one buffer, written
         # as buckets are seen, so a bucket's coefficient is one norm of it (the same
         # numbers as stacking the list, with no per-parameter work and no host
-        # synchronisation on an accelerator); otherwise the counted norms are stacked.
+        # synchronisation on an accelerator); a None drops it and the list is stacked.
         self._buffer = None
-        if self._uncounted == 0 and len({n.dtype for n in previous}) == 1:
+        if all(n is not None for n in previous) and len({n.dtype for n in previous}) == 1:
             self._buffer = torch.stack(previous).to(params[0].device)
 
     def _measure(self, params: list[torch.Tensor]) -> None:
         """This step's norms of ``params``' gradients not measured yet (None: no gradient)."""
         new = [p for p in params if id(p) not in self._current]
-        present = [p for p in new if p.grad is not None]
-        norms = torch._foreach_norm([p.grad for p in present]) if present else []
-        for p in new:
-            self._current[id(p)] = None
-        for p, n in zip(present, norms, strict=True):
+        for p, n in zip(new, gradient_norms(new), strict=True):
             self._current[id(p)] = n
 
     def see(self, params: list[torch.Tensor]) -> None:
@@ -430,7 +431,6 @@ class OverlapClip:
             if i is None:
                 continue
             n = self._current[id(p)]
-            self._uncounted += (n is None) - (self._estimate[i] is None)
             self._estimate[i] = n
             if self._buffer is not None:
                 if n is None or n.dtype != self._buffer.dtype:
@@ -440,7 +440,7 @@ class OverlapClip:
 
     def coefficient(self) -> torch.Tensor:
         """The clipping coefficient for the norm estimated from what has been seen."""
-        if self._buffer is not None and self._uncounted == 0:
+        if self._buffer is not None:
             total = torch.linalg.vector_norm(self._buffer)
         else:
             norms = [n for n in self._estimate if n is not None]

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, PlainCodec, bucketed
 from onebit_bert.distributed.env import DistContext
-from onebit_bert.optim.compressed import OverlapClip
+from onebit_bert.optim.compressed import OverlapClip, gradient_norms
 from onebit_bert.optim.surface import OverlappingOptimizer
 from onebit_bert.strategies.base import GradientSync, Strategy
 
@@ -144,21 +144,14 @@ class SelfSyncingDataParallel(DataParallel):
         if self.overlap_clip <= 0 or self.gradient_sync() != "optimizer":
             return super().clip_gradients(max_norm)
         clip = self._overlap_clip if self.overlapping else None
-        if clip is not None:
-            self.grad_norms = clip.norms()
-        else:
-            present = [p for p in self.params if p.grad is not None]
-            norms = torch._foreach_norm([p.grad for p in present]) if present else []
-            by_id = {id(p): n for p, n in zip(present, norms, strict=True)}
-            self.grad_norms = [by_id.get(id(p)) for p in self.params]
+        self.grad_norms = clip.norms() if clip is not None else gradient_norms(self.params)
         norms = [n for n in self.grad_norms if n is not None]
         if not norms:
             return 0.0
         total = torch.linalg.vector_norm(torch.stack(norms))
         if not self.overlapping:
-            present = [p for p in self.params if p.grad is not None]
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad for p in present], coefficient)
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None], coefficient)
         return float(total)
 
     def state_dict(self) -> tuple[dict, dict]:
