@@ -20,6 +20,7 @@ from typing import Any, Literal
 from data_prep import outputs as data_outputs
 from finetune import outputs as finetune_outputs
 from onebit_bert.config import load_config, save_config
+from pipeline.gate import parse_utc
 from onebit_bert.recipes import get_recipe
 from pretrain import outputs as pretrain_outputs
 
@@ -147,13 +148,31 @@ class ReportSpec:
     above the reference's (one-sided test at ``alpha``)."""
     alpha: float = 0.05
     min_seeds: int = 5
-    """parity gate: fewer pretraining seeds per arm give no pass or fail."""
+    """parity gate: fewer pretraining seeds per arm give no pass or fail (Welch); the
+    paired test's pre-registered number of seed pairs."""
+    test: Literal["welch", "paired"] = "welch"
+    """parity gate: the primary test. welch: one-sided Welch test on the arms' mean samples
+    to target; paired: one-sided paired t-test on the per-seed log(candidate / reference)
+    over seed-matched pairs (:func:`pipeline.gate.paired_gate`), Welch then a secondary
+    line."""
+    preregistered: str | None = None
+    """parity gate: when the test, margin, alpha and seed count were fixed (ISO 8601 UTC,
+    e.g. "2026-11-28T21:41:00Z"); the report prints it and checks that it precedes every
+    candidate arm's first step. Required with test: paired."""
     finetune_baseline: bool = False
     """parity: also fine-tune a randomly initialised model of the reference's architecture
     (stage ``finetune/random-init``): tasks where pretraining does not beat it by several
     fine-tuning seed spreads carry no signal and get no verdict."""
 
     def __post_init__(self):
+        if self.test == "paired" and self.preregistered is None:
+            raise ValueError(
+                "report.test: paired needs report.preregistered, the UTC time the test, "
+                "margin, alpha and seeds were fixed (e.g. \"2026-11-28T21:41:00Z\"), "
+                "written before any candidate arm runs"
+            )
+        if self.preregistered is not None:
+            parse_utc(self.preregistered, "report.preregistered")
         if not 0 < self.target_fraction <= 1:
             raise ValueError(
                 f"report.target_fraction must lie in (0, 1], got {self.target_fraction}"
@@ -173,8 +192,11 @@ class ReportSpec:
         if self.kind != "compare":
             if not self.gate:
                 return []
-            return ["--margin", str(self.margin), "--alpha", str(self.alpha),
-                    "--min-seeds", str(self.min_seeds)]  # fmt: skip
+            out = ["--margin", str(self.margin), "--alpha", str(self.alpha),
+                   "--min-seeds", str(self.min_seeds), "--test", self.test]  # fmt: skip
+            if self.preregistered is not None:
+                out += ["--preregistered", self.preregistered]
+            return out
         out = []
         for path in [self.netem] if isinstance(self.netem, str) else self.netem or []:
             out += ["--netem", path]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from statistics import NormalDist
 
@@ -54,6 +55,21 @@ MIN_SEEDS = 5
 TARGET_FRACTION = 0.8
 
 _NORMAL = NormalDist()
+
+
+def parse_utc(text: str, what: str = "time") -> datetime:
+    """An ISO 8601 time in UTC ("2026-11-28T21:41:00Z" or with "+00:00") as an aware
+    datetime; anything else is one clear error naming ``what``."""
+    try:
+        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        when = None
+    if when is None or when.utcoffset() is None or when.utcoffset().total_seconds() != 0:
+        raise ValueError(
+            f"{what} must be an ISO 8601 time in UTC such as \"2026-11-28T21:41:00Z\", "
+            f"got {text!r}"
+        )
+    return when.astimezone(UTC)
 
 
 # ---------------------------------------------------------------------------- curves
