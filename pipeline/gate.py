@@ -1,5 +1,5 @@
-"""The parity gate: a target fixed from the reference runs, samples to target per run, and an
-MLPerf-style verdict with its power.
+"""The parity gate: a target fixed from the reference runs, samples to target per run, and a
+one-sided non-inferiority verdict with its power.
 
 **Target.** MLPerf trains every run to one fixed quality and compares the samples it took.
 Here the target is a validation MLM loss that *every* reference seed reaches before its run
@@ -12,10 +12,20 @@ earlier, so every reference seed has a samples-to-target.
 first reaches the target, linear between the two validation points around the crossing;
 ``None`` when the run never reaches it.
 
-**Gate** (:func:`gate`): is the candidate's mean samples-to-target at most ``1 + margin``
-times the reference's? A one-sided Welch t-test of non-inferiority on the difference
-``D = mean(candidate) - (1 + margin) * mean(reference)`` (MLPerf's reference-convergence
-check compares a mean with a one-sided t-test at alpha = 0.05 in the same way):
+**Paired gate** (:func:`paired_gate`, the primary test when the arms are seed-matched: seed
+k of both arms shares its initialisation and data order): is the candidate's samples to
+target at most ``1 + margin`` times its twin's? A one-sided paired t-test of
+non-inferiority on the per-seed ``d_k = log(candidate_k / reference_k)`` against
+``log(1 + margin)``, with n - 1 degrees of freedom. Pairing removes what the two arms of one
+seed share (when that seed leaves the plateau), which Welch's test leaves in its standard
+error. Outcomes as below; the number of pairs is fixed in advance (one look), the power and
+the pairs needed come from the noncentral t distribution.
+
+**Welch gate** (:func:`gate`, the secondary line): is the candidate's mean samples-to-target
+at most ``1 + margin`` times the reference's? A one-sided Welch t-test of non-inferiority on
+the difference ``D = mean(candidate) - (1 + margin) * mean(reference)``. (MLPerf's
+``rcp_checker`` also uses Student's t on an olympic mean, but to reject submissions that
+converge *faster* than its reference points: the other direction.)
 
 * **pass**: the one-sided upper ``1 - alpha`` confidence bound of D is below 0 (the data
   show, at level alpha, that the candidate needs at most ``margin`` more samples);
@@ -66,8 +76,7 @@ def parse_utc(text: str, what: str = "time") -> datetime:
         when = None
     if when is None or when.utcoffset() is None or when.utcoffset().total_seconds() != 0:
         raise ValueError(
-            f"{what} must be an ISO 8601 time in UTC such as \"2026-11-28T21:41:00Z\", "
-            f"got {text!r}"
+            f'{what} must be an ISO 8601 time in UTC such as "2026-11-28T21:41:00Z", got {text!r}'
         )
     return when.astimezone(UTC)
 
@@ -311,3 +320,314 @@ def difference_interval(
     df = (va + vc) ** 2 / (va**2 / (len(reference) - 1) + vc**2 / (len(candidate) - 1))
     half = t_quantile(0.5 + level / 2, df) * se
     return out | {"low": mean_c - mean_r - half, "high": mean_c - mean_r + half, "df": df}
+
+
+# ---------------------------------------------------------------------------- the paired gate
+
+PAIRED_TEST = (
+    "one-sided paired t-test of non-inferiority on per-seed log(samples_candidate / "
+    "samples_reference) over seed-matched pairs, n - 1 degrees of freedom: pass when the "
+    "upper 1 - alpha confidence bound of the mean log ratio is below log(1 + margin), fail "
+    "when the lower bound is above it or a candidate seed never reaches the target, "
+    "otherwise undecided; one look at the pre-registered number of pairs"
+)
+
+
+def olympic_mean(values: list[float]) -> float:
+    """The mean without the single lowest and highest value (MLPerf's olympic mean; the
+    plain mean below 3 values)."""
+    if not values:
+        raise ValueError("olympic_mean of no values")
+    ordered = sorted(values)
+    kept = ordered[1:-1] if len(ordered) >= 3 else ordered
+    return sum(kept) / len(kept)
+
+
+def paired_power(
+    n: int, sd: float, true_log_ratio: float, margin: float = MARGIN, alpha: float = ALPHA
+) -> float:
+    """The chance that :func:`paired_gate` with ``n`` pairs decides correctly when the true
+    mean log ratio is ``true_log_ratio`` and its spread between pairs ``sd``: the chance to
+    pass when the truth lies below log(1 + margin), to fail when above (noncentral t)."""
+    from scipy.stats import nct
+    from scipy.stats import t as student_t
+
+    if n < 2 or sd <= 0:
+        raise ValueError(f"paired_power needs n >= 2 and sd > 0, got n={n}, sd={sd}")
+    df = n - 1
+    q = float(student_t.ppf(1 - alpha, df))
+    shift = (true_log_ratio - math.log1p(margin)) * math.sqrt(n) / sd
+    if shift <= 0:
+        return float(nct.cdf(-q, df, shift))
+    return float(nct.sf(q, df, shift))
+
+
+def pairs_needed(
+    sd: float,
+    true_log_ratio: float = 0.0,
+    margin: float = MARGIN,
+    alpha: float = ALPHA,
+    power: float = POWER,
+    most: int = 10_000,
+) -> int | None:
+    """The fewest pairs for which :func:`paired_power` reaches ``power`` (None when even
+    ``most`` pairs do not: the truth sits at the margin)."""
+    if sd <= 0:
+        return 2
+    if math.isclose(true_log_ratio, math.log1p(margin), rel_tol=0.0, abs_tol=1e-12):
+        return None
+
+    def enough(n: int) -> bool:
+        return paired_power(n, sd, true_log_ratio, margin, alpha) >= power
+
+    if not enough(most):
+        return None
+    low, high = 1, 2  # enough(high), not enough(low) once the doubling stops
+    while not enough(high):
+        low, high = high, min(2 * high, most)
+    while high - low > 1:  # power grows with n: bisect
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    return max(2, high)
+
+
+@dataclass(frozen=True)
+class PairedGateResult:
+    """What :func:`paired_gate` decided, with everything needed to check it by hand."""
+
+    verdict: str
+    """pass, fail or undecided"""
+    reason: str
+    test: str
+    margin: float
+    alpha: float
+    seeds: list[int]
+    """The pairs' seeds, ascending."""
+    n_pairs: int
+    planned_pairs: int | None
+    log_ratios: list[float | None]
+    """log(candidate / reference) per seed (None: the candidate never reached the target)."""
+    mean_log_ratio: float | None = None
+    sd_log_ratio: float | None = None
+    ratio: float | None = None
+    """exp(mean log ratio): the geometric mean of the per-seed ratios."""
+    ratio_low: float | None = None
+    ratio_high: float | None = None
+    """The one-sided 1 - alpha bounds of the ratio (together a 1 - 2 alpha interval)."""
+    t: float | None = None
+    """(mean log ratio - log(1 + margin)) / its standard error."""
+    df: int | None = None
+    p_pass: float | None = None
+    p_fail: float | None = None
+    power: float | None = None
+    """Chance to pass with these pairs if the true ratio were 1.00 at the observed spread."""
+    pairs_needed: int | None = None
+    """Pairs that decide with ``POWER`` if the observed mean and spread are the truth."""
+    pairs_needed_at_parity: int | None = None
+    """Pairs that pass with ``POWER`` if the true ratio is 1.00 at the observed spread."""
+    correlation: float | None = None
+    """Pearson correlation of the arms' samples to target across pairs (what pairing
+    removes)."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def paired_gate(
+    reference: dict[int, float | None],
+    candidate: dict[int, float | None],
+    margin: float = MARGIN,
+    alpha: float = ALPHA,
+    planned_pairs: int | None = None,
+    with_power: bool = True,
+) -> PairedGateResult:
+    """The paired gate on per-seed samples to target, keyed by seed (``None``: never
+    reached). Seed k of both arms must be twins (same initialisation and data order): a seed
+    in one arm only is refused, as are more pairs than ``planned_pairs`` (the test was fixed
+    for that many); fewer give no pass or fail. See the module docstring for the test.
+    ``with_power=False`` leaves out the power and pairs needed (the verdict is the same;
+    for simulations)."""
+    from scipy.stats import t as student_t
+
+    only_ref = sorted(set(reference) - set(candidate))
+    only_cand = sorted(set(candidate) - set(reference))
+    if only_ref or only_cand:
+        raise ValueError(
+            "the arms are not seed-matched: "
+            + "; ".join(
+                f"{what} seed(s) {seeds} have no twin in the other arm"
+                for what, seeds in (("reference", only_ref), ("candidate", only_cand))
+                if seeds
+            )
+            + " (the paired test needs every seed in both arms)"
+        )
+    seeds = sorted(reference)
+    missing_ref = [s for s in seeds if reference[s] is None]
+    if missing_ref:
+        raise ValueError(
+            f"reference seed(s) {missing_ref} never reached the target: the target must be "
+            f"one that every reference seed reaches (select_target)"
+        )
+    if planned_pairs is not None and len(seeds) > planned_pairs:
+        raise ValueError(
+            f"{len(seeds)} pairs, but the test was fixed for {planned_pairs}: pairs added "
+            f"after the fact inflate the error rate; report the first {planned_pairs} "
+            f"(seeds {seeds[:planned_pairs]}) or fix a new test before new runs"
+        )
+    if any(v is not None and v <= 0 for v in [*reference.values(), *candidate.values()]):
+        raise ValueError("samples to target must be positive")
+    logs = [None if candidate[s] is None else math.log(candidate[s] / reference[s]) for s in seeds]
+    n = len(seeds)
+    base = {
+        "test": PAIRED_TEST,
+        "margin": margin,
+        "alpha": alpha,
+        "seeds": seeds,
+        "n_pairs": n,
+        "planned_pairs": planned_pairs,
+        "log_ratios": logs,
+    }
+    unreached = [s for s, d in zip(seeds, logs, strict=True) if d is None]
+    if unreached:
+        return PairedGateResult(
+            "fail",
+            f"candidate seed(s) {unreached} never reached the target (every run must reach it)",
+            **base,
+        )
+    if n < 2:
+        return PairedGateResult("undecided", f"the test needs >= 2 pairs (has {n})", **base)
+    mean, sd = mean_std(logs)
+    limit = math.log1p(margin)
+    refs = [reference[s] for s in seeds]
+    cands = [candidate[s] for s in seeds]
+    stats = {
+        "mean_log_ratio": mean,
+        "sd_log_ratio": sd,
+        "ratio": math.exp(mean),
+        "df": n - 1,
+        "correlation": _correlation(refs, cands),
+    }
+    if sd == 0.0:
+        verdict = "pass" if mean < limit else "fail" if mean > limit else "undecided"
+        return PairedGateResult(verdict, "no spread between pairs: decided by the mean", **base,
+                                **stats)  # fmt: skip
+    se = sd / math.sqrt(n)
+    q = float(student_t.ppf(1 - alpha, n - 1))
+    t = (mean - limit) / se
+    stats |= {
+        "ratio_low": math.exp(mean - q * se),
+        "ratio_high": math.exp(mean + q * se),
+        "t": t,
+        "p_pass": float(student_t.cdf(t, n - 1)),
+        "p_fail": float(student_t.sf(t, n - 1)),
+    }
+    if with_power:
+        stats["power"] = paired_power(n, sd, 0.0, margin, alpha)
+        stats["pairs_needed_at_parity"] = pairs_needed(sd, 0.0, margin, alpha)
+    interval = (
+        f"ratio {stats['ratio']:.3f}, {1 - 2 * alpha:.0%} interval "
+        f"[{stats['ratio_low']:.3f}, {stats['ratio_high']:.3f}] against the margin "
+        f"{1 + margin:.3f}"
+    )
+    early = planned_pairs is not None and n < planned_pairs
+    if early:
+        return PairedGateResult(
+            "undecided",
+            f"{n} of the {planned_pairs} pre-registered pairs: no verdict before all ran "
+            f"({interval})",
+            **base,
+            **stats,
+        )
+    if stats["ratio_high"] < 1 + margin:
+        reason = f"{interval}: upper bound below it (p = {stats['p_pass']:.3g})"
+        return PairedGateResult("pass", reason, **base, **stats)
+    if stats["ratio_low"] > 1 + margin:
+        reason = f"{interval}: lower bound above it (p = {stats['p_fail']:.3g})"
+        return PairedGateResult("fail", reason, **base, **stats)
+    need = pairs_needed(sd, mean, margin, alpha) if with_power else None
+    stats["pairs_needed"] = need
+    reason = f"{interval}: it straddles the margin; " + (
+        "no number of pairs decides (the mean sits at the margin)"
+        if need is None
+        else f"{need} pairs decide with power {POWER:.0%} if the observed mean and spread hold"
+    )
+    return PairedGateResult("undecided", reason, **base, **stats)
+
+
+def _correlation(a: list[float], b: list[float]) -> float | None:
+    """Pearson's r of two equal-length lists; None when either has no spread."""
+    if len(a) < 2:
+        return None
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    sab = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    saa = sum((x - ma) ** 2 for x in a)
+    sbb = sum((y - mb) ** 2 for y in b)
+    return None if saa == 0 or sbb == 0 else sab / math.sqrt(saa * sbb)
+
+
+# ---------------------------------------------------------------------------- re-analysis
+
+
+def reanalyse(report: dict, margin: float | None = None, alpha: float | None = None) -> dict:
+    """The paired test applied to a parity ``report.json``'s per-seed samples to target,
+    every arm against the first. Labelled post hoc: a test chosen after the runs it judges
+    is a reading, never the report's verdict."""
+    gate_data = report.get("gate") or {}
+    per_seed = gate_data.get("per_seed")
+    if not per_seed:
+        raise ValueError("the report has no gate (per-seed samples to target): nothing to test")
+    margin = gate_data.get("margin", MARGIN) if margin is None else margin
+    alpha = gate_data.get("alpha", ALPHA) if alpha is None else alpha
+    names = list(per_seed)
+    reference = {r["seed"]: r["samples_to_target"] for r in per_seed[names[0]]}
+    out = {"post_hoc": True, "test": PAIRED_TEST, "reference": names[0], "arms": {}}
+    for name in names[1:]:
+        candidate = {r["seed"]: r["samples_to_target"] for r in per_seed[name]}
+        paired = paired_gate(reference, candidate, margin, alpha)
+        ref_values, cand_values = list(reference.values()), list(candidate.values())
+        welch = gate(ref_values, cand_values, margin, alpha, min_seeds=2)
+        reached = [v for v in cand_values if v is not None]
+        out["arms"][name] = {
+            "paired": paired.as_dict(),
+            "welch": welch.as_dict(),
+            "olympic_ratio": olympic_mean(reached) / olympic_mean(ref_values)
+            if len(reached) == len(cand_values)
+            else None,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.gate --report REPORT.json [--out FILE.json]``: the paired test
+    on an existing parity report, labelled post hoc."""
+    import argparse
+    import sys
+
+    from onebit_bert.io import atomic_write_json
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.gate",
+        description="Apply the paired non-inferiority test to a parity report.json's per-seed "
+        "samples to target (every arm against the first), labelled post hoc.",
+    )
+    parser.add_argument("--report", required=True, help="a parity report.json with a gate")
+    parser.add_argument("--margin", type=float, help="default: the report's")
+    parser.add_argument("--alpha", type=float, help="default: the report's")
+    parser.add_argument("--out", help="write the re-analysis here (JSON)")
+    args = parser.parse_args(argv)
+    try:
+        result = reanalyse(json.loads(Path(args.report).read_text()), args.margin, args.alpha)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name, arm in result["arms"].items():
+        p, w = arm["paired"], arm["welch"]
+        print(f"{name} vs {result['reference']} (post hoc): paired {p['verdict']}: {p['reason']}")
+        print(f"  Welch (secondary): {w['verdict']}: {w['reason']}")
+    if args.out:
+        atomic_write_json(Path(args.out), result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -151,6 +151,7 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         "name": run.name,
         "pretrain_dir": str(run.pretrain_dir),
         "seed": config.get("seed"),
+        "pairing": pairing_identity(config),
         "optimizer": optimizer,
         "freeze_step": _freeze_step(config, optimizer, by_step),
         "freeze_auto": "onebit" in optimizer and config["optimizer"].get("freeze_step") == AUTO,
@@ -170,6 +171,44 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         if run.finetune_dir is None
         else finetune_outputs.read_results(run.finetune_dir),
     }
+
+
+PAIRING_FIELDS = ("seed", "model", "batch", "data.path", "schedule.max_steps")
+"""What seed k of two arms must share to be twins: the seed, the model and batch sections,
+the data and the run's length (initialisation and data order are functions of these)."""
+
+
+def pairing_identity(config: dict) -> dict:
+    """The fields of a run's resolved config that :data:`PAIRING_FIELDS` names."""
+    out = {}
+    for name in PAIRING_FIELDS:
+        value = config
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[name] = value
+    return out
+
+
+def check_pairing(reference: dict, candidate: dict) -> None:
+    """Refuse arms whose seed-k runs are not twins: a seed in one arm only, or a pair that
+    differs in a :data:`PAIRING_FIELDS` field (one error listing them)."""
+    ref = {r["seed"]: r for r in reference["seeds"]}
+    cand = {r["seed"]: r for r in candidate["seeds"]}
+    problems = []
+    if set(ref) != set(cand):
+        problems.append(
+            f"seeds {sorted(ref)} against {sorted(cand)} (every seed must be in both arms)"
+        )
+    for seed in sorted(set(ref) & set(cand)):
+        a, b = ref[seed].get("pairing") or {}, cand[seed].get("pairing") or {}
+        differ = [k for k in PAIRING_FIELDS if a.get(k) != b.get(k)]
+        if differ:
+            problems.append(f"seed {seed} differs in {', '.join(differ)}")
+    if problems:
+        raise ValueError(
+            f"{candidate['name']} is not seed-matched with {reference['name']}: "
+            + "; ".join(problems)
+        )
 
 
 def group_arms(runs: list[dict]) -> list[dict]:
@@ -333,9 +372,14 @@ def gate_table(
     margin: float = gating.MARGIN,
     alpha: float = gating.ALPHA,
     min_seeds: int = gating.MIN_SEEDS,
+    test: str = "welch",
+    preregistered: str | None = None,
 ) -> dict:
     """Samples to ``target`` per seed, the gate for every arm against the first, the final
-    validation loss difference with its 95 % interval, and the reference's seed spread."""
+    validation loss difference with its 95 % interval, and the reference's seed spread.
+    ``test``: the primary test, ``welch`` or ``paired`` (then :func:`pipeline.gate.paired_gate`
+    over seed-matched pairs, ``min_seeds`` the pre-registered pairs, with Welch's verdict and
+    the olympic means as secondary lines); ``preregistered``: when the test was fixed."""
     value = target["value"]
     per_seed = {
         arm["name"]: [
@@ -352,15 +396,36 @@ def gate_table(
     reference = arms[0]["name"]
     ref_samples = [row["samples_to_target"] for row in per_seed[reference]]
     ref_final = [row["final_val_mlm_loss"] for row in per_seed[reference]]
-    gates, losses = {}, {}
+    gates, losses, welch, olympic = {}, {}, {}, {}
     for arm in arms[1:]:
         rows = per_seed[arm["name"]]
+        cand_samples = [r["samples_to_target"] for r in rows]
         try:
-            gates[arm["name"]] = gating.gate(
-                ref_samples, [r["samples_to_target"] for r in rows], margin, alpha, min_seeds
+            welch[arm["name"]] = gating.gate(
+                ref_samples, cand_samples, margin, alpha, min_seeds
             ).as_dict()
         except ValueError as err:
-            gates[arm["name"]] = {"verdict": "no verdict", "reason": str(err)}
+            welch[arm["name"]] = {"verdict": "no verdict", "reason": str(err)}
+        if test == "paired":
+            try:
+                check_pairing(arms[0], arm)
+                gates[arm["name"]] = gating.paired_gate(
+                    {r["seed"]: r["samples_to_target"] for r in per_seed[reference]},
+                    {r["seed"]: r["samples_to_target"] for r in rows},
+                    margin,
+                    alpha,
+                    planned_pairs=min_seeds,
+                ).as_dict()
+            except ValueError as err:
+                gates[arm["name"]] = {"verdict": "no verdict", "reason": str(err)}
+        else:
+            gates[arm["name"]] = welch[arm["name"]]
+        reached = [v for v in cand_samples if v is not None]
+        olympic[arm["name"]] = (
+            gating.olympic_mean(reached) / gating.olympic_mean(ref_samples)
+            if reached and len(reached) == len(cand_samples) and all(ref_samples)
+            else None
+        )
         losses[arm["name"]] = gating.difference_interval(
             ref_final, [r["final_val_mlm_loss"] for r in rows]
         )
@@ -368,6 +433,14 @@ def gate_table(
     return {
         "target": target,
         "fixed_before": fixed_before(arms[1:], target),
+        "test": test,
+        "test_text": gating.PAIRED_TEST if test == "paired" else gating.TEST,
+        "preregistered": preregistered,
+        "preregistered_before": None
+        if preregistered is None
+        else started_after(arms[1:], preregistered),
+        "welch": welch if test == "paired" else None,
+        "olympic_ratio": olympic,
         "margin": margin,
         "alpha": alpha,
         "min_seeds": min_seeds,
@@ -389,10 +462,12 @@ def gate_table(
 def fixed_before(arms: list[dict], target: dict) -> str:
     """Whether the target was fixed before every run of ``arms`` logged its first step
     (the runs' own clocks: metrics records carry a Unix time)."""
-    import calendar
-    import time
+    return started_after(arms, target.get("fixed_at"))
 
-    stamp = target.get("fixed_at")
+
+def started_after(arms: list[dict], stamp: str | None) -> str:
+    """Whether the UTC time ``stamp`` lies before every run of ``arms`` logged its first
+    step (the runs' own clocks: metrics records carry a Unix time)."""
     starts = {
         f"{a['name']} seed {r['seed']}": r["started"]
         for a in arms
@@ -401,7 +476,7 @@ def fixed_before(arms: list[dict], target: dict) -> str:
     }
     if not stamp or not starts:
         return "not checked: no times recorded"
-    fixed = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    fixed = gating.parse_utc(stamp).timestamp()
     early = sorted(name for name, start in starts.items() if start < fixed)
     if early:
         return f"**after** {', '.join(early)} had started"
@@ -605,8 +680,7 @@ def _gate_section(gate: dict) -> list[str]:
         f"{target.get('source', 'rule')}: {target.get('rule', '')} (at "
         f"{target.get('at_samples', 0):,.0f} samples; worst: {target.get('worst', '?')}).",
         "",
-        f"Test: {gating.TEST}; margin {gate['margin']:.0%}, alpha {gate['alpha']}, at least "
-        f"{gate['min_seeds']} seeds per arm.",
+        *_test_lines(gate),
         "",
         f"Reference spread: {ref}'s final validation MLM loss {spread['mean']:.4f} ± "
         f"{spread['std']:.4f} over {spread['seeds']} seeds = {spread['relative']:.2%} of its "
@@ -622,9 +696,42 @@ def _gate_section(gate: dict) -> list[str]:
                 f"| {name} | {row['seed']} | {_samples(row['samples_to_target'])} | "
                 f"{_fmt(row['final_val_mlm_loss'])} |"
             )
+    lines += _verdict_lines(gate, ref)
     lines += [
         "",
-        "| arm | verdict | mean samples to target vs " + ref + " | power | why | "
+        "![validation loss and the target](val_loss_target.png)",
+        "![samples to target per seed](samples_to_target.png)",
+        "",
+    ]
+    return lines
+
+
+def _test_lines(gate: dict) -> list[str]:
+    """The primary test as fixed: its text, margin, alpha, seeds and when it was fixed."""
+    if gate.get("test") != "paired":
+        return [
+            f"Test: {gating.TEST}; margin {gate['margin']:.0%}, alpha {gate['alpha']}, at "
+            f"least {gate['min_seeds']} seeds per arm.",
+        ]
+    when = gate.get("preregistered")
+    fixed = (
+        f"pre-registered {when} ({gate['preregistered_before']})"
+        if when
+        else "**not pre-registered**"
+    )
+    return [
+        f"Test: {gate.get('test_text', gating.PAIRED_TEST)}; margin {gate['margin']:.0%}, "
+        f"alpha {gate['alpha']}, {gate['min_seeds']} seed pairs; {fixed}.",
+    ]
+
+
+def _verdict_lines(gate: dict, ref: str) -> list[str]:
+    """The verdict table: the primary test per arm, and for the paired test Welch's verdict
+    and the olympic means as secondary lines."""
+    paired = gate.get("test") == "paired"
+    lines = [
+        "",
+        "| arm | verdict | samples to target vs " + ref + " | power | why | "
         "final loss − " + ref + " (95 % CI) |",
         "|---|---|---:|---:|---|---:|",
     ]
@@ -635,22 +742,51 @@ def _gate_section(gate: dict) -> list[str]:
             if diff["low"] is not None
             else f"{diff['difference']:+.4f}"
         )
-        ratio = result.get("ratio")
-        power = result.get("power")
+        ratio, power = result.get("ratio"), result.get("power")
+        if ratio is None:
+            shown = "–"
+        elif paired and result.get("ratio_low") is not None:
+            level = 1 - 2 * gate["alpha"]
+            shown = (
+                f"×{ratio:.3f} [{result['ratio_low']:.3f}, {result['ratio_high']:.3f}] "
+                f"({level:.0%}, paired)"
+            )
+        else:
+            shown = f"{ratio - 1:+.2%}"
         lines.append(
-            f"| {name} | **{result['verdict']}** | "
-            f"{'–' if ratio is None else f'{ratio - 1:+.2%}'} | "
+            f"| {name} | **{result['verdict']}** | {shown} | "
             f"{'–' if power is None else f'{power:.0%}'} | {result['reason']} | {interval} |"
         )
-    lines += [
-        "",
-        "Power: the chance to pass with these seeds if the arm truly needed the reference's "
-        "samples, at the observed spreads (normal approximation).",
-        "",
-        "![validation loss and the target](val_loss_target.png)",
-        "![samples to target per seed](samples_to_target.png)",
-        "",
-    ]
+    if paired:
+        lines += [
+            "",
+            "Secondary lines (not the verdict): Welch's test on the arms' means, and the "
+            "ratio of olympic means (each arm without its fastest and slowest seed), "
+            "descriptive.",
+            "",
+            "| arm | Welch | mean ratio | olympic mean ratio | why (Welch) |",
+            "|---|---|---:|---:|---|",
+        ]
+        for name, result in (gate.get("welch") or {}).items():
+            olympic = gate.get("olympic_ratio", {}).get(name)
+            ratio = result.get("ratio")
+            lines.append(
+                f"| {name} | {result['verdict']} | "
+                f"{'–' if ratio is None else f'{ratio:.3f}'} | "
+                f"{'–' if olympic is None else f'{olympic:.3f}'} | {result['reason']} |"
+            )
+        lines += [
+            "",
+            "Power: the chance to pass with these pairs if the arm truly needed the "
+            "reference's samples (ratio 1.00) at the observed spread of the log ratios "
+            "(noncentral t).",
+        ]
+    else:
+        lines += [
+            "",
+            "Power: the chance to pass with these seeds if the arm truly needed the "
+            "reference's samples, at the observed spreads (normal approximation).",
+        ]
     return lines
 
 
@@ -773,6 +909,8 @@ def write_report(
     margin: float = gating.MARGIN,
     alpha: float = gating.ALPHA,
     min_seeds: int = gating.MIN_SEEDS,
+    test: str = "welch",
+    preregistered: str | None = None,
 ) -> dict:
     """Compare the runs and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. With a ``target`` (:mod:`pipeline.target`)
@@ -784,7 +922,9 @@ def write_report(
     sensitivity_runs = [load_run(parse_run(s, finetune_optional=True)) for s in sensitivity_specs]
     pretraining = compare_pretraining(arms)
     finetuning = compare_finetuning(finetuned, baseline) if (finetuned := fine_tuned(arms)) else {}
-    gate = gate_table(arms, target, margin, alpha, min_seeds) if target else None
+    gate = (
+        gate_table(arms, target, margin, alpha, min_seeds, test, preregistered) if target else None
+    )
     sensitivity = sensitivity_rows(sensitivity_runs, target) if sensitivity_runs else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -837,7 +977,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="target.json (python -m pipeline.target): the gate")
     parser.add_argument("--margin", type=float, default=gating.MARGIN)
     parser.add_argument("--alpha", type=float, default=gating.ALPHA)
-    parser.add_argument("--min-seeds", type=int, default=gating.MIN_SEEDS)
+    parser.add_argument(
+        "--min-seeds",
+        type=int,
+        default=gating.MIN_SEEDS,
+        help="Welch: fewer seeds per arm give no pass or fail; paired: the pre-registered "
+        "number of seed pairs",
+    )
+    parser.add_argument(
+        "--test",
+        choices=("welch", "paired"),
+        default="welch",
+        help="the primary test (paired: per-seed log ratios over seed-matched pairs)",
+    )
+    parser.add_argument(
+        "--preregistered", help="UTC time the test was fixed (e.g. 2026-11-28T21:41:00Z)"
+    )
     parser.add_argument(
         "--sensitivity", action="append", default=[], help="NAME=PRETRAIN_RUN_DIR (not gated)"
     )
@@ -858,6 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
             args.margin,
             args.alpha,
             args.min_seeds,
+            args.test,
+            args.preregistered,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -120,3 +121,131 @@ def test_difference_interval_covers_the_welch_interval():
     half = t_quantile(0.975, out["df"]) * math.sqrt(0.01 / 3 + 0.01 / 3)
     assert out["low"] == pytest.approx(0.2 - half) and out["high"] == pytest.approx(0.2 + half)
     assert gate.difference_interval([3.0], [3.1])["low"] is None
+
+
+# ---------------------------------------------------------------------------- the paired gate
+
+
+def _pairs(log_ratios, base=500_000.0, spread=0.05):
+    """Seed-matched samples to target whose log ratios are exactly ``log_ratios``; the
+    reference varies from seed to seed as real seeds do."""
+    reference = {k: base * (1 + spread * math.sin(k)) for k in range(1, len(log_ratios) + 1)}
+    candidate = {k: reference[k] * math.exp(d) for k, d in zip(reference, log_ratios, strict=True)}
+    return reference, candidate
+
+
+def test_paired_gate_known_t_interval_and_verdicts():
+    logs = [0.0, 0.01, -0.01, 0.02, -0.02]  # mean 0, sd sqrt(2.5e-4)
+    result = gate.paired_gate(*_pairs(logs), planned_pairs=5)
+    se = math.sqrt(2.5e-4) / math.sqrt(5)
+    assert result.mean_log_ratio == pytest.approx(0.0, abs=1e-12)
+    assert result.sd_log_ratio == pytest.approx(math.sqrt(2.5e-4))
+    assert result.t == pytest.approx(-math.log(1.05) / se)
+    assert result.df == 4
+    q = 2.131847  # t(0.95, 4)
+    assert result.ratio_high == pytest.approx(math.exp(q * se), rel=1e-6)
+    assert result.ratio_low == pytest.approx(math.exp(-q * se), rel=1e-6)
+    assert result.verdict == "pass"
+    assert result.p_pass == pytest.approx(t_cdf(result.t, 4), abs=1e-9)
+    # the same spread around a 10 % slowdown fails; around 5 % it is undecided
+    assert gate.paired_gate(*_pairs([d + 0.1 for d in logs])).verdict == "fail"
+    undecided = gate.paired_gate(*_pairs([d + math.log(1.05) for d in logs]))
+    assert undecided.verdict == "undecided" and "straddles" in undecided.reason
+
+
+def test_paired_gate_sees_what_welch_cannot():
+    # Seeds vary by 10 % together; the candidate is 3 % slower than each of its twins.
+    reference = {k: 500_000 * (1 + 0.1 * math.sin(3 * k)) for k in range(1, 6)}
+    candidate = {k: v * math.exp(0.03 + 0.005 * (-1) ** k) for k, v in reference.items()}
+    paired = gate.paired_gate(reference, candidate, planned_pairs=5)
+    welch = gate.gate(list(reference.values()), list(candidate.values()))
+    assert paired.verdict == "pass"
+    assert welch.verdict == "undecided"
+    assert paired.correlation > 0.99
+
+
+def test_paired_gate_power_matches_simulation():
+    rng = random.Random(0)
+    n, sd = 5, 0.035
+    stated = gate.paired_power(n, sd, 0.0)
+    trials = 4000
+    passed = 0
+    for _ in range(trials):
+        logs = [rng.gauss(0.0, sd) for _ in range(n)]
+        passed += (
+            gate.paired_gate(*_pairs(logs), planned_pairs=n, with_power=False).verdict == "pass"
+        )
+    assert stated == pytest.approx(0.817, abs=0.01)  # the planning figure in the config
+    assert passed / trials == pytest.approx(stated, abs=0.025)  # 3.5 binomial sds
+    # a true 10 % slowdown is failed with the power stated for it
+    stated_fail = gate.paired_power(n, sd, 0.1)
+    failed = sum(
+        gate.paired_gate(*_pairs([rng.gauss(0.1, sd) for _ in range(n)]), with_power=False).verdict
+        == "fail"
+        for _ in range(trials)
+    )
+    assert failed / trials == pytest.approx(stated_fail, abs=0.025)
+
+
+def test_pairs_needed_is_the_smallest_n_with_the_power():
+    n = gate.pairs_needed(0.035)
+    assert n == 5
+    assert gate.paired_power(n, 0.035, 0.0) >= 0.8 > gate.paired_power(n - 1, 0.035, 0.0)
+    assert gate.pairs_needed(0.07) > 10  # twice the spread: about four times the pairs
+    assert gate.pairs_needed(0.035, math.log(1.05)) is None  # truth at the margin
+
+
+def test_paired_gate_refuses_a_mismatched_pairing():
+    reference, candidate = _pairs([0.0, 0.01, 0.02])
+    candidate[7] = candidate.pop(3)
+    with pytest.raises(ValueError, match=r"not seed-matched.*reference seed\(s\) \[3\].*"
+                       r"candidate seed\(s\) \[7\]"):  # fmt: skip
+        gate.paired_gate(reference, candidate)
+
+
+def test_paired_gate_unreached_seed_fails_and_extra_pairs_are_refused():
+    reference, candidate = _pairs([0.0, 0.01, -0.01, 0.02, -0.02])
+    candidate[4] = None
+    result = gate.paired_gate(reference, candidate, planned_pairs=5)
+    assert result.verdict == "fail" and "[4]" in result.reason
+    assert result.log_ratios[3] is None
+    with pytest.raises(ValueError, match="fixed for 4"):
+        gate.paired_gate(*_pairs([0.0, 0.01, -0.01, 0.02, -0.02]), planned_pairs=4)
+    early = gate.paired_gate(*_pairs([-0.2, -0.2, -0.21]), planned_pairs=5)
+    assert early.verdict == "undecided" and "3 of the 5 pre-registered" in early.reason
+
+
+def test_olympic_mean_drops_one_best_and_one_worst():
+    assert gate.olympic_mean([1.0, 2.0, 3.0, 10.0]) == 2.5
+    assert gate.olympic_mean([4.0, 6.0]) == 5.0
+
+
+def test_parse_utc_accepts_utc_only():
+    assert gate.parse_utc("2026-11-28T21:41:00Z").hour == 21
+    for bad in ("2026-11-28 21:41", "2026-11-28T21:41:00+01:00", "yesterday"):
+        with pytest.raises(ValueError, match="UTC"):
+            gate.parse_utc(bad, "report.preregistered")
+
+
+def test_reanalysis_of_a_report_is_labelled_post_hoc(tmp_path):
+    reference, candidate = _pairs([0.09, 0.14, 0.12, 0.06, 0.06])
+    report = {
+        "gate": {
+            "margin": 0.05,
+            "alpha": 0.05,
+            "per_seed": {
+                "lamb": [{"seed": k, "samples_to_target": v} for k, v in reference.items()],
+                "onebit": [{"seed": k, "samples_to_target": v} for k, v in candidate.items()],
+            },
+        }
+    }
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "post_hoc.json"
+    assert gate.main(["--report", str(path), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["post_hoc"] is True and result["reference"] == "lamb"
+    assert result["arms"]["onebit"]["paired"]["verdict"] == "fail"
+    assert result["arms"]["onebit"]["paired"]["planned_pairs"] is None
+    assert result["arms"]["onebit"]["welch"]["verdict"] in ("fail", "undecided")
+    assert gate.main(["--report", str(tmp_path / "absent.json")]) == 2

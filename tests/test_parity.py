@@ -329,3 +329,93 @@ def test_zero_one_adams_parity_config_keeps_the_deepspeed_recipes_shares():
     assert (cfg.model, cfg.batch, cfg.schedule, cfg.data) == (ref.model, ref.batch, ref.schedule,
                                                              ref.data)  # fmt: skip
     assert (cfg.optimizer.lr, cfg.optimizer.betas) == (ref.optimizer.lr, ref.optimizer.betas)
+
+
+def test_the_paired_report_checks_pairing_and_the_preregistration(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 1.1, 0.35, 0.85])  # each twin +0.1 step
+    target = fix_target(lamb, 0.8)
+    stamp = "2026-12-01T00:00:00Z"  # after the synthetic runs started (September)
+    report = write_report([*lamb, *onebit], tmp_path / "r", target, min_seeds=5,
+                          test="paired", preregistered=stamp)  # fmt: skip
+    gate = report["gate"]
+    result = gate["gates"]["onebit"]
+    assert gate["test"] == "paired" and result["test"].startswith("one-sided paired t-test")
+    assert result["seeds"] == [1, 2, 3, 4, 5] and result["planned_pairs"] == 5
+    assert result["verdict"] == "pass"
+    assert gate["welch"]["onebit"]["verdict"] in ("pass", "undecided")
+    assert gate["olympic_ratio"]["onebit"] == pytest.approx(1.0, abs=0.02)
+    assert gate["preregistered_before"] == "**after** onebit seed 1, onebit seed 2, " \
+        "onebit seed 3, onebit seed 4, onebit seed 5 had started"  # fmt: skip
+    markdown = (tmp_path / "r" / "report.md").read_text()
+    assert f"pre-registered {stamp} (**after**" in markdown
+    assert "| onebit | pass |" in markdown.replace("**", "")  # Welch's secondary line
+    early = write_report([*lamb, *onebit], tmp_path / "r2", target, test="paired",
+                         preregistered="2026-09-01T00:00:00Z")["gate"]  # fmt: skip
+    assert early["preregistered_before"] == "before any of the other arms' 5 runs started"
+    # a candidate whose seed-3 run used another batch is not its twin: no verdict
+    config = tmp_path / "onebit3" / "config.yaml"
+    config.write_text(config.read_text().replace("global_batch_size: 100", "global_batch_size: 99"))
+    mismatched = write_report([*lamb, *onebit], tmp_path / "r3", target, test="paired",
+                              preregistered=stamp)["gate"]["gates"]["onebit"]  # fmt: skip
+    assert mismatched["verdict"] == "no verdict"
+    assert "seed 3 differs in batch" in mismatched["reason"]
+    # a seed in one arm only
+    missing = write_report([*lamb, *onebit[:4]], tmp_path / "r4", target, test="paired",
+                           preregistered=stamp)["gate"]["gates"]["onebit"]  # fmt: skip
+    assert "not seed-matched" in missing["reason"] and "[1, 2, 3, 4, 5]" in missing["reason"]
+
+
+def test_the_authors_regime_scales_their_recipe_onto_the_stretched_regime(tmp_path):
+    exp = load_experiment(ROOT / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}"])
+    arms = {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
+    stretched = load_experiment(
+        ROOT / "configs/experiments/parity_long.yaml", [f"workdir={tmp_path / 'long'}"]
+    )
+    long = {s.name: s.stage_config() for s in stretched.resolve(write=False)}
+    reference = long["pretrain/lamb-seed1/phase1"]
+    # DeepSpeedExamples bing_bert, 1-bit LAMB at 64K: 7,500 steps, EE, warmup 450,
+    # x0.90 every 250, freeze 1,000, beta2 0.999
+    for cfg in arms.values():
+        steps = cfg.schedule.max_steps
+        assert (cfg.model, cfg.batch, cfg.optimizer.lr, steps) == (
+            reference.model, reference.batch, reference.optimizer.lr, 6000
+        )  # fmt: skip
+        assert cfg.schedule.name == "ee" and cfg.schedule.decay_rate == 0.9
+        assert cfg.schedule.warmup_proportion == pytest.approx(450 / 7500)
+        assert cfg.schedule.decay_step / steps == pytest.approx(250 / 7500)
+        assert cfg.optimizer.freeze_step / steps == pytest.approx(1000 / 7500, abs=1e-3)
+        assert cfg.optimizer.freeze_step > cfg.schedule.warmup_proportion * steps
+        assert 1 / (1 - cfg.optimizer.betas[1]) == pytest.approx(cfg.optimizer.freeze_step)
+        fill = 1 - cfg.optimizer.betas[1] ** cfg.optimizer.freeze_step
+        assert fill == pytest.approx(1 - 0.999**1000, abs=1e-3)
+        assert (cfg.optimizer.coeff_beta, cfg.optimizer.factor_min, cfg.optimizer.factor_max,
+                cfg.optimizer.factor_threshold, cfg.optimizer.max_coeff,
+                cfg.optimizer.min_coeff) == (0.9, 0.5, 4.0, 0.1, 0.3, 0.01)  # fmt: skip
+        assert cfg.optimizer.bias_correction is False
+    # the lr at the freeze: 0.79 of the peak, as in the authors' run
+    from pretrain.schedule import lr_multiplier
+
+    cfg = arms["pretrain/onebit_lamb-seed1/phase1"]
+    assert lr_multiplier(cfg.schedule, cfg.optimizer.freeze_step) == pytest.approx(
+        0.9 ** ((1000 - 450) / 250), abs=0.01
+    )
+    assert exp.cfg.report.test == "paired" and exp.cfg.report.preregistered
+    assert exp.cfg.report.min_seeds == len(exp.cfg.seeds) == 5
+    report_stage = exp.stage("report")
+    assert report_stage.args[report_stage.args.index("--test") + 1] == "paired"
+    assert "--preregistered" in report_stage.args
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("report.preregistered=null", "needs report.preregistered"),
+        ("report.preregistered=yesterday", "UTC"),
+        ("report.preregistered=2026-11-28", "string"),
+    ],
+)
+def test_a_paired_gate_must_say_when_it_was_fixed(tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        load_experiment(
+            ROOT / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}", override]
+        )
