@@ -75,6 +75,13 @@ class OptimizerConfig:
     """1-bit LAMB: lower bound of the compression-stage factor."""
     factor_threshold: float = defaults.FACTOR_THRESHOLD
     """1-bit LAMB: largest relative change of the factor between steps."""
+    coeff_refresh: int = 0
+    """1-bit LAMB, beyond the paper (0: never, the authors' algorithm): refresh the frozen
+    trust ratio from an exact momentum all-reduce this many steps after the freeze, then at
+    intervals that double up to coeff_refresh_max, so that c·f follows LAMB's trust ratio
+    (:func:`onebit_bert.optim.onebit_lamb.refresh_due`)."""
+    coeff_refresh_max: int = 512
+    """1-bit LAMB with coeff_refresh: the longest interval between two refreshes."""
     var_freeze_step: int = defaults.VAR_FREEZE_STEP
     """0/1 Adam: last step that may update the variance; local steps follow (DeepSpeed:
     usually the end of the learning-rate warm-up)."""
@@ -215,6 +222,8 @@ def _onebit_lamb(b: OptimizerBuild):
         factor_max=cfg.factor_max,
         factor_min=cfg.factor_min,
         factor_threshold=cfg.factor_threshold,
+        coeff_refresh=cfg.coeff_refresh,
+        coeff_refresh_max=cfg.coeff_refresh_max,
     )
 
 

@@ -12,6 +12,16 @@ factor ``f`` tracks how far the fresh second moment has drifted from the frozen 
 
 Hyperparameter names match DeepSpeed's ``OneBitLamb`` so its JSON config maps one to one
 (:meth:`OneBitLamb.from_deepspeed_config`).
+
+**Refreshed coefficients** (``coeff_refresh > 0``, beyond the paper; off by default). The
+frozen ``c`` keeps the warmup's trust ratio, while LAMB's own ratio ``‖w‖ / ‖u‖`` keeps
+moving after the freeze (it grows when ‖m/√v‖ shrinks); a 1-bit LAMB step is then smaller
+than LAMB's. At the steps :func:`refresh_due` names (the first ``coeff_refresh`` steps after
+the freeze, then at intervals that double up to ``coeff_refresh_max``) the momentum is
+averaged exactly (an fp32 all-reduce instead of the 1-bit one) and every layer's ``c`` is
+reset so that ``c·f`` equals LAMB's clipped trust ratio of that exact momentum against the
+frozen second moment: that step has LAMB's step norm, and ``f`` carries on from it. With
+16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times.
 """
 
 from __future__ import annotations
@@ -31,9 +41,23 @@ from onebit_bert.optim.lamb import (
     check_params_and_grads,
     check_state_shapes,
     lamb_group_update,
+    trust_ratios,
 )
 
 NAME = "1-bit LAMB"
+
+
+def refresh_due(since_freeze: int, first: int, longest: int) -> bool:
+    """Whether compression step ``since_freeze`` (1 = the first after the freeze) refreshes
+    the coefficients: steps ``first``, then every interval after the last, each twice the
+    one before (from ``first``) up to ``longest``; never when ``first`` is 0."""
+    if first <= 0 or since_freeze < first:
+        return False
+    point, interval = first, first
+    while point < since_freeze:
+        interval = min(2 * interval, longest)
+        point += interval
+    return point == since_freeze
 
 
 def _foreach_max(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -90,8 +114,16 @@ class OneBitLamb(WarmupThenCompress):
         bucket_numel: int | None = None,
         auto_freeze: AutoFreezeConfig | None = None,
         total_steps: int | None = None,
+        coeff_refresh: int = 0,
+        coeff_refresh_max: int = 512,
     ):
         check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        if coeff_refresh < 0 or (coeff_refresh > 0 and coeff_refresh_max < coeff_refresh):
+            raise ValueError(
+                f"coeff_refresh must be >= 0 (0: never) and coeff_refresh_max >= it, got "
+                f"coeff_refresh={coeff_refresh}, coeff_refresh_max={coeff_refresh_max}"
+            )
+        self.coeff_refresh, self.coeff_refresh_max = coeff_refresh, coeff_refresh_max
         self._check_freeze_step(freeze_step)
         if not 0.0 <= coeff_beta < 1.0:
             raise ValueError(f"coeff_beta must be in [0, 1), got {coeff_beta}")
@@ -119,6 +151,7 @@ class OneBitLamb(WarmupThenCompress):
         self._scratch: torch.Tensor | None = None
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
+        self.last_refreshed = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -218,6 +251,7 @@ class OneBitLamb(WarmupThenCompress):
             return
         flat = self._fused(members, "exp_avg")
         previous = self._scratch
+        refresh = self._refresh_due(self._step)
         overlapped = self._take_overlapped()
         if overlapped is not None:  # folded and all-reduced during the backward pass
             overlapped.finish()
@@ -226,21 +260,46 @@ class OneBitLamb(WarmupThenCompress):
             for group, params in layout:
                 if params:
                     self._fold_for_compression(group, params)
-            self._compressed_all_reduce(flat, "momentum")
+            if refresh:
+                self._exact_all_reduce(flat, "momentum")
+            else:
+                self._compressed_all_reduce(flat, "momentum")
 
         ratios, factors, offset = [], [], 0
         for group, params in layout:
             if not params:
                 continue
-            factor, trust = self._compressed_update(group, params, previous, offset)
+            factor, trust = self._compressed_update(group, params, previous, offset, refresh)
             factors.append(factor)
             ratios.append(trust)
             offset += sum(p.numel() for p in params)
         self.last_factors = torch.cat(factors)
         self.last_trust_ratios = torch.cat(ratios)
 
+        self.last_refreshed = refresh
+
+    def _refresh_due(self, step: int) -> bool:
+        """Whether compression step ``step`` refreshes the coefficients."""
+        if self.freeze_step is None:
+            return False
+        return refresh_due(step - self.freeze_step, self.coeff_refresh, self.coeff_refresh_max)
+
+    def _exact_all_reduce(self, flat: torch.Tensor, kind: str) -> None:
+        """Average ``flat`` over ranks exactly (fp32), filed as traffic ``kind``; the
+        compression errors wait for the next compressed step."""
+        before = self.comm.snapshot()
+        with self.comm.traffic(kind):
+            self.comm.all_reduce(flat[: self._flat_numel], op="avg")
+        self.last_compression_error = None
+        self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
+        self.bytes_sent += self.last_step_bytes
+
     def _next_step_overlaps(self) -> bool:
-        return self.syncs_internally and self._codec_overlaps()
+        return (
+            self.syncs_internally
+            and self._codec_overlaps()
+            and not self._refresh_due(self._step + 1)
+        )
 
     def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
         for p in members:
@@ -270,7 +329,7 @@ class OneBitLamb(WarmupThenCompress):
         torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
         torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
 
-    def _compressed_update(self, group, params, previous, offset):
+    def _compressed_update(self, group, params, previous, offset, refresh=False):
         beta1, beta2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         states = [self.state[p] for p in params]
@@ -312,6 +371,11 @@ class OneBitLamb(WarmupThenCompress):
             torch.maximum(factor, last * (1.0 - threshold)), last * (1.0 + threshold)
         )
         torch._foreach_copy_([st["last_factor"] for st in states], list(factor.unbind(0)))
+        if refresh:  # c·f becomes LAMB's trust ratio of the exact momentum
+            ratio = trust_ratios(params, update, group["min_coeff"], group["max_coeff"])
+            torch._foreach_copy_(
+                [st["lamb_coeff"] for st in states], list((ratio / factor).unbind(0))
+            )
         trust = torch.stack([st["lamb_coeff"] for st in states]) * factor
         torch._foreach_mul_(update, list((trust * -lr).unbind(0)))
         torch._foreach_add_(params, update)

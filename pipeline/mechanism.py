@@ -1,0 +1,294 @@
+"""What happens to the step after the freeze: per-layer trust ratios, ‖m/√v‖ and the
+gradient noise scale, read from a run's checkpoints.
+
+For every kept checkpoint (``<run>/checkpoints/step_*``) of a LAMB or 1-bit LAMB run this
+reads the weights and the optimizer state and, per parameter tensor ("layer"), gives
+
+* ``w``: ‖w‖;
+* ``mv``: ‖m / (√v + eps)‖, the update direction's size before the trust ratio (for 1-bit
+  LAMB after the freeze, ``v`` is the frozen second moment its steps divide by);
+* ``lamb_ratio``: LAMB's trust ratio for that state, ``clamp(‖w‖ / ‖m/(√v+eps) + wd·w‖,
+  min_coeff, max_coeff)`` (1 where a norm is 0): what LAMB applies, and what 1-bit LAMB
+  would apply if it still computed it;
+* 1-bit LAMB: ``c`` (the frozen coefficient), ``f`` (the factor) and ``cf = c·f``, what it
+  applies after the freeze;
+* ``step``: the applied ratio times ‖u‖ / ‖w‖, the step's size relative to lr·‖w‖.
+
+The **gradient noise scale** ``B_simple = tr(Σ) / ‖G‖²`` (McCandlish et al., 2018, appendix
+A) is estimated at chosen checkpoints from ``micro_batches`` gradients of ``micro_batch``
+sequences each (the next batches of the run's own data order): with ``|g_s|²`` the mean
+squared norm of the small-batch gradients and ``|g_b|²`` the squared norm of their mean (a
+batch of ``B_b = micro_batches · micro_batch``), ``‖G‖² ≈ (B_b|g_b|² - B_s|g_s|²) / (B_b -
+B_s)`` and ``tr(Σ) ≈ (|g_s|² - |g_b|²) / (1/B_s - 1/B_b)``. When the global batch is small
+against ``B_simple``, gradient noise dominates the momentum and ‖m/√v‖ shrinks.
+
+``python -m pipeline.mechanism --run NAME=RUN_DIR ... --noise-at 500,1000,3000 --out DIR``
+writes ``mechanism.json`` and the figures into ``DIR``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from onebit_bert.checkpoint import load_file
+from onebit_bert.io import atomic_write_json
+from onebit_bert.optim.build import weight_decay_groups
+from onebit_bert.shards import PretrainingShards
+from pretrain.config import PretrainConfig
+from pretrain.data import BatchSchedule, make_batch
+from pretrain.model import PretrainingLoss, build_model
+from pretrain.outputs import config_path
+from pretrain.train import token_ids
+
+SHARED = "shared.pt"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every finished checkpoint of a run, ascending."""
+    out = []
+    for path in sorted((run_dir / "checkpoints").glob("step_*")):
+        if (path / "complete.json").is_file() and (path / SHARED).is_file():
+            out.append((int(path.name.split("_")[1]), path))
+    return out
+
+
+def _config(run_dir: Path) -> PretrainConfig:
+    from onebit_bert.config import from_dict
+
+    return from_dict(PretrainConfig, yaml.safe_load(config_path(run_dir).read_text()))
+
+
+def _named_in_optimizer_order(model, weight_decay: float) -> list[tuple[str, float]]:
+    """(parameter name, its weight decay) in the order the optimizer indexes them."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [
+        (names[id(p)], group["weight_decay"])
+        for group in weight_decay_groups(model.named_parameters(), weight_decay)
+        for p in group["params"]
+    ]
+
+
+def layer_statistics(state: dict, config: PretrainConfig, names: list[tuple[str, float]]) -> dict:
+    """Per-layer figures of one checkpoint's optimizer and weights (see the module
+    docstring); names are the model's parameter names."""
+    opt = state["optimizer"]
+    group = opt["param_groups"][0]
+    eps, lo, hi = group["eps"], group["min_coeff"], group["max_coeff"]
+    weights = state["model"]
+    rows = {}
+    for index, (name, wd) in enumerate(names):
+        st = opt["state"].get(index)
+        if not st or "exp_avg" not in st:
+            continue
+        w = weights[name.removeprefix("model.")].float()
+        if w.shape != st["exp_avg"].shape:
+            raise ValueError(
+                f"optimizer entry {index} has shape {tuple(st['exp_avg'].shape)} but "
+                f"parameter {name} {tuple(w.shape)}: the checkpoint was not written by this "
+                f"model and its weight-decay grouping"
+            )
+        direction = st["exp_avg"].float() / (st["exp_avg_sq"].float().sqrt() + eps)
+        update = direction + wd * w if wd else direction
+        w_norm, u_norm = float(w.norm()), float(update.norm())
+        ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, lo), hi)
+        row = {"w": w_norm, "mv": float(direction.norm()), "u": u_norm, "lamb_ratio": ratio}
+        applied = ratio
+        if "last_factor" in st:  # 1-bit LAMB after the freeze
+            c, f = float(st["lamb_coeff"]), float(st["last_factor"])
+            row |= {"c": c, "f": f, "cf": c * f}
+            applied = c * f
+        row["step"] = applied * u_norm / w_norm if w_norm else 0.0
+        rows[name] = row
+    return rows
+
+
+def _summary(rows: dict) -> dict:
+    """Means over layers of each per-layer figure."""
+    keys = {k for row in rows.values() for k in row}
+    return {k: float(np.mean([r[k] for r in rows.values() if k in r])) for k in sorted(keys)}
+
+
+def noise_scale(
+    run_dir: Path, step: int, checkpoint: Path, micro_batches: int = 32, micro_batch: int = 32
+) -> dict:
+    """``B_simple`` at a checkpoint (module docstring), from the run's next batches."""
+    cfg = _config(run_dir)
+    shards = PretrainingShards(cfg.data.path, "train")
+    ids = token_ids(shards)
+    model = build_model(cfg.model, ids.vocab_size, ids.pad)
+    model.load_state_dict(load_file(checkpoint / SHARED)["model"])
+    model.train()
+    loss_module = PretrainingLoss(model)
+    schedule = BatchSchedule(len(shards), micro_batch * micro_batches, micro_batch, 1, 1, cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = []
+    for k, rows in enumerate(np.array_split(schedule.global_indices(step), micro_batches)):
+        batch = make_batch(shards, rows, ids, cfg.data, seed=cfg.seed, step=step, micro=k)
+        tensors = {key: torch.from_numpy(np.asarray(v)) for key, v in batch.items()}
+        model.zero_grad(set_to_none=True)
+        loss, _ = loss_module(**tensors)
+        loss.backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]))
+    return {"step": step, **estimate_noise_scale(torch.stack(grads), micro_batch)}
+
+
+def estimate_noise_scale(grads: torch.Tensor, micro_batch: int) -> dict:
+    """``B_simple`` from ``grads`` (one flattened gradient per row, each the mean over
+    ``micro_batch`` examples): the unbiased estimators of the module docstring."""
+    if grads.dim() != 2 or grads.shape[0] < 2:
+        raise ValueError("estimate_noise_scale needs a [micro-batches >= 2, parameters] tensor")
+    stacked = grads.double()
+    small = float((stacked**2).sum(1).mean())
+    big = float((stacked.mean(0) ** 2).sum())
+    b_s, b_b = micro_batch, micro_batch * grads.shape[0]
+    g2 = (b_b * big - b_s * small) / (b_b - b_s)
+    trace = (small - big) / (1 / b_s - 1 / b_b)
+    return {
+        "small_batch": b_s,
+        "big_batch": b_b,
+        "grad_norm_sq": g2,
+        "trace_sigma": trace,
+        "b_simple": trace / g2 if g2 > 0 else math.inf,
+    }
+
+
+def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: int) -> dict:
+    """Every checkpoint's per-layer figures and their means, and the noise scale at the
+    checkpoints nearest to ``noise_at``."""
+    cfg = _config(run_dir)
+    shards = PretrainingShards(cfg.data.path, "train")
+    ids = token_ids(shards)
+    model = PretrainingLoss(build_model(cfg.model, ids.vocab_size, ids.pad))
+    names = _named_in_optimizer_order(model, cfg.optimizer.weight_decay)
+    points = checkpoint_dirs(run_dir)
+    if not points:
+        raise FileNotFoundError(f"run {name!r}: no finished checkpoints under {run_dir}")
+    layers, means = {}, {}
+    for step, path in points:
+        rows = layer_statistics(load_file(path / SHARED), cfg, names)
+        layers[step], means[step] = rows, _summary(rows)
+    noise = []
+    for wanted in noise_at:
+        step, path = min(points, key=lambda p: abs(p[0] - wanted))
+        noise.append(noise_scale(run_dir, step, path, micro_batches, cfg.batch.micro_batch_size))
+    return {
+        "name": name,
+        "run_dir": str(run_dir),
+        "optimizer": cfg.optimizer.name,
+        "freeze_step": cfg.optimizer.freeze_step if "onebit" in cfg.optimizer.name else None,
+        "global_batch_size": cfg.batch.global_batch_size,
+        "max_steps": cfg.schedule.max_steps,
+        "means": means,
+        "layers": layers,
+        "noise": noise,
+    }
+
+
+def plot(runs: list[dict], out: Path) -> list[str]:
+    """trust.png (applied ratio and ‖m/√v‖ over samples, mean over layers) and noise.png
+    (B_simple beside the global batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for run in runs:
+        batch = run["global_batch_size"]
+        steps = sorted(int(s) for s in run["means"])
+        x = [s * batch for s in steps]
+        means = [run["means"][s] for s in steps]
+        onebit = run["freeze_step"] is not None
+        applied = [m["cf"] if onebit and "cf" in m else m["lamb_ratio"] for m in means]
+        label = f"{run['name']} (batch {batch})"
+        axes[0].plot(x, applied, label=label + (": c·f" if onebit else ": r"))
+        if onebit:
+            axes[0].plot(x, [m["lamb_ratio"] for m in means], ls=":", label=label + ": LAMB's r")
+        axes[1].plot(x, [m["mv"] for m in means], label=label)
+        axes[2].plot(x, [m["step"] for m in means], label=label)
+    for ax, title in zip(
+        axes,
+        (
+            "applied trust ratio (mean over layers)",
+            "‖m/√v‖ (mean over layers)",
+            "step / (lr·‖w‖) (mean over layers)",
+        ),  # fmt: skip
+        strict=True,
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("samples")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "trust.png", dpi=110)
+    plt.close(fig)
+    written.append("trust.png")
+    if any(run["noise"] for run in runs):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for run in runs:
+            if run["noise"]:
+                xs = [n["step"] * run["global_batch_size"] for n in run["noise"]]
+                ax.plot(xs, [n["b_simple"] for n in run["noise"]], "o-", label=run["name"])
+        for batch in sorted({run["global_batch_size"] for run in runs}):
+            ax.axhline(batch, ls="--", color="grey", lw=0.8)
+            ax.text(0, batch, f" batch {batch}", va="bottom", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("samples")
+        ax.set_ylabel("B_simple (sequences)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "noise.png", dpi=110)
+        plt.close(fig)
+        written.append("noise.png")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.mechanism --run NAME=RUN_DIR ... --out DIR``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.mechanism",
+        description="Per-layer trust ratios, ‖m/√v‖ and the gradient noise scale from the "
+        "checkpoints of LAMB and 1-bit LAMB runs.",
+    )
+    parser.add_argument("--run", action="append", required=True, help="NAME=RUN_DIR")
+    parser.add_argument(
+        "--noise-at", default="", help="steps (comma-separated) to estimate B_simple at"
+    )
+    parser.add_argument("--micro-batches", type=int, default=32)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        noise_at = [int(s) for s in args.noise_at.split(",") if s.strip()]
+        runs = []
+        for spec in args.run:
+            name, _, directory = spec.partition("=")
+            if not name or not directory:
+                raise ValueError(f"--run {spec!r} is not of the form NAME=RUN_DIR")
+            runs.append(analyse_run(name, Path(directory), noise_at, args.micro_batches))
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = plot(runs, out)
+    atomic_write_json(out / "mechanism.json", {"runs": runs, "figures": figures})
+    for run in runs:
+        last = run["means"][max(run["means"])]
+        print(f"{run['name']}: last checkpoint {max(run['means'])}: {last}")
+        for n in run["noise"]:
+            print(f"  B_simple at step {n['step']}: {n['b_simple']:.1f}")
+    print(f"mechanism: {out}/mechanism.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
