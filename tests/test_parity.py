@@ -419,3 +419,24 @@ def test_a_paired_gate_must_say_when_it_was_fixed(tmp_path, override, message):
         load_experiment(
             ROOT / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}", override]
         )
+
+
+def test_the_larger_batch_pair_keeps_the_authors_shares_and_the_samples(tmp_path):
+    def pretrain_configs(name: str) -> dict:
+        exp = load_experiment(ROOT / "configs/experiments" / name, [f"workdir={tmp_path}"])
+        return {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
+
+    base = pretrain_configs("parity_authors.yaml")["pretrain/lamb-seed1/phase1"]
+    arms = pretrain_configs("parity_mechanism.yaml")
+    for name in ("lamb_b512", "onebit_lamb_b512"):
+        big = arms[f"pretrain/{name}-seed1/phase1"]
+        ratio = big.batch.global_batch_size // base.batch.global_batch_size
+        assert ratio == 4
+        assert big.schedule.max_steps * ratio == base.schedule.max_steps  # same samples
+        assert big.optimizer.lr == pytest.approx(base.optimizer.lr * ratio**0.5)
+        for field in ("name", "warmup_proportion", "decay_rate"):
+            assert getattr(big.schedule, field) == getattr(base.schedule, field)
+        assert big.schedule.decay_step * ratio == base.schedule.decay_step
+        assert big.optimizer.freeze_step * ratio == base.optimizer.freeze_step
+        assert 1 / (1 - big.optimizer.betas[1]) == pytest.approx(big.optimizer.freeze_step)
+        assert big.model == base.model and big.data.path == base.data.path
