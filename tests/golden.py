@@ -13,7 +13,13 @@ CPU kernels round differently by instruction set: on an AVX-512 machine ATen's v
 kernels and MKL's sgemm take other code paths than on an AVX2 one, and the first forward
 pass already differs in its last bits. The ranks therefore run with the instruction set
 pinned (:data:`PINNED_ISA`: ATen's dispatch, MKL's conditional numerical reproducibility
-branch, oneDNN's ISA cap), which gives the same bits on every x86-64 machine with AVX2.
+branch, oneDNN's ISA cap). That gives the same bits on the AVX2 and AVX-512 machines the
+trajectories were first checked on, but not on every x86-64 machine: on one with AVX-512
+FP16 and AMX (a Xeon of the Sapphire Rapids generation) the first forward pass of the same
+code, pinned, differs in one fp32 ulp. A machine kind whose bits differ therefore gets its
+own recording, made from the same commit as the first (``829e777``) and named by its
+instruction-set flags (:func:`cpu_kind`): ``trajectories-<kind>.json``, which the test
+prefers when it exists (:func:`golden_path`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,28 @@ from pathlib import Path
 import torch
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "trajectories.json"
+KIND_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
+"""The instruction-set flags that name a machine kind for the recordings."""
+
+
+def cpu_kind(cpuinfo: str | None = None) -> str:
+    """This CPU's :data:`KIND_FLAGS`, joined by "+" ("unknown" without /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "unknown"
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return "+".join(f for f in KIND_FLAGS if f in flags) or "unknown"
+
+
+def golden_path(kind: str | None = None) -> Path:
+    """The recording for this machine kind when one exists, else the first recording."""
+    own = GOLDEN.with_name(f"trajectories-{kind or cpu_kind()}.json")
+    return own if own.is_file() else GOLDEN
+
+
 STEPS = 8
 
 # Read by each rank's fresh interpreter when it starts (the ranks are spawned).
@@ -138,6 +166,11 @@ def record(name: str, corpus: Path, workdir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"record into {GOLDEN}")
+    parser.add_argument(
+        "--own-kind",
+        action="store_true",
+        help="with --write: record into this machine kind's own file (trajectories-KIND.json)",
+    )
     args = parser.parse_args()
     from tests.corpus import prepare_corpus
 
@@ -148,9 +181,10 @@ def main() -> None:
             out["runs"][name] = record(name, corpus, Path(tmp) / "runs")
             print(name, out["runs"][name]["loss"][-1], flush=True)
     if args.write:
-        GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {GOLDEN}")
+        path = GOLDEN.with_name(f"trajectories-{cpu_kind()}.json") if args.own_kind else GOLDEN
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}")
     else:
         print(json.dumps(out, indent=1))
 

@@ -8,12 +8,20 @@ import json
 
 import pytest
 
-from tests.golden import GOLDEN, RUNS, data_digest, isa_supported, record
+from tests.golden import RUNS, cpu_kind, data_digest, golden_path, isa_supported, record
 
 
 @pytest.fixture(scope="module")
 def golden():
-    return json.loads(GOLDEN.read_text())
+    return json.loads(golden_path().read_text())
+
+
+def test_machine_kinds_are_named_by_their_instruction_sets():
+    spr = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512_fp16 amx_tile amx_bf16\n"
+    assert cpu_kind(spr) == "avx2+fma+avx512f+avx512_bf16+avx512_fp16+amx_tile"
+    assert cpu_kind("flags\t: fpu sse2 avx avx2 fma\n") == "avx2+fma"
+    assert cpu_kind("processor : 0\n") == "unknown"
+    assert golden_path("no-such-kind").name == "trajectories.json"
 
 
 def test_golden_data_is_the_recorded_data(golden, tiny_corpus):
