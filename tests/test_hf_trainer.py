@@ -16,7 +16,7 @@ import torch
 from onebit_bert.hf_trainer import PER_RANK_FILE, unwrap_optimizer
 from onebit_bert.optim import Lamb, OneBitLamb
 from tests.distributed_harness import run_ranks
-from tests.test_ddp_recipe import HYPER, _launch_environment, batch, tiny_bert
+from tests.helpers.tiny_bert import HYPER, batch, launch_environment, tiny_bert
 
 STEPS, SAVE_AT = 6, 4  # 1-bit LAMB's warmup ends at step 3: the checkpoint is compressing
 
@@ -112,7 +112,7 @@ def save_and_resume(comm, out_dir, optimizer):
     """Train ``STEPS`` steps saving at ``SAVE_AT``, then a fresh trainer resumes from that
     checkpoint and finishes; what was saved, what was restored and the resume's warnings."""
     torch.set_num_threads(1)
-    _launch_environment(comm)
+    launch_environment(comm)
     saved: dict = {}
     _trainer(comm, out_dir, optimizer, saved).train()
     comm.barrier()
