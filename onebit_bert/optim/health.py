@@ -91,7 +91,8 @@ class HealthCheck:
         name = getattr(self.optimizer, "NAME", type(self.optimizer).__name__)
         if cfg.check_finite and not self._reported_nonfinite:
             params = self._params()
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)))
+            norms = [n.to(params[0].device) for n in torch._foreach_norm(params)]
+            norm = torch.linalg.vector_norm(torch.stack(norms))
             if not torch.isfinite(norm).item():
                 self._reported_nonfinite = True  # they stay non-finite: report once
                 self._problem(
