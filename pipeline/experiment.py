@@ -20,8 +20,8 @@ from typing import Any, Literal
 from data_prep import outputs as data_outputs
 from finetune import outputs as finetune_outputs
 from onebit_bert.config import load_config, save_config
-from pipeline.gate import parse_utc
 from onebit_bert.recipes import get_recipe
+from pipeline.gate import parse_utc
 from pretrain import outputs as pretrain_outputs
 
 TARGET_FILE = "target.json"
@@ -168,7 +168,7 @@ class ReportSpec:
         if self.test == "paired" and self.preregistered is None:
             raise ValueError(
                 "report.test: paired needs report.preregistered, the UTC time the test, "
-                "margin, alpha and seeds were fixed (e.g. \"2026-11-28T21:41:00Z\"), "
+                'margin, alpha and seeds were fixed (e.g. "2026-11-28T21:41:00Z"), '
                 "written before any candidate arm runs"
             )
         if self.preregistered is not None:
