@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from onebit_bert.metrics_log import LoggingConfig
+
 GLUE_TASKS = ("cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli")
 ALL_TASKS = (*GLUE_TASKS, "squad")
 
@@ -91,6 +93,16 @@ class FinetuneConfig:
     text, the format of SQuAD's evaluation script)."""
     n_best_size: int = 20
     max_answer_length: int = 30
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Per-step metrics and progress lines of every (task, lr, epochs, seed) run, as
+    pretraining logs them: ``metrics.jsonl`` and, with ``logging.tensorboard``, TensorBoard
+    under ``<output>/<task>/logs/lr<lr>_ep<epochs>_seed<seed>/``, and one wandb run each
+    (offline unless WANDB_API_KEY or WANDB_MODE is set), in group ``logging.experiment``
+    (the pipeline sets its experiment's name, which groups it with its pretraining runs),
+    named ``<logging.run_name or the output folder's name>-<task>-lr<lr>-ep<epochs>-seed<seed>``,
+    job type ``logging.job_type`` (default ``finetune``). ``logging.every`` and
+    ``logging.progress_every`` count optimizer steps; ``logging.net_interface`` is unused
+    here."""
 
     def __post_init__(self):
         if not self.tasks:

@@ -9,6 +9,8 @@
                                         a rerun skips the ones present
         <task>/locks/lr<LR>_ep<E>_seed<S>/run.lock   held while that run trains (one
                                         launch per run; removed when it ends)
+        <task>/logs/lr<LR>_ep<E>_seed<S>/    that run's metrics.jsonl, wandb folder and
+                                        TensorBoard events (the ``logging`` section)
 
 ``results.json`` is rewritten at the end of every run of the stage with the tasks and seeds
 of that run (a SLURM array task writes one task and seed; the aggregating run writes all).
@@ -47,7 +49,7 @@ def run_path(output: str | Path, task: str, lr: float, epochs: float, seed: int)
 
 
 def artifact_dir(output: str | Path, task: str, lr: float, epochs: float, seed: int, kind: str):
-    """Where one run's ``kind`` (``models`` or ``predictions``) goes:
+    """Where one run's ``kind`` (``models``, ``predictions`` or ``logs``) goes:
     ``<output>/<task>/<kind>/lr<lr>_ep<epochs>_seed<seed>/``."""
     return Path(output) / task / kind / f"lr{lr:g}_ep{epochs:g}_seed{seed}"
 

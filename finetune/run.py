@@ -8,6 +8,7 @@ each, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -32,8 +33,9 @@ from finetune.outputs import (
     write_task_results,
 )
 from finetune.trainer import fit, predict, seed_everything
-from onebit_bert.config import save_config
+from onebit_bert.config import save_config, to_dict
 from onebit_bert.io import atomic_write_json, atomic_write_text
+from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.precision import resolve_precision
 from onebit_bert.run_lock import RunLock
 
@@ -368,29 +370,36 @@ def _train_one(cfg: FinetuneConfig, runner, tokenizer, device, precision: str, o
     seed_everything(seed)
     model = runner.build_model(cfg.checkpoint, cfg.init == "random").to(device)
     start = time.perf_counter()
-    losses = fit(
-        model,
-        features,
-        lr=lr,
-        epochs=epochs,
-        batch_size=batch_size,
-        seed=seed,
-        device=device,
-        precision=precision,
-        weight_decay=cfg.weight_decay,
-        warmup_proportion=cfg.warmup_proportion,
-        max_grad_norm=cfg.max_grad_norm,
-        on_step=lock.heartbeat,  # raises, and stops the training, if taken over
-    )
     where = partial(artifact_dir, out, runner.name, lr, epochs, seed)
-    metrics = runner.evaluate(
-        model,
-        tokenizer,
-        device,
-        precision,
-        batch_size,
-        predictions=where("predictions") if cfg.predictions else None,
-    )
+    logger = run_logger(cfg, out, runner.name, lr, epochs, seed)
+    try:
+        losses = fit(
+            model,
+            features,
+            lr=lr,
+            epochs=epochs,
+            batch_size=batch_size,
+            seed=seed,
+            device=device,
+            precision=precision,
+            weight_decay=cfg.weight_decay,
+            warmup_proportion=cfg.warmup_proportion,
+            max_grad_norm=cfg.max_grad_norm,
+            on_step=lock.heartbeat,  # raises, and stops the training, if taken over
+            logger=logger,
+            label=f"{runner.name} lr={lr:g} epochs={epochs:g} seed={seed}: ",
+        )
+        metrics = runner.evaluate(
+            model,
+            tokenizer,
+            device,
+            precision,
+            batch_size,
+            predictions=where("predictions") if cfg.predictions else None,
+        )
+        logger.log(len(losses), {f"eval_{k}": v for k, v in metrics.items()})
+    finally:
+        logger.close()
     if cfg.save_model:
         save_model(model, tokenizer, where("models"))
     lock.heartbeat()  # raises if another launch took the run over meanwhile
@@ -410,6 +419,23 @@ def _train_one(cfg: FinetuneConfig, runner, tokenizer, device, precision: str, o
         },
     )
     log.info("%s lr=%g epochs=%g seed=%d: %s", runner.name, lr, epochs, seed, metrics)
+
+
+def run_logger(
+    cfg: FinetuneConfig, out: Path, task: str, lr: float, epochs: float, seed: int
+) -> MetricsLogger:
+    """The metrics logger of one (task, lr, epochs, seed) run: its own folder
+    (``<task>/logs/lr<lr>_ep<epochs>_seed<seed>``) and wandb run, in the group of
+    ``cfg.logging.experiment`` (the ``logging`` field of :class:`FinetuneConfig`)."""
+    base = cfg.logging.run_name or out.resolve().name
+    logging_cfg = dataclasses.replace(
+        cfg.logging,
+        run_name=f"{base}-{task}-lr{lr:g}-ep{epochs:g}-seed{seed}",
+        job_type=cfg.logging.job_type or "finetune",
+    )
+    config = {**to_dict(cfg), "task": task, "lr": lr, "epochs": epochs, "seed": seed}
+    directory = artifact_dir(out, task, lr, epochs, seed, "logs")
+    return MetricsLogger(directory, True, logging_cfg, config=config)
 
 
 def summarize(runner, cfg: FinetuneConfig, out: Path) -> dict:

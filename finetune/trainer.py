@@ -1,17 +1,23 @@
 """Fine-tuning as HF users run it: HF ``Trainer`` with AdamW, linear warmup and decay,
 clipping and mixed precision on GPUs (bf16, or fp16 with torch's dynamic loss scale, which
-skips steps whose gradients overflow); and batched prediction."""
+skips steps whose gradients overflow); and batched prediction. What ``Trainer`` logs
+(loss, learning rate, gradient norm) goes to a
+:class:`~onebit_bert.metrics_log.MetricsLogger`, with a progress line now and then, as in
+pretraining."""
 
 from __future__ import annotations
 
 import math
 import random
 import tempfile
+import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import numpy as np
 import torch
 
+from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.precision import autocast
 
 
@@ -55,6 +61,8 @@ def fit(
     warmup_proportion: float = 0.1,
     max_grad_norm: float = 1.0,
     on_step: Callable[[], object] | None = None,
+    logger: MetricsLogger | None = None,
+    label: str = "",
 ) -> list[float]:
     """Train ``model`` (its forward returns ``loss`` given the features' label keys) with
     HF ``Trainer``; returns the loss of every step, unfiltered (a NaN stays a NaN).
@@ -63,9 +71,12 @@ def fit(
     reshuffling at each epoch. The warmup is ``int(warmup_proportion * steps)`` steps.
     ``on_step`` is called after every step (the run lock's heartbeat; what it raises
     stops the training).
+    ``logger``: every ``logger.cfg.every`` steps, what ``Trainer`` logs (``loss``, ``lr``,
+    ``grad_norm``, ``epoch``; the loss averaged over those steps), and every
+    ``logger.cfg.progress_every`` steps a progress line that starts with ``label``.
     fp16 and bf16 need a GPU (checked before anything runs); on one GPU of several, the
     process trains on the current one alone (``batch_size`` is the whole batch)."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
@@ -88,6 +99,27 @@ def fit(
                 on_step()
             return loss
 
+    class Watch(TrainerCallback):
+        """Trainer's logs to ``logger``; a progress line every ``progress_every`` steps."""
+
+        def __init__(self):
+            self.started = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            renamed = {"learning_rate": "lr"}
+            logger.log(state.global_step, {renamed.get(k, k): v for k, v in (logs or {}).items()})
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step = state.global_step
+            if step % logger.cfg.progress_every and step != total:
+                return
+            rate = step / max(time.perf_counter() - self.started, 1e-9)
+            loss = trainer.losses[-1].item() if trainer.losses else math.nan
+            logger.progress(
+                f"{label}step {step}/{total}  loss {loss:.4g}  {rate:.2f} steps/s  "
+                f"eta {timedelta(seconds=round((total - step) / rate))}"
+            )
+
     with tempfile.TemporaryDirectory() as scratch:  # nothing is saved: save_strategy "no"
         args = TrainingArguments(
             output_dir=scratch,
@@ -107,8 +139,10 @@ def fit(
             use_cpu=device.type != "cuda",
             seed=seed,
             save_strategy="no",
-            report_to=[],
-            logging_strategy="no",
+            report_to=[],  # the logger reports, to the backends pretraining uses
+            logging_strategy="no" if logger is None else "steps",
+            logging_steps=1 if logger is None else logger.cfg.every,
+            logging_first_step=True,
             logging_nan_inf_filter=False,
             disable_tqdm=True,
             dataloader_num_workers=0,
@@ -118,7 +152,10 @@ def fit(
             # One process on a node with several GPUs: Trainer would split each batch over
             # all of them (DataParallel); this stage trains on one, as its jobs ask for one.
             args._n_gpu = 1
-        trainer = StepLosses(model=model, args=args, train_dataset=FeatureRows(features))
+        callbacks = [] if logger is None else [Watch()]
+        trainer = StepLosses(
+            model=model, args=args, train_dataset=FeatureRows(features), callbacks=callbacks
+        )
         trainer.train()
     return torch.stack(trainer.losses).float().cpu().tolist()
 

@@ -16,6 +16,10 @@ hook that does exactly that, so a DDP + LAMB script changes in a few lines::
     optimizer = OneBitLamb(model.parameters(), lr=..., freeze_step=..., comm=comm)
     register_compression_hook(model, optimizer, comm)
 
+Forgetting the hook is not silent: at the first compression step, the optimizer warns
+once (naming :func:`register_compression_hook`) and counts DDP's fp32 all-reduce in its
+bytes (:mod:`onebit_bert.optim.ddp_traffic`).
+
 For fp16, :class:`~onebit_bert.precision.LossScaler` (not torch's ``GradScaler``) agrees
 on an overflow across ranks before anyone steps: a rank that skipped its step while the
 others entered the compressed all-reduce would leave them waiting for it. The per-rank
@@ -31,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed.codecs import PlainCodec
 from onebit_bert.distributed.comm import Communicator
+from onebit_bert.optim.ddp_traffic import HOOK_OWNER
 
 
 def compression_hook(optimizer, comm: Communicator):
@@ -46,6 +51,7 @@ def compression_hook(optimizer, comm: Communicator):
             return future
         return average(state, bucket)
 
+    setattr(hook, HOOK_OWNER, optimizer)  # how the optimizer knows its DDP model is hooked
     return hook
 
 

@@ -32,6 +32,12 @@ METRICS_FILE = "metrics.jsonl"
 """The file name of the metrics log in a run directory."""
 WANDB_ID_FILE = "wandb_id"
 """The run directory's wandb run id, written on first start and read on every resume."""
+PER_KIND_PREFIXES = ("comm_bytes_", "comm_seconds_")
+"""Per-kind traffic figures: a record has them only for the kinds sent that step (after a
+1-bit optimizer's freeze, no ``comm_bytes_gradients``). ``metrics.jsonl`` keeps records as
+they are; in wandb and TensorBoard a step's record gets 0 for a per-kind key logged before
+and absent now, so wandb's summary and the charts show the last step's traffic, not the
+last nonzero one."""
 
 
 @dataclass
@@ -104,6 +110,7 @@ class MetricsLogger:
         self._file = None
         self._wandb = None
         self._tensorboard = None
+        self._per_kind_keys: set[str] = set()
         if not is_main:
             return
         if cfg.tensorboard:
@@ -144,23 +151,34 @@ class MetricsLogger:
             return
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
+        scalars = self._scalars(record)
         if self._tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, int | float):
-                    self._tensorboard.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tensorboard.add_scalar(key, value, step)
         if self._wandb is not None:
             try:
-                self._wandb.log(
-                    {
-                        k: v
-                        for k, v in record.items()
-                        if k not in ("step", "time") and isinstance(v, int | float)
-                    },
-                    step=step,
-                )
+                self._wandb.log(scalars, step=step)
             except Exception as err:
                 warnings.warn(f"wandb log failed ({err}); continuing without wandb", stacklevel=2)
                 self._wandb = None
+
+    def _scalars(self, record: dict) -> dict:
+        """The record's numbers for wandb and TensorBoard; a record of a step's traffic
+        (one with ``comm_bytes``) also gets 0 for every per-kind key
+        (:data:`PER_KIND_PREFIXES`) logged before and absent from it. Other records (a
+        validation's, logged at the same step) are left alone: a 0 there would overwrite
+        the step's figure."""
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k not in ("step", "time") and isinstance(v, int | float)
+        }
+        if "comm_bytes" not in scalars:
+            return scalars
+        self._per_kind_keys.update(k for k in scalars if k.startswith(PER_KIND_PREFIXES))
+        for key in self._per_kind_keys - scalars.keys():
+            scalars[key] = 0
+        return scalars
 
     def progress(self, line: str) -> None:
         if self.is_main:

@@ -463,7 +463,14 @@ class Experiment:
         """Fine-tuning of ``source``'s final checkpoint into ``out``."""
         from finetune.config import FinetuneConfig
 
-        links = [f"checkpoint={pretrain_outputs.final_dir(source.output)}", f"output={out}"]
+        links = [
+            f"checkpoint={pretrain_outputs.final_dir(source.output)}",
+            f"output={out}",
+            # its wandb runs in the group of the pretraining runs, named after the instance
+            f"logging.experiment={self.cfg.name}",
+            f"logging.run_name={name.split('/', 1)[1]}",
+            "logging.job_type=finetune",
+        ]
         fcfg = self._stage_config(FinetuneConfig, self.cfg.finetune, [*extra, *links])
         path = self.path("configs", f"finetune_{name.split('/', 1)[1]}.yaml")
         if self._write:

@@ -1,7 +1,7 @@
 """Small-sample statistics for comparing runs: mean ± std and Welch's t-test.
 
-Only the standard library: the two-sided p-value comes from Student's t distribution via
-the regularized incomplete beta function, evaluated by its continued fraction.
+Student's t distribution is scipy's (``scipy.stats.t``), a dependency of the pipeline
+extra.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+
+from scipy import special
+from scipy.stats import t as student_t
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -19,49 +22,18 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mean, statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def _beta_continued_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of I_x(a, b) (modified Lentz evaluation)."""
-    tiny, eps = 1e-300, 1e-15
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    result = d
-    for m in range(1, 10_000):
-        for numerator in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + numerator * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + numerator / c
-            c = c if abs(c) > tiny else tiny
-            result *= c * d
-        if abs(c * d - 1.0) < eps:
-            return result
-    raise ArithmeticError(f"incomplete beta did not converge (a={a}, b={b}, x={x})")
-
-
 def betainc(a: float, b: float, x: float) -> float:
     """The regularized incomplete beta function I_x(a, b) for a, b > 0, 0 <= x <= 1."""
     if not 0.0 <= x <= 1.0:
         raise ValueError(f"x must lie in [0, 1], got {x}")
-    if x in (0.0, 1.0):
-        return x
-    log_front = (
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    front = math.exp(log_front)
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - front * _beta_continued_fraction(b, a, 1.0 - x) / b
+    return float(special.betainc(a, b, x))
 
 
 def t_two_sided_p(t: float, df: float) -> float:
     """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
     if df <= 0:
         raise ValueError(f"degrees of freedom must be positive, got {df}")
-    if math.isinf(t):
-        return 0.0
-    return betainc(df / 2.0, 0.5, df / (df + t * t))
+    return float(2.0 * student_t.sf(abs(t), df))
 
 
 @dataclass(frozen=True)
@@ -102,23 +74,15 @@ def welch_t_test(a: list[float], b: list[float]) -> WelchResult:
 
 def t_cdf(t: float, df: float) -> float:
     """P(T <= t) for Student's t with ``df`` degrees of freedom."""
-    tail = t_two_sided_p(t, df) / 2.0
-    return 1.0 - tail if t >= 0 else tail
+    if df <= 0:
+        raise ValueError(f"degrees of freedom must be positive, got {df}")
+    return float(student_t.cdf(t, df))
 
 
 def t_quantile(p: float, df: float) -> float:
-    """The ``p`` quantile (0 < p < 1) of Student's t with ``df`` degrees of freedom
-    (bisection on the two-sided tail)."""
+    """The ``p`` quantile (0 < p < 1) of Student's t with ``df`` degrees of freedom."""
     if not 0.0 < p < 1.0:
         raise ValueError(f"p must lie in (0, 1), got {p}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1e6
-    tail = 2 * (1 - p)
-    for _ in range(80):  # 1e6 / 2^80: far below float precision at any quantile used
-        mid = (lo + hi) / 2
-        if t_two_sided_p(mid, df) > tail:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+    if df <= 0:
+        raise ValueError(f"degrees of freedom must be positive, got {df}")
+    return float(student_t.ppf(p, df))

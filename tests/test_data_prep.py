@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from data_prep.config import DataPrepConfig
-from data_prep.prepare import OutputConflictError, prepare
+from data_prep.prepare import OutputConflictError, prepare, token_rate
 from data_prep.sources import SourceError
 from data_prep.tokenizer import TokenizerError
 from onebit_bert.config import ConfigError, load_config
@@ -448,3 +448,13 @@ def test_shared_sample_with_the_bert_vocabulary(tmp_path):
     assert rows["input_ids"].max() < 30522 and np.all(rows["input_ids"][:, 0] == 101)
     assert 0.4 < float((rows["nsp"] == 1).mean()) < 0.7
     assert rows["length"].mean() > 100  # seq 128 rows are mostly full
+
+
+def test_the_progress_rate_keeps_its_digits_at_any_speed():
+    # a small corpus tokenizes thousands of tokens a second, not 0.00M
+    assert token_rate(3_600, 2.0) == "1.8k tok/s"
+    assert token_rate(850, 1.0) == "850 tok/s"
+    assert token_rate(123_456_789, 10.0) == "12.3M tok/s"
+    assert token_rate(4_560_000, 1.0) == "4.56M tok/s"
+    assert token_rate(250_000, 1.0) == "250k tok/s"
+    assert token_rate(0, 0.0) == "0 tok/s"

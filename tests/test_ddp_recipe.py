@@ -6,8 +6,6 @@ parameters agree bit for bit, and no gradient byte is sent once compression star
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -19,33 +17,7 @@ from onebit_bert.optim import OneBitLamb
 from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
 from tests.distributed_harness import run_ranks
 from tests.helpers.runs import dist_context
-
-STEPS, FREEZE = 6, 3
-HYPER = {"lr": 0.02, "freeze_step": FREEZE, "max_coeff": 0.3, "weight_decay": 0.01}
-
-
-def tiny_bert() -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=60,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForMaskedLM(config)
-
-
-def batch(rank: int, step: int) -> dict:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(5, 60, (4, 16), generator=g)
-    labels = torch.where(torch.rand(4, 16, generator=g) < 0.3, ids, -100)
-    return {"input_ids": ids, "labels": labels}
+from tests.helpers.tiny_bert import FREEZE, HYPER, STEPS, batch, launch_environment, tiny_bert
 
 
 def _sent(comm, before=None) -> tuple[int, int]:
@@ -53,18 +25,6 @@ def _sent(comm, before=None) -> tuple[int, int]:
     since ``comm`` was built)."""
     delta = comm.snapshot() - before if before is not None else comm.snapshot()
     return tuple(delta.by_kind.get(kind, [0])[0] for kind in ("gradients", "momentum"))
-
-
-def _launch_environment(comm) -> None:
-    """The launcher variables Accelerate reads (the process group already exists)."""
-    os.environ.update(
-        RANK=str(comm.rank),
-        LOCAL_RANK=str(comm.rank),
-        WORLD_SIZE=str(comm.world_size),
-        LOCAL_WORLD_SIZE=str(comm.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29555",
-    )
 
 
 def _assert_trains_as_the_script(path: list[dict], script: list[dict]) -> None:
@@ -181,7 +141,7 @@ def hf_trainer_run(comm, out_dir):
     from onebit_bert.hf_trainer import OneBitTrainerMixin
 
     torch.set_num_threads(1)
-    _launch_environment(comm)
+    launch_environment(comm)
 
     class Examples(Dataset):
         """Global batch i of 4 rows goes to rank i % 2 (Accelerate's sharding of a
@@ -247,7 +207,7 @@ def accelerate_run(comm):
     from onebit_bert.hf_trainer import unwrap_optimizer
 
     torch.set_num_threads(1)
-    _launch_environment(comm)
+    launch_environment(comm)
     accelerator = Accelerator(cpu=True)
     model = tiny_bert()
     optimizer = OneBitLamb(model.parameters(), comm=comm, **HYPER)

@@ -106,9 +106,62 @@ def finetune_config(checkpoint, data, out, **overrides) -> FinetuneConfig:
         "doc_stride": 24,
         "squad_eval_fraction": 0.25,
         "precision": "fp32",
+        "logging": {"wandb": False},  # test_finetuning_logs_like_pretraining starts it
     }
     cfg.update(overrides)
     return from_dict(FinetuneConfig, cfg)
+
+
+def test_finetuning_logs_like_pretraining(setup, tmp_path, monkeypatch, capfd):
+    """Each (task, lr, epochs, seed) run logs every step to metrics.jsonl, TensorBoard and
+    its own wandb run (offline without a key), grouped by the experiment, with progress
+    lines on stderr."""
+    import wandb
+
+    from onebit_bert.metrics_log import read_metrics
+
+    started = []
+
+    class Run:
+        def __init__(self, **kwargs):
+            started.append({**kwargs, "mode": os.environ.get("WANDB_MODE"), "logged": []})
+
+        def log(self, data, step):
+            started[-1]["logged"].append((step, data))
+
+        def finish(self):
+            pass
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Run(**kwargs))
+    checkpoint, data = setup
+    out = tmp_path / "out"
+    logging = {"experiment": "exp", "run_name": "onebit-seed1", "tensorboard": True}
+    cfg = finetune_config(
+        checkpoint, data, out, tasks=["sst2"], seeds=[1, 2], max_train_samples=40,
+        logging=logging | {"progress_every": 2},
+    )  # fmt: skip
+    run(cfg)
+    steps = 3  # 40 rows in batches of 16, one epoch
+    assert [(r["group"], r["name"], r["job_type"], r["mode"]) for r in started] == [
+        ("exp", f"onebit-seed1-sst2-lr2e-05-ep1-seed{seed}", "finetune", "offline")
+        for seed in (1, 2)
+    ]
+    for seed, wandb_run in zip((1, 2), started, strict=True):
+        logs = out / "sst2" / "logs" / f"lr2e-05_ep1_seed{seed}"
+        assert wandb_run["dir"] == str(logs) and wandb_run["config"]["seed"] == seed
+        records = read_metrics(logs / "metrics.jsonl")
+        train = [r for r in records if "loss" in r]
+        assert [r["step"] for r in train] == list(range(1, steps + 1))
+        assert all({"lr", "grad_norm"} <= r.keys() for r in train)
+        assert "eval_accuracy" in records[-1] and records[-1]["step"] == steps
+        assert [step for step, _ in wandb_run["logged"]] == [r["step"] for r in records]
+        assert list((logs / "tensorboard").iterdir())
+    err = capfd.readouterr().err
+    for seed in (1, 2):
+        assert f"sst2 lr=2e-05 epochs=1 seed={seed}: step 2/3  loss" in err
+        assert f"sst2 lr=2e-05 epochs=1 seed={seed}: step 3/3  loss" in err
 
 
 @pytest.fixture(scope="module")

@@ -457,3 +457,19 @@ def test_deepspeed_config_maps_one_to_one():
         OneBitLamb.from_deepspeed_config(params, {"amsgrad": True})
     with pytest.raises(ValueError, match="clip gradients in the trainer"):
         OneBitLamb.from_deepspeed_config(params, {"max_grad_norm": 1.0})
+
+
+def test_stage_is_the_last_steps_and_next_stage_the_coming_ones():
+    w = torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)))
+    opt = OneBitLamb([w], lr=0.01, freeze_step=2, comm=Communicator(None))
+    seen = [(opt.stage, opt.next_stage)]
+    for _ in range(3):
+        w.grad = torch.ones_like(w)
+        opt.step()
+        seen.append((opt.stage, opt.next_stage))
+    assert seen == [
+        ("warmup", "warmup"),  # before any step
+        ("warmup", "warmup"),  # after step 1
+        ("warmup", "compression"),  # after step 2, the last of the warmup
+        ("compression", "compression"),
+    ]

@@ -92,6 +92,11 @@ def test_pretraining_seeds_make_one_instance_per_run_and_seed(tmp_path):
     assert second["seed"] == 2 and second["optimizer"]["name"] == "onebit_lamb"
     assert second["run_dir"] == str(tmp_path / "work" / "pretrain" / "onebit-seed2" / "phase1")
     assert second["logging"]["run_name"] == "onebit-seed2-phase1"
+    # fine-tuning logs in its pretraining run's wandb group, named after the instance
+    tuned = yaml.safe_load(exp.stage("finetune/onebit-seed2").config_path.read_text())
+    assert tuned["logging"]["experiment"] == second["logging"]["experiment"]
+    assert tuned["logging"]["run_name"] == "onebit-seed2"
+    assert tuned["logging"]["job_type"] == "finetune"
     # the report groups instances by run name: a repeated name is another pretraining seed
     names = [a.partition("=")[0] for a in exp.stage("report").args if a != "--run"]
     assert names == ["lamb", "lamb", "onebit", "onebit"]

@@ -38,6 +38,7 @@ FINETUNE = [
     "max_train_samples=64",
     "max_eval_samples=32",
     "epochs=[1]",
+    "logging.wandb=false",
 ]
 
 

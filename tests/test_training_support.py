@@ -142,6 +142,40 @@ def test_tensorboard_writer_logs_every_numeric_metric(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 2.0), (2, 1.0)]
 
 
+def test_a_kind_that_stops_being_sent_goes_to_zero_in_wandb_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Recorder:
+        """Stands in for the wandb run: what it was given, call by call."""
+
+        def __init__(self):
+            self.calls = []
+
+        def log(self, data, step):
+            self.calls.append((step, dict(data)))
+
+        def finish(self):
+            pass
+
+    logger = MetricsLogger(tmp_path, True, LoggingConfig(wandb=False, tensorboard=True))
+    logger._wandb = wandb = Recorder()
+    warm = {"comm_bytes": 100, "comm_bytes_gradients": 100, "comm_seconds_gradients": 0.5}
+    logger.log(1, warm)
+    logger.log(2, {"comm_bytes": 4, "comm_bytes_momentum": 4, "comm_seconds_momentum": 0.1})
+    logger.log(2, {"val_loss": 3.0})  # a validation record at the same step: left alone
+    logger.close()
+    step2, validation = wandb.calls[1][1], wandb.calls[2][1]
+    assert step2["comm_bytes_gradients"] == 0 and step2["comm_seconds_gradients"] == 0
+    assert step2["comm_bytes_momentum"] == 4
+    assert validation == {"val_loss": 3.0}
+    # the local file keeps each step as it was: no kind that was not sent
+    assert "comm_bytes_gradients" not in read_metrics(tmp_path / "metrics.jsonl")[1]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    sent = [(e.step, e.value) for e in events.Scalars("comm_bytes_gradients")]
+    assert sent == [(1, 100.0), (2, 0.0)]
+
+
 def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
     import sys
 

@@ -36,6 +36,7 @@ from onebit_bert.distributed.codecs import Codec, OneBitCodec
 from onebit_bert.distributed.comm import Communicator, CompressedBucket
 from onebit_bert.distributed.compression import padded_size
 from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig, FreezeDetector
+from onebit_bert.optim.ddp_traffic import DdpGradientTraffic
 from onebit_bert.optim.lamb import check_params_and_grads
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class CompressedOptimizer(Optimizer):
 
     After each step: ``last_compression_error`` (‖this rank's worker error‖ / ‖what it
     compressed‖, None when nothing was compressed), ``last_step_bytes`` and ``bytes_sent``
-    (this optimizer's traffic from this rank).
+    (this optimizer's traffic from this rank, and that of a DDP model all-reducing its
+    gradients without the compression hook: :attr:`ddp_traffic`).
     """
 
     NAME = "compressed optimizer"
@@ -104,6 +106,13 @@ class CompressedOptimizer(Optimizer):
         self.last_compression_error: torch.Tensor | None = None
         self.last_step_bytes = 0
         self.bytes_sent = 0
+        self.ddp_traffic = DdpGradientTraffic(self)
+        """A DDP model that all-reduces this optimizer's gradients without
+        :func:`~onebit_bert.ddp.register_compression_hook`: warned about once, its fp32
+        all-reduce counted in ``last_step_bytes``, ``bytes_sent`` and the communicator's
+        ``gradients`` (:mod:`onebit_bert.optim.ddp_traffic`)."""
+        self.register_step_pre_hook(self.ddp_traffic.before_step)
+        self.register_step_post_hook(self.ddp_traffic.after_step)
 
     def _check_single_fp32_device(self) -> None:
         devices = set()
@@ -625,10 +634,17 @@ class WarmupThenCompress(CompressedOptimizer):
 
     @property
     def stage(self) -> str:
-        """Stage of the last step taken ("warmup" before the first one)."""
+        """Stage of the last step taken ("warmup" before the first one): what the step's
+        logged ``stage`` metric says. The stage of the coming step is :attr:`next_stage`."""
         if self.freeze_step is None or self._step <= self.freeze_step:
             return "warmup"
         return "compression"
+
+    @property
+    def next_stage(self) -> str:
+        """Stage the next ``step()`` will run: "compression" when it averages across ranks
+        by itself (:attr:`syncs_internally`), else "warmup"."""
+        return "compression" if self.syncs_internally else "warmup"
 
     def _observe_warmup(self, exp_avg_sqs: list[torch.Tensor]) -> None:
         """After warmup step ``_step``: let the detector decide whether it was the last."""

@@ -19,7 +19,9 @@ class ReportingOptimizer(Protocol):
     """Per-step figures of the last step (:meth:`onebit_bert.strategies.Strategy.metrics`)."""
 
     stage: str
-    """full, warmup or compression."""
+    """The stage of the last step taken (full, warmup or compression; 0/1 Adam: its step
+    kind): what the logged ``stage`` metric shows. The 1-bit optimizers also say which
+    stage the next step will run (``next_stage``)."""
     last_trust_ratios: torch.Tensor | None
     """One trust ratio per layer (LAMB's r; 1-bit LAMB's c·f in compression)."""
     last_factors: torch.Tensor | None

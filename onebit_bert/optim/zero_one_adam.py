@@ -179,6 +179,12 @@ class ZeroOneAdam(CompressedOptimizer):
         return "sync" if t % self.local_step_interval == 0 else "local"
 
     @property
+    def next_stage(self) -> str:
+        """What the next ``step()`` will do (:attr:`next_step_kind`); :attr:`stage` is what
+        the last one did."""
+        return self.next_step_kind
+
+    @property
     def syncs_internally(self) -> bool:
         """True unless the next step is a variance step, whose gradients the caller must
         average in full precision; otherwise the caller passes local gradients."""

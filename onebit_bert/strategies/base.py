@@ -271,7 +271,8 @@ class Strategy:
 
     # ------------------------------------------------------------------ reporting
     def metrics(self) -> dict:
-        """Per-step figures of the last step: stage, per-layer trust ratios and factors
+        """Per-step figures of the last step: stage (of the step just taken, not the
+        next one), per-layer trust ratios and factors
         (min/mean/max), the relative compression error, where the optimizer keeps them
         (the attributes of :class:`~onebit_bert.optim.surface.ReportingOptimizer`, each
         optional)."""

@@ -1,0 +1,49 @@
+"""The tiny BERT, its per-rank batches and 1-bit LAMB settings that the tests of users'
+own scripts share (tests/test_ddp_recipe.py, tests/test_hf_trainer.py,
+tests/test_optimizer_guards.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+STEPS, FREEZE = 6, 3
+HYPER = {"lr": 0.02, "freeze_step": FREEZE, "max_coeff": 0.3, "weight_decay": 0.01}
+
+
+def tiny_bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=60,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForMaskedLM(config)
+
+
+def batch(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(5, 60, (4, 16), generator=g)
+    labels = torch.where(torch.rand(4, 16, generator=g) < 0.3, ids, -100)
+    return {"input_ids": ids, "labels": labels}
+
+
+def launch_environment(comm) -> None:
+    """The launcher variables Accelerate reads (the process group already exists)."""
+    os.environ.update(
+        RANK=str(comm.rank),
+        LOCAL_RANK=str(comm.rank),
+        WORLD_SIZE=str(comm.world_size),
+        LOCAL_WORLD_SIZE=str(comm.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
+    )
