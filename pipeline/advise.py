@@ -3,7 +3,7 @@ for your link and your number of nodes.
 
 ``python -m pipeline.advise --nodes 16 --gpus-per-node 8 --link-gbps 10`` models every
 recipe of the equal-budget comparison (``docs/compare/tuned/report.json``) on that cluster
-with :mod:`pipeline.crossover`'s step model: each recipe's compute per step, its bytes per
+with :mod:`pipeline.linkmodel`'s step model: each recipe's compute per step, its bytes per
 step through each node's link for that many ranks, and its overlap. It answers with the
 groups of :mod:`pipeline.ranking` (the leaders the seeds cannot tell apart, the recipes
 clearly behind), each recipe's modelled time and the evidence behind it.
@@ -26,7 +26,7 @@ import json
 import sys
 import time
 
-from pipeline import crossover, ranking
+from pipeline import crossover, linkmodel, ranking
 
 REPORT = "docs/compare/tuned/report.json"
 PRESETS = {
@@ -106,7 +106,7 @@ def evidence(report: dict, name: str, profiles: dict) -> dict:
     the sweep its speeds come from."""
     runs = [r for r in report["runs"] if r["name"] == name]
     data = {(r.get("data") or {}).get("tokenizer_sha256", "")[:12] or "not recorded" for r in runs}
-    key = crossover._profile_key(runs[0]["strategy"])
+    key = linkmodel.profile_key(runs[0]["strategy"])
     source = sorted({p.source for p in (profiles.get(key) or {}).values()})
     return {
         "seeds": [r["seed"] for r in runs],
@@ -172,7 +172,7 @@ def render(advice: dict) -> str:
 def measure_link(comm, gpus_per_node: int, sizes=PROBE_BYTES, repeats: int = 3) -> dict:
     """Time all-reduces of ``sizes`` bytes on ``comm``'s ranks and fit each node's link:
     a ring all-reduce of ``n`` bytes takes ``2 (p - 1) · latency + factor · n · 8 / B``
-    (``factor``: :func:`pipeline.crossover.link_factor` of a ring on ``p`` ranks in nodes
+    (``factor``: :func:`pipeline.linkmodel.link_factor` of a ring on ``p`` ranks in nodes
     of ``gpus_per_node``). Every rank returns the same fit (the slowest rank's times)."""
     import torch
 
@@ -190,7 +190,7 @@ def measure_link(comm, gpus_per_node: int, sizes=PROBE_BYTES, repeats: int = 3) 
         elapsed = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64)
         comm.all_reduce(elapsed.to(comm.device), op="max")
         points.append((size, float(elapsed.item())))
-    factor = crossover.link_factor("ring", p, gpus_per_node)
+    factor = linkmodel.link_factor("ring", p, gpus_per_node)
     xs = [factor * n * 8 for n, _ in points]
     ys = [t for _, t in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     compute, params = PRESETS[args.preset]
     args.compute_s_per_step = args.compute_s_per_step or compute
     args.params = args.params or params
-    report_path = crossover.REPO / args.report
+    report_path = linkmodel.REPO / args.report
     if not report_path.is_file():
         parser.error(f"--report {args.report}: no such report.json (python -m pipeline.compare)")
     try:
@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             args.gpus_per_node = link["gpus_per_node"]
             args.link_gbps, args.latency_us = link["link_gbps"], link["latency_us"]
         report = json.loads(report_path.read_text())
-        profiles, _ = crossover.load_profiles(report["time_model"]["netem"])
+        profiles, _ = linkmodel.load_profiles(report["time_model"]["netem"])
         netem_params = json.loads(
-            (crossover.REPO / report["time_model"]["netem"][0]).read_text()
+            (linkmodel.REPO / report["time_model"]["netem"][0]).read_text()
         ).get("parameters")
         advice = advise(report, profiles, args.nodes, args.gpus_per_node, args.link_gbps,
                         args.latency_us, args.compute_s_per_step, args.params,

@@ -46,7 +46,7 @@ from pathlib import Path
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.recipes import RECIPES, field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
-from pipeline import ranking
+from pipeline import crossover, ranking
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
 from pipeline.same_data import (
@@ -81,6 +81,9 @@ TEST = (
 )
 NO_RECIPE = "no registered recipe"
 """How tables name the recipe of a run whose settings no registered recipe describes."""
+ONEBIT = "onebit_lamb"
+"""The recipe whose crossover against the reference the report gives (where both reached the
+target and were measured)."""
 PLOT_BANDWIDTHS = (25.0, 10_000.0)
 """Mbit/s of the modelled-time plots (when the netem JSON measured them)."""
 
@@ -1015,10 +1018,16 @@ def write_report(
         *same_data_lines(groups, data["arms"][0]["name"]),
         *tuning_lines(tuning),
     ]
-    sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
-    atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
     result = {**report_json(data, netem_paths, netem), "tuning": tuning, "data": identity,
               "groups": ranked}  # fmt: skip
+    paying = crossover.report_crossovers(result, netem_paths, data["arms"][0]["name"],
+                                         ONEBIT)  # fmt: skip
+    if paying:
+        result["crossover"] = paying
+        at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
+        extra[at:at] = crossover.crossover_lines(paying)  # after the groups
+    sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
+    atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
     if references:
         result["data_references"] = [_run_record(r) for r in references]
         result["same_data"] = groups

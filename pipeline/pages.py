@@ -11,7 +11,7 @@ markers naming the report::
 ``python -m pipeline.pages`` rewrites every such block from its report (``--check``: only
 says which pages differ, exit code 1). :func:`report_md_drift` checks the other direction:
 every table of a ``report.md`` that its ``report.json`` holds the numbers of (strategies,
-groups, same data, tuning) is rendered again from the JSON and must appear in it line for
+groups, crossover, same data, tuning) is rendered again from the JSON and must appear in it line for
 line.
 """
 
@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from pipeline import compare, ranking
+from pipeline.crossover import crossover_lines
 from pipeline.report import group_arms
 from pipeline.same_data import same_data_lines
 from pipeline.tuning import tuning_lines
@@ -102,6 +103,7 @@ def report_md_drift(report_dir: Path) -> list[str]:
     expected += ranking.group_lines(report.get("groups") or [])
     if report.get("same_data"):
         expected += same_data_lines(report["same_data"], data["arms"][0]["name"])
+    expected += crossover_lines(report.get("crossover") or [])
     expected += tuning_lines(report.get("tuning") or {})
     return [line for line in expected if line and line not in markdown]
 

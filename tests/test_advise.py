@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from pipeline import advise, crossover
+from pipeline import advise, crossover, linkmodel
 from tests.distributed_harness import run_ranks
 
-REPORT = crossover.REPO / advise.REPORT
+REPORT = linkmodel.REPO / advise.REPORT
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
@@ -35,7 +35,7 @@ def test_a_described_cluster_gets_groups_times_and_evidence():
     assert "zero_one_adam" in advice["never_reached"]  # no seed reached the target
     # LAMB's time is the model's, at the preset's scales (BERT-Large on an H200)
     report = json.loads(REPORT.read_text())
-    profiles, _ = crossover.load_profiles(report["time_model"]["netem"])
+    profiles, _ = linkmodel.load_profiles(report["time_model"]["netem"])
     scales = advice["scales"]
     lamb = crossover.recipe_times(report, profiles, 10e9, 128, 8, **scales)["lamb"]
     assert advice["recipes"]["lamb"]["mean"] == pytest.approx(lamb["mean"])
@@ -51,7 +51,7 @@ def test_a_described_cluster_gets_groups_times_and_evidence():
 
 def test_a_slower_link_favours_the_recipes_that_send_less():
     report = json.loads(REPORT.read_text())
-    profiles, _ = crossover.load_profiles(report["time_model"]["netem"])
+    profiles, _ = linkmodel.load_profiles(report["time_model"]["netem"])
     slow = advise.advise(report, profiles, 16, 8, 0.1, params=335_000_000, netem_params=11267900)
     fast = advise.advise(report, profiles, 16, 8, 100, params=335_000_000, netem_params=11267900)
     slow_ratio = slow["recipes"]["lamb"]["mean"] / slow["recipes"]["powersgd"]["mean"]
