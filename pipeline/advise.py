@@ -96,7 +96,13 @@ def advise(report: dict, profiles: dict, nodes: int, gpus_per_node: int, link_gb
             for name, entry in times.items()
         },  # fmt: skip
         "groups": groups,
-        "never_reached": sorted({r["name"] for r in report["runs"]} - set(times)),
+        "never_reached": sorted(
+            {r["name"] for r in report["runs"]}
+            - {r["name"] for r in report["runs"] if r["time_to_target"].get("reached")}
+        ),
+        "not_modelled": sorted(
+            {r["name"] for r in report["runs"] if r["time_to_target"].get("reached")} - set(times)
+        ),
         "caveat": caveat(report),
     }
 
@@ -145,6 +151,9 @@ def render(advice: dict) -> str:
     if advice["never_reached"]:
         lines.append("Never reached the target in the comparison: "
                      + ", ".join(advice["never_reached"]) + ".")  # fmt: skip
+    if advice["not_modelled"]:
+        lines.append("Reached the target, but no speed was measured to model: "
+                     + ", ".join(advice["not_modelled"]) + ".")  # fmt: skip
     lines += ["", "recipe | modelled time to target | seeds at target | evidence"]
     for entry in row["ranking"]:
         ev = advice["recipes"][entry["name"]]["evidence"]

@@ -27,6 +27,14 @@ speed. The speeds are the benchmark's model (``model`` in the netem JSON), not t
 report's: the model stands in for the cluster, and the samples come from this report's
 runs. Where the netem JSON has no entry for a strategy, its time is left out and said so.
 
+**Which recipes first.** Per bandwidth a group, not a winner (:mod:`pipeline.ranking`):
+the leaders Welch's test cannot tell from the first, with the difference the seeds could
+have detected, and the recipes clearly behind; a seed that never reached the target counts
+with its run's end as a lower bound (≥). Where the reference and 1-bit LAMB both reached
+the target, the link below which 1-bit LAMB gets there first (:mod:`pipeline.crossover`).
+Runs of more than one data identity (tokenizer and shards) are refused unless
+``--mixed-data``, and the report then flags them.
+
 **Verdicts** (fine-tuning and final pretraining metrics, against the reference): a
 strategy with two or more pretraining seeds by Welch's t-test over per-seed values, as the
 parity report; a strategy with one seed by where its value falls against the reference's
