@@ -211,7 +211,7 @@ def answer(row: dict) -> str:
         text = (f"leaders not separable at this power (detectable difference {span}): "
                 f"{', '.join(leaders)}")  # fmt: skip
     else:
-        text = f"{leaders[0]} is ahead of every other recipe (Welch, p < {ALPHA})"
+        text = f"{leaders[0]} is ahead of every recipe tested against it (Welch, p < {ALPHA})"
     if first["lower_bound"]:
         text += f" ({first['name']}'s mean is a lower bound: a seed missed the target)"
     return text

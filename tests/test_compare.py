@@ -487,6 +487,11 @@ def test_the_answer_is_a_group_of_leaders_and_the_recipes_clearly_behind():
     text = "\n".join(ranking.group_lines([row]))
     assert "leaders not separable at this power (detectable difference" in text
     assert "fast 10.5 s (2/2), tied 11.5 s (2/2) | slow ≥ 31.7 s (2/3) | one seed" in text
+    # without the tie, the first stands alone, and the answer says against what
+    data["arms"] = [a for a in data["arms"] if a["name"] != "tied"]
+    (alone,) = compare.winners(data)
+    assert alone["leaders"] == ["fast"] and alone["behind"] == ["slow"]
+    assert ranking.answer(alone).startswith("fast 10.5 s (2/2) is ahead of every recipe tested")
 
 
 def test_detectable_difference_shrinks_with_seeds_and_needs_two_a_side():
