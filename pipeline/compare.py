@@ -27,6 +27,14 @@ speed. The speeds are the benchmark's model (``model`` in the netem JSON), not t
 report's: the model stands in for the cluster, and the samples come from this report's
 runs. Where the netem JSON has no entry for a strategy, its time is left out and said so.
 
+**Which recipes first.** Per bandwidth a group, not a winner (:mod:`pipeline.ranking`):
+the leaders Welch's test cannot tell from the first, with the difference the seeds could
+have detected, and the recipes clearly behind; a seed that never reached the target counts
+with its run's end as a lower bound (≥). Where the reference and 1-bit LAMB both reached
+the target, the link below which 1-bit LAMB gets there first (:mod:`pipeline.crossover`).
+Runs of more than one data identity (tokenizer and shards) are refused unless
+``--mixed-data``, and the report then flags them.
+
 **Verdicts** (fine-tuning and final pretraining metrics, against the reference): a
 strategy with two or more pretraining seeds by Welch's t-test over per-seed values, as the
 parity report; a strategy with one seed by where its value falls against the reference's
@@ -46,10 +54,18 @@ from pathlib import Path
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.recipes import RECIPES, field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
+from pipeline import crossover, ranking
 from pipeline import report as parity
 from pipeline.gate import samples_to_target
-from pipeline.same_data import assign_data, data_of_dir, same_data_groups, same_data_lines
-from pipeline.stats import mean_std, t_quantile, welch_t_test
+from pipeline.same_data import (
+    assign_data,
+    data_identities,
+    data_of_dir,
+    mixed_data_lines,
+    same_data_groups,
+    same_data_lines,
+)
+from pipeline.stats import mean_std, t_quantile
 from pipeline.tables import mean_std_cell as _mean_std
 from pipeline.tables import summary as _summary
 from pipeline.timing import (
@@ -73,6 +89,9 @@ TEST = (
 )
 NO_RECIPE = "no registered recipe"
 """How tables name the recipe of a run whose settings no registered recipe describes."""
+ONEBIT = "onebit_lamb"
+"""The recipe whose crossover against the reference the report gives (where both reached the
+target and were measured)."""
 PLOT_BANDWIDTHS = (25.0, 10_000.0)
 """Mbit/s of the modelled-time plots (when the netem JSON measured them)."""
 
@@ -662,9 +681,28 @@ def _mean_of(runs: list[dict], get) -> float | None:
     return sum(values) / len(values)
 
 
+def _with_censored(seeds: list[dict], get) -> tuple[float | None, bool]:
+    """Mean over every seed of a to-target figure (``get(block)``), a seed that missed the
+    target counting with its run's end (``run_end``); and whether that makes the mean a
+    lower bound. None when a seed has no value."""
+    values, censored = [], False
+    for run in seeds:
+        block = run["time_to_target"]
+        if not block.get("reached"):
+            censored = True
+            block = block.get("run_end") or {}
+        value = get(block)
+        if value is None:
+            return None, censored
+        values.append(value)
+    return (sum(values) / len(values) if values else None), censored
+
+
 def strategy_rows(data: dict, bandwidths: list[float]) -> list[dict]:
-    """One row per strategy for the markdown table: means over its seeds; the to-target
-    figures are means over the seeds that reached the target (``reached`` says how many)."""
+    """One row per strategy for the markdown table: means over its seeds. Samples and
+    times to the target are means over every seed, one that missed the target counting
+    with its run's end (a lower bound: ``censored``); bytes to the target over the seeds
+    that reached it (``reached`` says how many)."""
     rows = []
     for arm in data["arms"]:
         seeds = arm["seeds"]
@@ -683,11 +721,11 @@ def strategy_rows(data: dict, bandwidths: list[float]) -> list[dict]:
                     for k in kinds
                 },
                 "reached": f"{len(hit)}/{len(seeds)}",
-                "samples": _mean_of(hit, lambda r: r["time_to_target"]["samples"]),
+                "samples": _with_censored(seeds, lambda b: b.get("samples")),
                 "bytes_to_target": _mean_of(hit, lambda r: r["time_to_target"]["bytes"]),
                 "seconds": {
-                    bw: _mean_of(
-                        hit, lambda r, bw=bw: r["time_to_target"]["seconds"].get(f"{bw:g}")
+                    bw: _with_censored(
+                        seeds, lambda b, bw=bw: (b.get("seconds") or {}).get(f"{bw:g}")
                     )
                     for bw in bandwidths
                 },
@@ -696,70 +734,51 @@ def strategy_rows(data: dict, bandwidths: list[float]) -> list[dict]:
     return rows
 
 
+def _bounded(value: tuple[float | None, bool], text) -> str:
+    mean, censored = value
+    if mean is None:
+        return "–"
+    return ("≥ " if censored else "") + text(mean)
+
+
 def winners(data: dict) -> list[dict]:
-    """Per measured bandwidth, the strategy that reaches the target first in modelled time
-    (mean over its seeds that reached it) and how sure that is: its seeds at target, the
-    runner-up, and Welch's two-sided p for their per-seed times (both with two or more
-    seeds at target; otherwise no test). Strategies that never reached the target are
-    listed as such (measured there or not); those that did but have no measured speed at
-    that bandwidth are left out, listed as not measured."""
+    """Per measured bandwidth, the recipes that reach the target first, as groups
+    (:func:`pipeline.ranking.groups`: the leaders the seeds cannot tell apart, the recipes
+    clearly behind, seeds that missed the target counted with a lower bound)."""
     bandwidths = sorted(
         {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
     )
-    out = []
-    for bw in bandwidths:
-        key = f"{bw:g}"
-        timed, missed, unmeasured = [], [], []
-        for arm in data["arms"]:
-            seeds = arm["seeds"]
-            if not any(r["time_to_target"]["reached"] for r in seeds):
-                missed.append(arm["name"])  # whether or not its speed was measured
-                continue
-            if not any(bw in r["time_to_target"]["measured_bandwidths"] for r in seeds):
-                unmeasured.append(arm["name"])
-                continue
-            times = [r["time_to_target"]["seconds"][key] for r in seeds
-                     if r["time_to_target"]["reached"]]  # fmt: skip
-            timed.append({"name": arm["name"], "seconds": times, "seeds": len(seeds),
-                          "mean": sum(times) / len(times)})  # fmt: skip
-        timed.sort(key=lambda t: t["mean"])
-        row = {"bandwidth_mbit": bw, "ranking": timed, "not_reached": missed,
-               "not_measured": unmeasured, "winner": timed[0]["name"] if timed else None,
-               "p_vs_runner_up": None}  # fmt: skip
-        if len(timed) >= 2 and len(timed[0]["seconds"]) >= 2 and len(timed[1]["seconds"]) >= 2:
-            row["p_vs_runner_up"] = welch_t_test(timed[0]["seconds"], timed[1]["seconds"]).p
-        out.append(row)
-    return out
-
-
-def winner_lines(data: dict) -> list[str]:
-    """The report's per-bandwidth answer: which strategy to run on that network."""
-    rows = winners(data)
-    if not rows:
-        return []
-    lines = ["## Which strategy reaches the target first", "",
-             "Per bandwidth of the netem benchmark, strategies by modelled time to the target "
-             "(mean over the seeds that reached it; seeds at target / seeds). *p*: Welch's "
-             "two-sided test of the first against the second over their per-seed times "
-             "(needs two seeds at target on each side).", "",
-             "| bandwidth | first | p vs second | ranking | never reached | not measured |",
-             "|---|---|---:|---|---|---|"]  # fmt: skip
-    for row in rows:
-        ranking = ", ".join(
-            f"{t['name']} {_human_seconds(t['mean'])} ({len(t['seconds'])}/{t['seeds']})"
-            for t in row["ranking"]
-        )
-        p = "–" if row["p_vs_runner_up"] is None else f"{row['p_vs_runner_up']:.3f}"
-        lines.append(
-            f"| {_bandwidth_label(row['bandwidth_mbit'])} | {row['winner'] or '–'} | {p} | "
-            f"{ranking or '–'} | {', '.join(row['not_reached']) or '–'} | "
-            f"{', '.join(row['not_measured']) or '–'} |"
-        )
-    return [*lines, ""]
+    return ranking.groups(data["arms"], bandwidths)
 
 
 def _bandwidth_label(mbit: float) -> str:
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+def strategy_table_lines(rows: list[dict], bandwidths: list[float]) -> list[str]:
+    """The strategies table of ``report.md`` (:func:`strategy_rows`)."""
+    head = ["strategy", "seeds", "val MLM loss", "val MLM accuracy", "bytes/rank",
+            "seeds at target", "samples to target", "bytes to target"]  # fmt: skip
+    head += [f"time to target @ {_bandwidth_label(bw)}" for bw in bandwidths]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for row in rows:
+        loss, acc = row["loss"], row["accuracy"]
+        loss_cell = _mean_std(loss["mean"], loss["std"], len(row["seeds"]))
+        if "verdict" in loss:
+            loss_cell += f" ({loss['verdict']})"
+        cells = [
+            f"{row['name']} (`{row['strategy'] or NO_RECIPE}`)",
+            ", ".join(map(str, row["seeds"])),
+            loss_cell,
+            _mean_std(acc["mean"], acc["std"], len(row["seeds"])),
+            _human_bytes(row["bytes"]),
+            row["reached"],
+            _bounded(row["samples"], lambda v: f"{v:,.0f}"),
+            _human_bytes(row["bytes_to_target"]),
+            *(_bounded(row["seconds"][bw], _human_seconds) for bw in bandwidths),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> str:
@@ -779,32 +798,14 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
         "## Strategies",
         "",
     ]
-    head = ["strategy", "seeds", "val MLM loss", "val MLM accuracy", "bytes/rank",
-            "seeds at target", "samples to target", "bytes to target"]  # fmt: skip
-    head += [f"time to target @ {_bandwidth_label(bw)}" for bw in bandwidths]
-    lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for row in rows:
-        loss, acc = row["loss"], row["accuracy"]
-        loss_cell = _mean_std(loss["mean"], loss["std"], len(row["seeds"]))
-        if "verdict" in loss:
-            loss_cell += f" ({loss['verdict']})"
-        cells = [
-            f"{row['name']} (`{row['strategy'] or NO_RECIPE}`)",
-            ", ".join(map(str, row["seeds"])),
-            loss_cell,
-            _mean_std(acc["mean"], acc["std"], len(row["seeds"])),
-            _human_bytes(row["bytes"]),
-            row["reached"],
-            "–" if row["samples"] is None else f"{row['samples']:,.0f}",
-            _human_bytes(row["bytes_to_target"]),
-            *(_human_seconds(row["seconds"][bw]) for bw in bandwidths),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += strategy_table_lines(rows, bandwidths)
     kinds = sorted({k for row in rows for k in row["bytes_by_kind"]})
     lines += [
         "",
-        "To-target figures are means over the seeds that reached the target. Bytes are what "
-        "rank 0's communicator counted.",
+        "Samples and times to the target are means over every seed: a seed that never "
+        "reached the target counts with its run's end, a lower bound, and the mean is then "
+        "one too (≥). Bytes to the target are means over the seeds that reached it. Bytes "
+        "are what rank 0's communicator counted.",
         "",
         *_prior_lines(data, netem),
         "Bytes sent per rank over the whole run, by kind of traffic:",
@@ -978,6 +979,7 @@ def write_report(
     retime_prior: bool = False,
     drop_prior: list[str] | None = None,
     data_reference_specs: list[str] | None = None,
+    mixed_data: bool = False,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
@@ -988,7 +990,8 @@ def write_report(
     theirs). ``drop_prior``: names whose carried runs and tuning records are left out
     (:func:`drop_carried`: a recipe tuned again replaces its earlier record).
     ``data_reference_specs``: runs of the reference's recipe on other data, each strategy
-    set against those on its own data (:mod:`pipeline.same_data`)."""
+    set against those on its own data (:mod:`pipeline.same_data`). Runs of more than one
+    data identity are refused unless ``mixed_data`` (:func:`pipeline.same_data.data_identities`)."""
     from pipeline.compare_plots import write_figures
 
     if isinstance(netem_paths, str):
@@ -1009,20 +1012,30 @@ def write_report(
     data["retimed"] = retime_prior
     references = data_references(prior, list(data_reference_specs or []), data, netem)
     assign_data(data["runs"], tuning)
+    identity = data_identities(data["runs"], mixed_data)
+    ranking.attach_run_ends(data["arms"], netem)
     groups = same_data_groups(data["arms"], references, verdict)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     write_figures(data, out, PLOT_BANDWIDTHS)
     markdown = render_markdown(data, netem_paths, netem)
+    ranked = winners(data)
     extra = [
-        *winner_lines(data),
+        *mixed_data_lines(identity),
+        *ranking.group_lines(ranked),
         *same_data_lines(groups, data["arms"][0]["name"]),
         *tuning_lines(tuning),
     ]
+    result = {**report_json(data, netem_paths, netem), "tuning": tuning, "data": identity,
+              "groups": ranked}  # fmt: skip
+    paying = crossover.report_crossovers(result, netem_paths, data["arms"][0]["name"],
+                                         ONEBIT)  # fmt: skip
+    if paying:
+        result["crossover"] = paying
+        at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
+        extra[at:at] = crossover.crossover_lines(paying)  # after the groups
     sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
     atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
-    result = {**report_json(data, netem_paths, netem), "tuning": tuning,
-              "winners": winners(data)}  # fmt: skip
     if references:
         result["data_references"] = [_run_record(r) for r in references]
         result["same_data"] = groups
@@ -1091,6 +1104,12 @@ def main(argv: list[str] | None = None) -> int:
         help="NAME=PRETRAIN: a run of the reference's recipe on other data; each strategy "
         "whose seeds ran on that data is also set against these runs; repeatable",
     )
+    parser.add_argument(
+        "--mixed-data",
+        action="store_true",
+        help="rank runs pretrained on different data identities together (refused "
+        "otherwise; the report then flags it)",
+    )
     parser.add_argument("--out", required=True, help="report directory")
     args = parser.parse_args(argv)
     if not args.run and not args.prior:
@@ -1098,7 +1117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
                      args.allow_unequal_budgets, args.prior, args.retime,
-                     args.drop, args.data_reference)  # fmt: skip
+                     args.drop, args.data_reference, args.mixed_data)  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -172,3 +172,46 @@ def same_data_lines(groups: list[dict], main_name: str) -> list[str]:
             )
         lines.append("")
     return lines
+
+
+def data_identities(runs: list[dict], mixed_allowed: bool) -> dict:
+    """The data identities of the ranked records: ``identities`` (each with its names;
+    ``data`` None where no record says) and ``mixed``. Records of more than one identity
+    (an unknown one counts as its own) are refused unless ``mixed_allowed``: their losses
+    and samples to the target come from different token streams, and one ranking of them
+    would set those against each other."""
+    groups: dict[tuple[str, str] | None, dict] = {}
+    for run in runs:
+        key = _key(run.get("data"))
+        group = groups.setdefault(key, {"data": run.get("data") or None, "names": []})
+        if run["name"] not in group["names"]:
+            group["names"].append(run["name"])
+    identities = list(groups.values())
+    if len(identities) > 1 and not mixed_allowed:
+        listed = "; ".join(
+            f"{data_label(g['data']) if g['data'] else 'not recorded'}: {', '.join(g['names'])}"
+            for g in identities
+        )
+        raise ValueError(
+            f"the runs were pretrained on {len(identities)} different data identities "
+            f"({listed}); rank runs of one data stage together (rerun the others on it), or "
+            "pass --mixed-data to rank them anyway (the report then says so)"
+        )
+    return {"identities": identities, "mixed": len(identities) > 1}
+
+
+def mixed_data_lines(summary: dict) -> list[str]:
+    """The report's warning when :func:`data_identities` ranked mixed data (``--mixed-data``)."""
+    if not summary["mixed"]:
+        return []
+    listed = "; ".join(
+        f"{data_label(g['data']) if g['data'] else 'not recorded'}: {', '.join(g['names'])}"
+        for g in summary["identities"]
+    )
+    return [
+        f"**Mixed data: these records were pretrained on {len(summary['identities'])} data "
+        f"identities, ranked together as asked (--mixed-data)** ({listed}). Their losses and "
+        "samples to the target come from different token streams; read the rankings below "
+        "as provisional until every recipe runs on one data stage.",
+        "",
+    ]

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from onebit_bert.recipes import get_recipe
-from pipeline import compare, gate, timing
+from pipeline import compare, gate, ranking, timing
 from pipeline.experiment import ReportSpec
 from pipeline.stats import t_quantile
 from pipeline.tuning import data_identity as tuning_data
@@ -155,21 +155,29 @@ def test_report_content(runs, netem, tmp_path):
     loss = report["pretraining"]["val_mlm_loss"]
     assert loss["lamb"]["mean"] == pytest.approx(4.2)
 
-    # per bandwidth, the first to the target: 1-bit LAMB (26 s against LAMB's two seeds
-    # at target, 46.7 s and 60 s); one seed of it, so no test; co2 never reaches the
-    # target (and has no measured speed, which it does not need)
-    first = {w["bandwidth_mbit"]: w for w in report["winners"]}
+    # per bandwidth, the first to the target: 1-bit LAMB (26 s, one seed, so no test);
+    # LAMB's third seed never reaches the target and counts with its run's end (600
+    # samples at 10 samples/s: 60 s) as a lower bound; co2 never reaches the target (and
+    # has no measured speed, which it does not need)
+    first = {w["bandwidth_mbit"]: w for w in report["groups"]}
     assert sorted(first) == [25, 10000]
-    assert first[25]["winner"] == "onebit" and first[10000]["winner"] == "onebit"
+    assert first[25]["leaders"] == ["onebit"] and first[10000]["leaders"] == ["onebit"]
     assert [t["name"] for t in first[25]["ranking"]] == ["onebit", "lamb"]
-    assert first[25]["ranking"][1]["seconds"] == pytest.approx([step * BATCH / 10.0, 60.0])
-    assert first[25]["p_vs_runner_up"] is None and first[25]["not_reached"] == ["co2"]
-    assert first[25]["not_measured"] == []
+    lamb_row = first[25]["ranking"][1]
+    assert lamb_row["seconds"] == pytest.approx([step * BATCH / 10.0, 60.0, 60.0])
+    assert lamb_row["censored"] == [False, False, True] and lamb_row["lower_bound"]
+    assert (lamb_row["reached"], lamb_row["seeds"]) == (2, 3)
+    assert first[25]["untested"] == ["lamb"] and first[25]["behind"] == []
+    assert first[25]["not_reached"] == ["co2"] and first[25]["not_measured"] == []
+    end = by[("lamb", 3)]["time_to_target"]["run_end"]
+    assert end["samples"] == 600 and end["seconds"]["25"] == pytest.approx(60.0)
 
     text = (out / "report.md").read_text()
-    assert "## Which strategy reaches the target first" in text
+    assert "## Which recipes reach the target first" in text
     assert not re.search(r"[^\n]\n#", text), "every heading follows a blank line"
-    assert "| 25 Mbit/s | onebit | – | onebit 26.0 s (1/1), lamb" in text
+    assert "| 25 Mbit/s | onebit 26.0 s (1/1) is first, on one seed: no test | – | lamb ≥ " in text
+    # the strategies table: LAMB's samples and times are lower bounds (a seed missed)
+    assert re.search(r"\| lamb \(`lamb`\) \| 1, 2, 3 \|.*\| 2/3 \| ≥ 578 \|", text)
     assert "Target validation MLM loss **4.2000**" in text
     assert "| onebit (`onebit_lamb`) | 1 |" in text
     assert "time to target @ 25 Mbit/s" in text and "time to target @ 10 Gbit/s" in text
@@ -432,33 +440,82 @@ def test_the_comparison_shows_each_recipes_tuning_and_refuses_unequal_budgets(ru
     assert "unequal budgets" in (tmp_path / "a" / "report.md").read_text()
 
 
-def test_the_first_to_the_target_is_tested_against_the_second():
-    def run(seconds, bandwidths=(25,)):
-        reached = seconds is not None
-        return {"time_to_target": {"reached": reached, "measured_bandwidths": list(bandwidths),
-                                   "seconds": {"25": seconds} if reached else {}}}  # fmt: skip
+def _timed(seconds, bandwidths=(25,), end=None):
+    """A seed's time-to-target block: reached in ``seconds``, or (None) not, its run
+    ending at ``end`` seconds."""
+    reached = seconds is not None
+    block = {"reached": reached, "measured_bandwidths": list(bandwidths),
+             "seconds": {"25": seconds} if reached else {}}  # fmt: skip
+    if not reached and end is not None:
+        block["run_end"] = {"seconds": {"25": end}}
+    return {"time_to_target": block}
 
+
+def test_the_answer_is_a_group_of_leaders_and_the_recipes_clearly_behind():
     data = {
-        "runs": [run(10.0)],
+        "runs": [_timed(10.0)],
         "arms": [
-            {"name": "slow", "seeds": [run(30.0), run(32.0), run(None)]},
-            {"name": "fast", "seeds": [run(10.0), run(11.0)]},
-            {"name": "never", "seeds": [run(None)]},
-            {
-                "name": "unmeasured",
-                "seeds": [
-                    {"time_to_target": {"reached": True, "measured_bandwidths": [], "seconds": {}}}
-                ],
-            },
-            {"name": "never, unmeasured", "seeds": [run(None, bandwidths=())]},
+            {"name": "slow", "seeds": [_timed(30.0), _timed(32.0), _timed(None, end=33.0)]},
+            {"name": "fast", "seeds": [_timed(10.0), _timed(11.0)]},
+            {"name": "tied", "seeds": [_timed(9.0), _timed(14.0)]},
+            {"name": "one seed", "seeds": [_timed(12.0)]},
+            {"name": "never", "seeds": [_timed(None, end=50.0)]},
+            {"name": "unmeasured", "seeds": [{"time_to_target": {
+                "reached": True, "measured_bandwidths": [], "seconds": {}}}]},
+            {"name": "never, unmeasured", "seeds": [_timed(None, bandwidths=())]},
         ],
-    }
+    }  # fmt: skip
     (row,) = compare.winners(data)
-    assert row["winner"] == "fast" and [t["name"] for t in row["ranking"]] == ["fast", "slow"]
-    assert row["ranking"][1]["seeds"] == 3 and row["ranking"][1]["seconds"] == [30.0, 32.0]
-    assert 0 < row["p_vs_runner_up"] < 0.05
+    assert [t["name"] for t in row["ranking"]] == ["fast", "tied", "one seed", "slow"]
+    # "tied" (11.5 s on average) cannot be told from "fast" (10.5 s): both lead; never one
+    # winner from a tie
+    assert row["leaders"] == ["fast", "tied"] and row["behind"] == ["slow"]
+    assert row["untested"] == ["one seed"]
     assert row["not_reached"] == ["never", "never, unmeasured"]
     assert row["not_measured"] == ["unmeasured"]
+    # the seed that missed counts with its run's end, and makes the mean a lower bound
+    slow = row["ranking"][3]
+    assert slow["seconds"] == [30.0, 32.0, 33.0] and slow["lower_bound"]
+    assert slow["mean"] == pytest.approx(95 / 3) and 0 < slow["p_vs_first"] < 0.05
+    tied = row["ranking"][1]
+    # detectable difference: (t(0.975, df) + t(0.8, df)) * se, Welch-Satterthwaite df
+    va, vb = 0.5 / 2, 12.5 / 2
+    df = (va + vb) ** 2 / (va**2 + vb**2)
+    dd = (t_quantile(0.975, df) + t_quantile(0.8, df)) * math.sqrt(va + vb)
+    assert tied["detectable_difference_pct"] == pytest.approx(100 * dd / 10.5)
+    assert tied["p_vs_first"] > 0.05
+    text = "\n".join(ranking.group_lines([row]))
+    assert "leaders not separable at this power (detectable difference" in text
+    assert "fast 10.5 s (2/2), tied 11.5 s (2/2) | slow ≥ 31.7 s (2/3) | one seed" in text
+    # without the tie, the first stands alone, and the answer says against what
+    data["arms"] = [a for a in data["arms"] if a["name"] != "tied"]
+    (alone,) = compare.winners(data)
+    assert alone["leaders"] == ["fast"] and alone["behind"] == ["slow"]
+    assert ranking.answer(alone).startswith("fast 10.5 s (2/2) is ahead of every recipe tested")
+
+
+def test_detectable_difference_shrinks_with_seeds_and_needs_two_a_side():
+    a2, b2 = [10.0, 11.0], [10.5, 11.5]
+    a8, b8 = a2 * 4, b2 * 4
+    small, large = ranking.detectable_difference(a8, b8), ranking.detectable_difference(a2, b2)
+    assert 0 < small < large
+    assert ranking.detectable_difference([1.0], [1.0, 2.0]) is None
+    assert ranking.detectable_difference([1.0, 1.0], [2.0, 2.0]) == 0.0
+
+
+def test_a_censored_seed_takes_its_whole_runs_stages_from_a_sibling():
+    netem = {"results": [{"bandwidth_mbit": 25, "world_size": 4, "runs": {"onebit_lamb": {
+        "samples_per_s": 50.0, "warmup": {"samples_per_s": 10.0}}}}]}  # fmt: skip
+    reached = {
+        "time_to_target": {"reached": True, "stage_steps": {"warmup": 2, "compression": 3.5}}
+    }
+    missed = {"strategy": "onebit_lamb", "world_size": 4, "global_batch_size": 100,
+              "steps": 10, "time_to_target": {"reached": False}}  # fmt: skip
+    ranking.attach_run_ends([{"name": "x", "seeds": [reached, missed]}], netem)
+    end = missed["time_to_target"]["run_end"]
+    assert end["stage_steps"] == {"warmup": 2, "compression": 8}
+    assert end["samples"] == 1000 and end["seconds"]["25"] == pytest.approx(20 + 16)
+    assert "run_end" not in reached["time_to_target"]
 
 
 def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path):
@@ -487,7 +544,7 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
     carried = [r.pop("carried_from") for r in both["runs"] if "carried_from" in r]
     assert carried == [prior] * 4
     assert both["runs"] == direct["runs"]
-    for key in ("target", "pretraining", "tuning", "winners", "time_model"):
+    for key in ("target", "pretraining", "tuning", "groups", "time_model"):
         assert both[key] == direct[key], key
     assert both["prior"] == [{"path": prior, "names": ["lamb", "onebit"]}]
     text = (tmp_path / "both" / "report.md").read_text()
@@ -505,7 +562,7 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
                     for d in ("again", "alone"))  # fmt: skip
     assert [r.pop("carried_from", None) for r in again["runs"]] == [prior] * 3 + [None]
     assert again["runs"] == alone["runs"]
-    for key in ("target", "pretraining", "tuning", "winners"):
+    for key in ("target", "pretraining", "tuning", "groups"):
         assert again[key] == alone[key], key
     assert again["prior"] == [{"path": prior, "names": ["lamb"], "dropped": ["onebit"]}]
     assert "Left out of them, to be replaced by this report's runs and tuning: onebit." in (
@@ -635,7 +692,7 @@ def test_carried_runs_are_retimed_with_a_new_sweep(runs, netem, tmp_path):
     assert onebit["time_to_target"]["stage_steps"] == {"warmup": 2, "compression": 3}
     # 2 warmup steps at 30 samples/s, 3 compression steps at 75 (25 Mbit/s)
     assert onebit["time_to_target"]["seconds"]["25"] == pytest.approx(2 * 100 / 30 + 3 * 100 / 75)
-    assert retimed["winners"] == direct["winners"]
+    assert retimed["groups"] == direct["groups"]
     assert retimed["time_model"]["carried_runs_retimed"] is True
     assert "re-timed with this report's netem files" in (
         tmp_path / "retimed" / "report.md").read_text()  # fmt: skip
@@ -696,7 +753,14 @@ def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_co
     references = [run("lambnew", other, s, f) for s, f in ((1, 4.49), (2, 4.53), (3, 4.51))]
     references = [spec.replace("lambnew=", "lamb=") for spec in references]
     out = tmp_path / "report"
-    report = compare.write_report(specs, out, data_reference_specs=references)
+    # runs of two data identities are not ranked together unless asked
+    with pytest.raises(ValueError, match="2 different data identities.*--mixed-data"):
+        compare.write_report(specs, out, data_reference_specs=references)
+    assert compare.main([*(a for s in specs for a in ("--run", s)), "--out", str(out)]) == 2
+    report = compare.write_report(specs, out, data_reference_specs=references, mixed_data=True)
+    assert report["data"]["mixed"] and len(report["data"]["identities"]) == 2
+    assert "**Mixed data: these records were pretrained on 2 data identities" in (
+        out / "report.md").read_text()  # fmt: skip
     (group,) = report["same_data"]
     assert group["data"]["tokenizer_sha256"] == "f" * 64 and group["seeds"] == [1, 2, 3]
     assert group["final_val_mlm_loss"]["mean"] == pytest.approx(4.51)
@@ -720,19 +784,23 @@ def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_co
     assert by[("onnew", 1)]["data"]["tokenizer_sha256"] == "f" * 64
     assert by[("lamb", 1)]["data"] == tuning_data(tiny_corpus)
     # a later report carrying this one keeps the references and the section
-    later = compare.write_report([], tmp_path / "later", prior_paths=[str(out / "report.json")])
+    later = compare.write_report([], tmp_path / "later", prior_paths=[str(out / "report.json")],
+                                 mixed_data=True)  # fmt: skip
+    assert [r["data"] for r in later["runs"]] == [r["data"] for r in report["runs"]]
     assert later["same_data"] == report["same_data"]
     with pytest.raises(ValueError, match="lamb seed 1 on the same data is given twice"):
         compare.write_report([], tmp_path / "twice", prior_paths=[str(out / "report.json")],
-                             data_reference_specs=references[:1])  # fmt: skip
+                             data_reference_specs=references[:1], mixed_data=True)  # fmt: skip
     # runs on other data of another name than the reference's: refused
     with pytest.raises(ValueError, match="must be the reference's \\(lamb=RUN_DIR\\)"):
         renamed = [references[0].replace("lamb=", "onnew=")]
-        compare.write_report(specs, tmp_path / "other_name", data_reference_specs=renamed)
+        compare.write_report(specs, tmp_path / "other_name", data_reference_specs=renamed,
+                             mixed_data=True)  # fmt: skip
     # a reference whose data folder is gone has no known data: refused
     gone = run("lambgone", tmp_path / "no_such_corpus", 4, 4.5).replace("lambgone=", "lamb=")
     with pytest.raises(ValueError, match="data folder .*no_such_corpus.* is not readable"):
-        compare.write_report(specs, tmp_path / "gone", data_reference_specs=[gone])
+        compare.write_report(specs, tmp_path / "gone", data_reference_specs=[gone],
+                             mixed_data=True)  # fmt: skip
 
 
 def test_a_carried_run_takes_its_data_from_the_tuning_that_evaluated_it():

@@ -1,0 +1,232 @@
+"""Time to the target on other links and cluster sizes, and where one recipe stops paying
+against another.
+
+A run's modelled time to the target is the sum over its seeds' steps per stage
+(``time_to_target.stage_steps``; a seed that missed: its ``run_end``, a lower bound) of
+``global batch / samples/s``, the samples/s of :mod:`pipeline.linkmodel`'s step with ``p``
+ranks of the sweep's per-rank batch. Samples to the target are the report's, measured at
+its global batch on 4 ranks: the model moves the link and the cluster, not the convergence.
+``python -m pipeline.crossover`` prints the model's check against every netem point
+(:mod:`pipeline.crossover_check`) and the crossover of 1-bit LAMB against LAMB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from pipeline.crossover_check import check
+from pipeline.linkmodel import load_profiles, profile_key, step_seconds
+from pipeline.stats import mean_std
+
+LINKS_GBPS = (0.1, 1.0, 10.0, 25.0, 100.0)
+WORKERS = (4, 16, 64)
+
+
+def seed_seconds(run: dict, profiles: dict, link_bps: float, p: int, g: int,
+                 **scales) -> float | None:  # fmt: skip
+    """Modelled seconds of one report record to the target (its run's end when it missed:
+    a lower bound); None when its recipe has no profile."""
+    stages = profiles.get(profile_key(run.get("strategy")))
+    block = run["time_to_target"]
+    split = block.get("stage_steps") if block.get("reached") else (
+        block.get("run_end") or {}).get("stage_steps")  # fmt: skip
+    if not stages or not split:
+        return None
+    total = 0.0
+    for stage, steps in split.items():
+        profile = stages.get(stage) or stages.get("default") or stages.get("compression")
+        speed = p * profile.batch_per_rank / step_seconds(profile, link_bps, p, g, **scales)
+        total += steps * run["global_batch_size"] / speed
+    return total
+
+
+def recipe_times(report: dict, profiles: dict, link_bps: float, p: int, g: int,
+                 **scales) -> dict[str, dict]:  # fmt: skip
+    """Per report name: per-seed modelled seconds, mean, std, reach rate."""
+    out: dict[str, dict] = {}
+    for run in report["runs"]:
+        seconds = seed_seconds(run, profiles, link_bps, p, g, **scales)
+        if seconds is None:
+            continue
+        entry = out.setdefault(run["name"], {"seconds": [], "censored": [], "strategy":
+                                             run["strategy"]})  # fmt: skip
+        entry["seconds"].append(seconds)
+        entry["censored"].append(not run["time_to_target"].get("reached"))
+    for entry in out.values():
+        entry["mean"], entry["std"] = mean_std(entry["seconds"])
+    return out
+
+
+def crossover(report: dict, profiles: dict, a: str, b: str, p: int, g: int, lo_bps: float = 1e6,
+              hi_bps: float = 1e12, shift: float = 0.0) -> float | None:  # fmt: skip
+    """The link (bit/s) below which ``b`` reaches the target before ``a`` and above which
+    it does not (bisection on log bandwidth of mean(b) + shift·std(b) - (mean(a) - shift·
+    std(a))); None when they do not cross in [lo, hi]."""
+
+    def gap(bps: float) -> float:
+        times = recipe_times(report, profiles, bps, p, g)
+        ta, tb = times[a], times[b]
+        return (tb["mean"] + shift * tb["std"]) - (ta["mean"] - shift * ta["std"])
+
+    lo, hi = math.log(lo_bps), math.log(hi_bps)
+    if gap(math.exp(lo)) * gap(math.exp(hi)) > 0:
+        return None
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if gap(math.exp(lo)) * gap(math.exp(mid)) <= 0:
+            hi = mid
+        else:
+            lo = mid
+    return math.exp((lo + hi) / 2)
+
+
+def sweep(report: dict, profiles: dict, links_gbps=LINKS_GBPS, workers=WORKERS,
+          gpus_per_node: int = 2) -> list[dict]:  # fmt: skip
+    """Per (link, ranks): every timed recipe's modelled time to the target (mean ± std over
+    its seeds) and its samples/s per stage."""
+    out = []
+    for p in workers:
+        for gbps in links_gbps:
+            bps = gbps * 1e9
+            times = recipe_times(report, profiles, bps, p, gpus_per_node)
+            rates = {}
+            for key, stages in profiles.items():
+                rates[key] = {s: p * pr.batch_per_rank / step_seconds(pr, bps, p, gpus_per_node)
+                              for s, pr in stages.items()}  # fmt: skip
+            out.append({"link_gbps": gbps, "ranks": p, "gpus_per_node": gpus_per_node,
+                        "time_to_target_s": {n: {k: t[k] for k in ("mean", "std", "seconds",
+                                                                   "censored")}
+                                             for n, t in times.items()},
+                        "samples_per_s": rates})  # fmt: skip
+    return out
+
+
+def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_lamb",
+               workers=WORKERS, gpus_per_node: int = 2) -> list[dict]:  # fmt: skip
+    """Per cluster size: the link below which ``b`` reaches the target first, for the
+    means and for the seeds' spread (``b``'s mean + std against ``a``'s mean - std, and the
+    other way round: the range the crossing can lie in)."""
+    out = []
+    for p in workers:
+        found = {}
+        for label, shift in (("mean", 0.0), ("low", 1.0), ("high", -1.0)):
+            bps = crossover(report, profiles, a, b, p, gpus_per_node, shift=shift)
+            found[label] = None if bps is None else bps / 1e9
+        out.append({"ranks": p, "gpus_per_node": gpus_per_node, "pair": [a, b],
+                    "crossover_gbps": found["mean"],
+                    "crossover_range_gbps": [found["low"], found["high"]]})  # fmt: skip
+    return out
+
+
+def crossover_lines(rows: list[dict]) -> list[str]:
+    """A report's section for :func:`crossovers`."""
+    if not rows:
+        return []
+    a, b = rows[0]["pair"]
+
+    def gbps(value: float | None) -> str:
+        return "none in 0.001–1000" if value is None else f"{value:.2g}"
+
+    lines = [
+        f"## Where {b} stops paying against {a}",
+        "",
+        f"The link per node (Gbit/s) below which {b} reaches the target before {a}, from "
+        "each recipe's compute per step, bytes per step and overlap in the netem files "
+        "(`pipeline/linkmodel.py`), on nodes of 2 ranks; the range: "
+        f"{b}'s mean ∓ std against {a}'s ± std over their seeds. A seed that missed the "
+        "target counts at its run's end, so a recipe with one is modelled too fast.",
+        "",
+        "| ranks | crossover | range |",
+        "|---:|---:|---|",
+    ]
+    for row in rows:
+        low, high = row["crossover_range_gbps"]
+        lines.append(f"| {row['ranks']} | {gbps(row['crossover_gbps'])} | "
+                     f"{gbps(low)}–{gbps(high)} |")  # fmt: skip
+    return [*lines, ""]
+
+
+def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> list[dict]:
+    """:func:`crossovers` for a comparison's ``report.json``; empty when either recipe has
+    no seed at the target or no measured speed."""
+    if not netem_paths:
+        return []
+    profiles, _ = load_profiles(netem_paths)
+    times = recipe_times(report, profiles, 1e9, 4, 2)
+    names = {r["name"]: r for r in report["runs"] if r["time_to_target"].get("reached")}
+    if a not in times or b not in times or a not in names or b not in names:
+        return []
+    return crossovers(report, profiles, a, b)
+
+
+def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2) -> None:
+    """Time to the target against the link per recipe, the band its seeds' spread gives
+    (mean ± std), one panel per cluster size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [10 ** (7 + 5 * i / 50) for i in range(51)]  # 10 Mbit/s .. 1 Tbit/s
+    fig, axes = plt.subplots(1, len(ranks), figsize=(7 * len(ranks), 5), squeeze=False)
+    for ax, p in zip(axes[0], ranks, strict=True):
+        series: dict[str, list] = {}
+        for bps in grid:
+            for name, t in recipe_times(report, profiles, bps, p, gpus_per_node).items():
+                if not all(t["censored"]):
+                    series.setdefault(name, []).append((bps / 1e9, t["mean"] / 3600,
+                                                        t["std"] / 3600))  # fmt: skip
+        for name, points in series.items():
+            xs, ys, ss = zip(*points, strict=True)
+            style = "-" if name in ("lamb", "onebit_lamb") else ":"
+            (line,) = ax.plot(xs, ys, style, label=name, linewidth=2 if style == "-" else 1)
+            ax.fill_between(xs, [y - s for y, s in zip(ys, ss, strict=True)],
+                            [y + s for y, s in zip(ys, ss, strict=True)],
+                            color=line.get_color(), alpha=0.12)  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link per node (Gbit/s)")
+        ax.set_ylabel("modelled time to the target (h)")
+        ax.set_title(f"{p} ranks, {gpus_per_node} per node; band: mean ± std over seeds")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.crossover``: print the model's check against every netem point
+    and the crossover; with ``--out``, write ``crossover.json`` and ``crossover.png``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.crossover", description=__doc__)
+    parser.add_argument("--report", default="docs/compare/tuned/report.json")
+    parser.add_argument("--out", type=Path, help="folder for crossover.json and crossover.png")
+    args = parser.parse_args(argv)
+    report = json.loads(Path(args.report).read_text())
+    netem = report["time_model"]["netem"]
+    if not netem:
+        parser.error(f"{args.report} has no netem files (time_model.netem): no speeds to model")
+    profiles, _ = load_profiles(netem)
+    checked = check()
+    result = {
+        "report": args.report,
+        "netem": netem,
+        "check": checked["summary"],
+        "crossover": crossovers(report, profiles),
+        "sweep": sweep(report, profiles),
+    }
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "crossover.json").write_text(
+            json.dumps({**result, "check_points": checked["points"]}, indent=1) + "\n"
+        )
+        plot(report, profiles, args.out / "crossover.png")
+    print(json.dumps({k: v for k, v in result.items() if k != "sweep"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""Which recipes reach the target first at each bandwidth: groups, not a single winner.
+
+**Censored seeds.** A seed that never reaches the target is not dropped: its time to the
+target is at least the modelled time of its whole run (:func:`run_end`, stored in its
+``time_to_target`` block as ``run_end``), so it counts with that lower bound. A recipe's
+mean over its seeds is then a lower bound too, marked ``≥``, and the reach rate (seeds at
+the target / seeds) stands beside it.
+
+**Groups.** Per bandwidth the recipe with the lowest mean leads. Every other recipe is set
+against it by Welch's two-sided t-test on per-seed times (:data:`ALPHA`); one that is
+significantly slower is *behind*, one that is not is among the *leaders*: the data cannot
+tell it from the first. Each pair's detectable difference says how large a gap the test
+could have found with :data:`POWER` (:func:`detectable_difference`): two seeds per recipe
+detect only gaps of tens of per cent. A censored seed's lower bound makes its recipe look
+faster than it is, so "behind" stays a safe call for it; a leader with censored seeds is
+flagged, since against it "behind" may be too generous.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.stats import mean_std, t_quantile, welch_t_test
+from pipeline.timing import seconds_by_bandwidth, speeds, stage_steps
+
+ALPHA = 0.05
+POWER = 0.8
+TEST = (
+    f"Welch's two-sided t-test on per-seed modelled times, alpha = {ALPHA}; detectable "
+    f"difference at {POWER:.0%} power: (t(1 - alpha/2, df) + t(power, df)) · standard error, "
+    "Welch–Satterthwaite df, in % of the first's mean; a seed that never reached the target "
+    "counts with its run's end as a lower bound (≥)"
+)
+
+
+# ----------------------------------------------------------------------------- censoring
+
+
+def _run_stages(run: dict, siblings: list[dict]) -> dict[str, float] | None:
+    """Steps per stage of the whole run: from its per-step stages (a run read from its
+    directory), its stored curve, or a sibling seed's split at the target with the last
+    stage carried on to the run's end (stages only ever move forward)."""
+    steps = float(run["steps"])
+    if run.get("stages") is not None:
+        return stage_steps(run, steps)
+    curve = [p for p in run.get("curve") or [] if p.get("stage_steps")]
+    candidates = [curve[-1]["stage_steps"]] if curve else []
+    candidates += [
+        s["time_to_target"]["stage_steps"]
+        for s in siblings
+        if (s.get("time_to_target") or {}).get("stage_steps")
+    ]
+    if not candidates:
+        return {"default": steps}
+    split = dict(candidates[0])
+    last = list(split)[-1]
+    split[last] += steps - sum(split.values())
+    return split
+
+
+def run_end(run: dict, netem: dict | None, siblings: list[dict]) -> dict:
+    """The lower bound of a censored seed's time to the target: the samples of its whole
+    run and their modelled seconds per bandwidth (empty where its speed is not measured)."""
+    batch = run["global_batch_size"]
+    split = _run_stages(run, siblings)
+    measured = speeds(netem, run.get("strategy"), run.get("world_size"))
+    return {
+        "samples": float(run["steps"]) * batch,
+        "stage_steps": split,
+        "seconds": seconds_by_bandwidth(split, batch, measured),
+    }
+
+
+def attach_run_ends(arms: list[dict], netem: dict | None) -> None:
+    """Give every seed that did not reach the target its ``run_end`` (in place)."""
+    for arm in arms:
+        for run in arm["seeds"]:
+            block = run["time_to_target"]
+            if not block.get("reached") and run.get("steps"):
+                block["run_end"] = run_end(run, netem, arm["seeds"])
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def detectable_difference(a: list[float], b: list[float], alpha: float = ALPHA,
+                          power: float = POWER) -> float | None:  # fmt: skip
+    """The smallest difference of means Welch's two-sided test at ``alpha`` detects with
+    probability ``power``, from the two samples' spreads (normal-shift approximation with
+    t quantiles at the Welch–Satterthwaite df); None with fewer than two values a side."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    va, vb = mean_std(a)[1] ** 2 / len(a), mean_std(b)[1] ** 2 / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return 0.0
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return (t_quantile(1 - alpha / 2, df) + t_quantile(power, df)) * se
+
+
+def _entry(arm: dict, key: str) -> dict | None:
+    """One recipe's per-seed times at bandwidth ``key``; None when no seed has a time."""
+    values, censored = [], []
+    for run in arm["seeds"]:
+        block = run["time_to_target"]
+        if block.get("reached"):
+            value = (block.get("seconds") or {}).get(key)
+        else:
+            value = ((block.get("run_end") or {}).get("seconds") or {}).get(key)
+        if value is None:
+            continue
+        values.append(value)
+        censored.append(not block.get("reached"))
+    if not values:
+        return None
+    return {
+        "name": arm["name"],
+        "seconds": values,
+        "censored": censored,
+        "reached": sum(1 for r in arm["seeds"] if r["time_to_target"].get("reached")),
+        "seeds": len(arm["seeds"]),
+        "mean": sum(values) / len(values),
+        "lower_bound": any(censored),
+    }
+
+
+def groups(arms: list[dict], bandwidths: list[float]) -> list[dict]:
+    """Per bandwidth: every timed recipe by mean (censored seeds at their lower bound), the
+    leaders (not separable from the first), the recipes clearly behind it, those that
+    cannot be tested (one seed), those no seed of which reached the target, and those
+    without a measured speed there."""
+    out = []
+    for bw in bandwidths:
+        key = f"{bw:g}"
+        ranking, missed, unmeasured = [], [], []
+        for arm in arms:
+            reached = any(r["time_to_target"].get("reached") for r in arm["seeds"])
+            entry = _entry(arm, key)
+            if not reached:
+                missed.append(arm["name"])
+            elif entry is None:
+                unmeasured.append(arm["name"])
+            else:
+                ranking.append(entry)
+        ranking.sort(key=lambda e: e["mean"])
+        row = {"bandwidth_mbit": bw, "test": TEST, "ranking": ranking, "leaders": [],
+               "behind": [], "untested": [], "not_reached": missed,
+               "not_measured": unmeasured}  # fmt: skip
+        if ranking:
+            first = ranking[0]
+            row["leaders"].append(first["name"])
+            for entry in ranking[1:]:
+                _compare(first, entry, row)
+            if len(first["seconds"]) < 2:
+                row["untested"] = [e["name"] for e in ranking[1:]]
+                row["leaders"], row["behind"] = [first["name"]], []
+        out.append(row)
+    return out
+
+
+def _compare(first: dict, entry: dict, row: dict) -> None:
+    if len(entry["seconds"]) < 2 or len(first["seconds"]) < 2:
+        row["untested"].append(entry["name"])
+        return
+    test = welch_t_test(first["seconds"], entry["seconds"])
+    dd = detectable_difference(first["seconds"], entry["seconds"])
+    entry["p_vs_first"] = test.p
+    entry["detectable_difference_pct"] = 100 * dd / first["mean"]
+    if test.p < ALPHA and entry["mean"] > first["mean"]:
+        row["behind"].append(entry["name"])
+    else:
+        row["leaders"].append(entry["name"])
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def bandwidth_label(mbit: float) -> str:
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+def human_seconds(value: float) -> str:
+    """Seconds as reports print them: hours, minutes or seconds."""
+    if value >= 3600:
+        return f"{value / 3600:.2f} h"
+    if value >= 60:
+        return f"{value / 60:.1f} min"
+    return f"{value:.1f} s"
+
+
+def entry_text(entry: dict) -> str:
+    """``name ≥ 3.85 h (3/4)``: mean (a lower bound when a seed is censored), reach rate."""
+    mark = "≥ " if entry["lower_bound"] else ""
+    rate = f"{entry['reached']}/{entry['seeds']}"
+    return f"{entry['name']} {mark}{human_seconds(entry['mean'])} ({rate})"
+
+
+def answer(row: dict) -> str:
+    """The per-bandwidth answer in one sentence: the leading group and its detectable
+    difference, what is clearly behind."""
+    by_name = {e["name"]: e for e in row["ranking"]}
+    if not row["ranking"]:
+        return "no recipe has a modelled time here"
+    first = row["ranking"][0]
+    if len(first["seconds"]) < 2:
+        return f"{entry_text(first)} is first, on one seed: no test"
+    leaders = [entry_text(by_name[n]) for n in row["leaders"]]
+    pcts = [by_name[n]["detectable_difference_pct"] for n in row["leaders"][1:]]
+    if pcts:
+        span = f"{min(pcts):.0f}–{max(pcts):.0f} %" if len(pcts) > 1 else f"{pcts[0]:.0f} %"
+        text = (f"leaders not separable at this power (detectable difference {span}): "
+                f"{', '.join(leaders)}")  # fmt: skip
+    else:
+        text = f"{leaders[0]} is ahead of every recipe tested against it (Welch, p < {ALPHA})"
+    if first["lower_bound"]:
+        text += f" ({first['name']}'s mean is a lower bound: a seed missed the target)"
+    return text
+
+
+def group_lines(rows: list[dict]) -> list[str]:
+    """The report's section for :func:`groups`."""
+    if not rows:
+        return []
+    lines = [
+        "## Which recipes reach the target first",
+        "",
+        "Per bandwidth of the netem benchmark, recipes by modelled time to the target: the "
+        "mean over every seed (seeds at target / seeds), where a seed that never reached the "
+        "target counts with its run's end as a lower bound, so the mean is one too (≥). "
+        f"Test: {TEST}. *Leaders*: the first and every recipe the test cannot tell from it; "
+        "*behind*: slower than the first at p < 0.05.",
+        "",
+        "| bandwidth | the answer | clearly behind | one seed (no test) | never reached "
+        "| not measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        by_name = {e["name"]: e for e in row["ranking"]}
+        behind = ", ".join(entry_text(by_name[n]) for n in row["behind"]) or "–"
+        untested = ", ".join(entry_text(by_name[n]) for n in row["untested"]) or "–"
+        lines.append(
+            f"| {bandwidth_label(row['bandwidth_mbit'])} | {answer(row)} | {behind} | "
+            f"{untested} | {', '.join(row['not_reached']) or '–'} | "
+            f"{', '.join(row['not_measured']) or '–'} |"
+        )
+    return [*lines, ""]

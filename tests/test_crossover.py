@@ -1,0 +1,107 @@
+"""The link and cluster-size model: the collectives' bytes per node, a sweep generated from
+the model is predicted exactly, the crossover where two recipes' times meet, and the model
+against the repository's own netem points."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pipeline import crossover, crossover_check, linkmodel
+
+V = 45e6  # bytes of payload per rank per step
+
+
+def test_bytes_per_node_follow_each_collective():
+    # a ring all-reduce: 2(p-1)/p of the payload through each node's link
+    assert linkmodel.link_factor("ring", 4, 2) == pytest.approx(1.5)
+    assert linkmodel.link_factor("ring", 64, 8) == pytest.approx(2 * 63 / 64)
+    # the 1-bit all-to-all sends V/p to each rank outside the node, then a ring all-gather:
+    # 1.75 on 2 nodes of 2 (the netem sweeps measured 2.50 MB for 1.43 MB of payload)
+    assert linkmodel.link_factor("compressed", 4, 2) == pytest.approx(1.75)
+    assert linkmodel.link_factor("compressed", 4, 1) == pytest.approx(1.5)
+    assert linkmodel.link_factor("compressed", 128, 8) == pytest.approx(8 * 120 / 128 + 127 / 128)
+    # the node hierarchy: the collective between n nodes only
+    assert linkmodel.link_factor("node_ring", 128, 8) == pytest.approx(2 * 15 / 16)
+    assert linkmodel.link_factor("node_compressed", 4, 4) == 0.0
+    assert linkmodel.link_factor("neighbours", 8, 2, 2) == 2.0
+    with pytest.raises(ValueError, match="unknown collective pattern"):
+        linkmodel.link_factor("tree", 4, 2)
+
+
+def test_each_recipe_stage_gets_its_collective():
+    assert linkmodel.pattern_of("lamb", "default") == ("ring", 0)
+    assert linkmodel.pattern_of("lamb_node", "default") == ("node_ring", 0)
+    assert linkmodel.pattern_of("onebit_lamb", "warmup") == ("ring", 0)
+    assert linkmodel.pattern_of("onebit_lamb", "compression") == ("compressed", 0)
+    assert linkmodel.pattern_of("hybrid_onebit_lamb", "warmup") == ("compressed", 0)
+    assert linkmodel.pattern_of("hybrid_onebit_lamb_node", "warmup") == ("node_compressed", 0)
+    assert linkmodel.pattern_of("decentlam/ring", "default") == ("neighbours", 2)
+    assert linkmodel.pattern_of("dmsgd/one_peer_exponential", "default") == ("neighbours", 1)
+
+
+def _row(bw, lamb_compute, onebit_compute, compute_only=30.0):
+    """A sweep row on 2 hosts of 2 ranks whose speeds are the model's own."""
+
+    def run(compute, pattern, payload):
+        step = compute + linkmodel.link_factor(pattern, 4, 2) * payload * 8 / (bw * 1e6)
+        wire = linkmodel.link_factor(pattern, 4, 2) * payload
+        return {"step_seconds": step, "samples_per_s": 256 / step, "wire_bytes_per_step": wire}
+
+    onebit = run(onebit_compute, "compressed", V / 32)
+    onebit["warmup"] = run(lamb_compute, "ring", V)
+    return {"bandwidth_mbit": bw, "world_size": 4, "ranks_per_host": 2, "global_batch": 256,
+            "compute_only_samples_per_s": compute_only,
+            "runs": {"lamb": run(lamb_compute, "ring", V), "onebit_lamb": onebit}}  # fmt: skip
+
+
+def test_a_sweep_made_by_the_model_is_predicted_exactly(tmp_path):
+    path = tmp_path / "netem.json"
+    path.write_text(json.dumps({"results": [_row(25, 8.0, 8.5), _row(10000, 8.0, 8.5)]}))
+    other = tmp_path / "other.json"  # another sweep on a machine 2x as fast: rescaled
+    other.write_text(json.dumps({"results": [_row(100, 4.0, 4.25, compute_only=60.0)]}))
+    result = crossover_check.check([str(path), str(other)])
+    assert len(result["points"]) == 3 * 3
+    assert all(abs(p["error"]) < 1e-9 for p in result["points"])
+    assert {p["from"] for p in result["points"]} == {"same sweep", "other sweeps"}
+    assert result["summary"]["all"]["max_abs_error"] < 1e-9
+
+
+def test_the_crossover_is_where_the_times_meet(tmp_path):
+    path = tmp_path / "netem.json"
+    path.write_text(json.dumps({"results": [_row(25, 8.0, 8.5), _row(10000, 8.0, 8.5)]}))
+    profiles, _ = linkmodel.load_profiles([str(path)])
+
+    def run(name, seed, stages):
+        return {"name": name, "strategy": name, "seed": seed, "global_batch_size": 128,
+                "time_to_target": {"reached": True, "stage_steps": stages}}  # fmt: skip
+
+    report = {"runs": [run("lamb", 1, {"default": 2000}), run("lamb", 2, {"default": 2200}),
+                       run("onebit_lamb", 1, {"warmup": 400, "compression": 2000}),
+                       run("onebit_lamb", 2, {"warmup": 400, "compression": 2200})]}  # fmt: skip
+    bps = crossover.crossover(report, profiles, "lamb", "onebit_lamb", 4, 2)
+    # 2100 (8 + 1.5 V 8/B) = 400 (8 + 1.5 V 8/B) + 2100 (8.5 + 1.75 V/32 8/B), solved for B
+    saved = (2100 - 400) * 1.5 * V * 8 - 2100 * 1.75 * V / 32 * 8
+    assert bps == pytest.approx(saved / (400 * 8 + 2100 * 0.5), rel=1e-6)
+    assert crossover.crossover(report, profiles, "lamb", "onebit_lamb", 4, 2, hi_bps=1e7) is None
+    rows = crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
+    assert [r["ranks"] for r in rows] == [4, 16, 64]
+    assert rows[0]["crossover_gbps"] == pytest.approx(bps / 1e9, rel=1e-6)
+    low, high = rows[0]["crossover_range_gbps"]
+    assert low < rows[0]["crossover_gbps"] < high  # the seeds' spread widens it both ways
+    assert "| 4 | " in "\n".join(crossover.crossover_lines(rows))
+    assert crossover.report_crossovers(report, [str(path)], "lamb", "adamw") == []
+    times = crossover.recipe_times(report, profiles, bps, 4, 2)
+    assert times["lamb"]["mean"] == pytest.approx(times["onebit_lamb"]["mean"], rel=1e-6)
+    assert len(times["lamb"]["seconds"]) == 2 and times["lamb"]["std"] > 0
+
+
+def test_the_model_against_the_repositorys_netem_points():
+    result = crossover_check.check()
+    summary = result["summary"]
+    assert summary["all"]["points"] >= 150
+    # median error of the modelled samples/s, each point predicted from the others
+    assert summary["same sweep"]["median_abs_error"] < 0.1
+    assert math.isfinite(summary["all"]["max_abs_error"])
