@@ -15,11 +15,14 @@ ARGS ?=
 
 setup: $(STAMP)
 
-# torch first and exactly pinned: an unpinned resolve could pull a multi-GB build.
+# torch first and exactly pinned: an unpinned resolve could pull a multi-GB build. EXTRAS:
+# the optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
+# tests on the CPU (without it make test skips them). EXTRAS=dev leaves it out.
+EXTRAS ?= dev,gpu
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # Tests in two tiers. make test: every test but the slow and CUDA ones, the quick check

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from onebit_bert.distributed.comm import Communicator
+from onebit_bert.kernels import multi_tensor, use_fused
+from onebit_bert.kernels.multi_tensor import TableCache
 from onebit_bert.optim import defaults
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig
 from onebit_bert.optim.compressed import WarmupThenCompress
@@ -62,6 +64,9 @@ class OneBitLamb(WarmupThenCompress):
             (bounds the temporary memory of one all-reduce); ``None``: one bucket.
         auto_freeze, total_steps: with ``freeze_step="auto"``, the detector's settings and
             the run's length in steps (its bounds are fractions of it).
+        kernels: ``auto`` (the fused kernels on CUDA), ``reference`` or ``fused``
+            (:mod:`onebit_bert.kernels`) for the compression stage: the fold, the 1-bit
+            all-reduce's per-bucket work and the update. The warmup is LAMB's reference.
 
     After each step: ``stage`` ("warmup" or "compression"), ``last_trust_ratios`` (``r``
     in warmup, ``c·f`` in compression, one per layer), ``last_factors`` (``f``, or None in
@@ -90,6 +95,7 @@ class OneBitLamb(WarmupThenCompress):
         bucket_numel: int | None = None,
         auto_freeze: AutoFreezeConfig | None = None,
         total_steps: int | None = None,
+        kernels: str = "auto",
     ):
         check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
         self._check_freeze_step(freeze_step)
@@ -114,9 +120,10 @@ class OneBitLamb(WarmupThenCompress):
             factor_min=factor_min,
             factor_threshold=factor_threshold,
         )
-        super().__init__(params, hyperparameters, comm, bucket_numel)
+        super().__init__(params, hyperparameters, comm, bucket_numel, kernels)
         self._init_freeze(freeze_step, auto_freeze, total_steps)
         self._scratch: torch.Tensor | None = None
+        self._tables = TableCache()
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
 
@@ -224,7 +231,7 @@ class OneBitLamb(WarmupThenCompress):
         else:
             self._prepare_compression(members, flat)
             for group, params in layout:
-                if params:
+                if params and not self._fused_fold(group, params):
                     self._fold_for_compression(group, params)
             self._compressed_all_reduce(flat, "momentum")
 
@@ -232,7 +239,8 @@ class OneBitLamb(WarmupThenCompress):
         for group, params in layout:
             if not params:
                 continue
-            factor, trust = self._compressed_update(group, params, previous, offset)
+            update = self._fused_compressed_update if self._fits(params) else None
+            factor, trust = (update or self._compressed_update)(group, params, previous, offset)
             factors.append(factor)
             ratios.append(trust)
             offset += sum(p.numel() for p in params)
@@ -295,10 +303,23 @@ class OneBitLamb(WarmupThenCompress):
         del denom_fresh
         factor = torch.stack(_foreach_max(denom)).float()
         del denom
+        norms = None
         if wd != 0.0:
             norm_plain = torch.stack(torch._foreach_norm(update)).float()
             torch._foreach_add_(update, params, alpha=wd)
             norm_decayed = torch.stack(torch._foreach_norm(update)).float()
+            norms = (norm_plain, norm_decayed)
+        factor, trust = self._factor_and_trust(group, states, factor, norms)
+        torch._foreach_mul_(update, list((trust * -lr).unbind(0)))
+        torch._foreach_add_(params, update)
+        return factor, trust
+
+    def _factor_and_trust(self, group, states, factor, norms):
+        """The factor ``f`` from the largest drift per layer (and, with weight decay, the
+        norms of the update without and with it), bounded and rate-limited against the
+        last one, which it replaces; and the trust ratio ``c·f``."""
+        if norms is not None:
+            norm_plain, norm_decayed = norms
             rho = torch.where(
                 norm_decayed > 0,
                 (norm_plain / norm_decayed).clamp(max=1.0),
@@ -313,6 +334,68 @@ class OneBitLamb(WarmupThenCompress):
         )
         torch._foreach_copy_([st["last_factor"] for st in states], list(factor.unbind(0)))
         trust = torch.stack([st["lamb_coeff"] for st in states]) * factor
-        torch._foreach_mul_(update, list((trust * -lr).unbind(0)))
-        torch._foreach_add_(params, update)
+        return factor, trust
+
+    # ------------------------------------------------------------------ fused kernels
+    def _fits(self, params: list[torch.Tensor]) -> bool:
+        """Whether this group's compression step runs in the fused kernels."""
+        if not use_fused(self._device, self.kernels):
+            return False
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
+        return multi_tensor.fits(
+            params,
+            grads,
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [st["exp_avg_sq_fresh"] for st in states],
+        )
+
+    def _fused_fold(self, group: dict, params: list[torch.Tensor]) -> bool:
+        """:meth:`_fold_for_compression` in one kernel; False where it does not apply."""
+        if not self._fits(params):
+            return False
+        states = [self.state[p] for p in params]
+        momenta = [st["exp_avg"] for st in states]
+        base = self._flat.data_ptr()
+        start = (momenta[0].data_ptr() - base) // momenta[0].element_size()
+        multi_tensor.onebit_fold(
+            self._tables.table(params),
+            self._gradients(params, None),
+            momenta,
+            self._views(self._scratch, params, start),
+            torch.stack([st["scaling_coeff"] for st in states]),
+            group["betas"][0],
+        )
+        return True
+
+    def _fused_compressed_update(self, group, params, previous, offset):
+        """:meth:`_compressed_update` in two passes of fused kernels."""
+        beta1, beta2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        states = [self.state[p] for p in params]
+        momenta = [st["exp_avg"] for st in states]
+        second = [st["exp_avg_sq"] for st in states]
+        for p, m in zip(params, momenta, strict=True):
+            mask = self._masks.get(p)
+            if mask is not None:
+                m.mul_(mask)  # masking before unscaling: the same bits (the mask is 0 or 1)
+        table = self._tables.table(params)
+        factor, norm_plain, norm_decayed = multi_tensor.onebit_measure(
+            table,
+            momenta,
+            self._views(previous, params, offset),
+            [st["exp_avg_sq_fresh"] for st in states],
+            second,
+            params,
+            torch.stack([st["scaling_coeff"] for st in states]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            mask_untrained=self.mask_untrained,
+        )
+        norms = None if norm_plain is None else (norm_plain, norm_decayed)
+        factor, trust = self._factor_and_trust(group, states, factor, norms)
+        multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
         return factor, trust

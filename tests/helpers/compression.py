@@ -122,10 +122,13 @@ def param_groups(params):
     ]
 
 
-def run_onebit_lamb(comm, steps, mask_index, bucket):
-    """1-bit LAMB on ``comm.device`` (the same inputs on every device); results on the CPU."""
+def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):
+    """1-bit LAMB on ``comm.device`` (the same inputs on every device) with ``kernels``;
+    results on the CPU."""
     params = [torch.nn.Parameter(t.to(comm.device)) for t in init_params()]
-    opt = OneBitLamb(param_groups(params), comm=comm, bucket_numel=bucket, **ONEBIT_LAMB_HP)
+    opt = OneBitLamb(
+        param_groups(params), comm=comm, bucket_numel=bucket, kernels=kernels, **ONEBIT_LAMB_HP
+    )
     if mask_index is not None:
         opt.set_momentum_mask(params[mask_index], row_mask())
     stages, byte_counts = [], []
