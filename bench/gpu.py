@@ -414,9 +414,8 @@ def our_loop(
                 **optimizer_figures(optimizer, optimizer_seconds[impl], params, args.bandwidth),
             }
             step_seconds = figures[impl]["step_seconds_median"]
-            figures[impl]["model_tflops_per_s"] = round(
-                flops["model_flops_per_step"] / step_seconds / 1e12, 3
-            )
+            tflops = flops["model_flops_per_step"] / step_seconds / 1e12
+            figures[impl]["model_tflops_per_s"] = float(f"{tflops:.4g}")
         return {
             "impls": figures,
             **flops,
@@ -505,7 +504,7 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                         row.update(result, **figures)
                         if "model_tflops_per_s" in row and peak:
                             row["peak_tflops"] = peak
-                            row["mfu"] = round(row["model_tflops_per_s"] / peak, 4)
+                            row["mfu"] = float(f"{row['model_tflops_per_s'] / peak:.4g}")
                         if hf and "samples_per_s" in hf and "samples_per_s" in row:
                             row["ratio_vs_hf_trainer"] = round(
                                 row["samples_per_s"] / hf["samples_per_s"], 3

@@ -97,23 +97,24 @@ def measure_bandwidth(torch, device: str, megabytes: int | None = None, repeats:
 
 
 class StepClock:
-    """Times every call of an optimizer's ``step`` on the device: CUDA events on the current
-    stream (resolved by :meth:`take`), or the host's clock on the CPU."""
+    """Times every call of an optimizer's ``step`` on the device (through torch's step
+    hooks): CUDA events on the current stream (resolved by :meth:`take`), or the host's
+    clock on the CPU."""
 
     def __init__(self, torch, cuda: bool):
         self.torch, self.cuda = torch, cuda
         self.marks: list = []
+        self._start = None
 
     def wrap(self, optimizer) -> None:
-        step = optimizer.step
+        def before(*_):
+            self._start = self._mark()
 
-        def timed(*args, **kwargs):
-            start = self._mark()
-            out = step(*args, **kwargs)
-            self.marks.append((start, self._mark()))
-            return out
+        def after(*_):
+            self.marks.append((self._start, self._mark()))
 
-        optimizer.step = timed
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
 
     def _mark(self):
         if not self.cuda:
