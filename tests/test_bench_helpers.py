@@ -223,17 +223,18 @@ def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
 
 
 @pytest.mark.slow
-def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter(tmp_path):
+def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter():
     """bench/gpu.py with --impl reference,fused on the CPU, the fused kernels in Triton's
     interpreter (a child process: Triton fixes its mode at import): both implementations
-    on one trainer, the comparisons made."""
+    alternate on one trainer and are compared. LAMB only: the interpreter takes about
+    half a minute per fused step of bert-tiny on 2 cores (1-bit LAMB's: several)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = (
         "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
         "--warmup-steps 2 --repeats 1 --batch-size 4 --vocab-size 6500 --seq-lengths 128 "
-        "--optimizers lamb,onebit_lamb --no-hf-baseline --impl reference,fused"
+        "--optimizers lamb --no-hf-baseline --no-optimizer-steps --impl reference,fused"
     )
     out = subprocess.run(
         [sys.executable, "-m", "bench.gpu", *shlex.split(command)],
@@ -241,15 +242,13 @@ def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-5000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    rows = [(r["optimizer"], r["impl"]) for r in summary["runs"]]
-    assert rows == [(o, i) for o in ("lamb", "onebit_lamb") for i in ("reference", "fused")]
-    assert all(r["samples_per_s"] > 0 for r in summary["runs"])
-    assert {r["stage"] for r in summary["runs"] if r["optimizer"] == "onebit_lamb"} == {
-        "compression"
-    }
-    (config, lamb_alone, onebit_alone) = summary["comparisons"]
-    assert config["onebit_over_lamb_samples_fused"] > 0
-    assert lamb_alone["optimizer_alone"] == "lamb" and onebit_alone["step_speedup_fused"] > 0
+    assert [(r["optimizer"], r["impl"]) for r in summary["runs"]] == [
+        ("lamb", "reference"),
+        ("lamb", "fused"),
+    ]
+    assert all(r["samples_per_s"] > 0 and r["optimizer_step_ms"] > 0 for r in summary["runs"])
+    (config,) = summary["comparisons"]
+    assert config["lamb_fused_over_reference_samples"] > 0
 
 
 def test_checkpoint_io_bench_saves_loads_and_reports_rates(tmp_path):
