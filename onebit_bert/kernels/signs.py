@@ -25,6 +25,7 @@ use for the current Triton mode (:func:`~onebit_bert.kernels.triton_module`).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -41,6 +42,20 @@ def _scales(messages: torch.Tensor) -> torch.Tensor:
     return tail.view(torch.float32).view(-1)
 
 
+class Measured:
+    """Sums of squares over the buckets compressed inside :meth:`FusedSignOps.measure`:
+    of the workers' inputs and of their errors after compression (the error figure's two
+    norms, without two more passes over the buffer)."""
+
+    def __init__(self, device):
+        self.input_sq = torch.zeros((), dtype=torch.float32, device=device)
+        self.error_sq = torch.zeros((), dtype=torch.float32, device=device)
+
+    def relative_error(self) -> torch.Tensor:
+        """‖errors‖ / ‖inputs‖, as the reference codec computes its error figure."""
+        return self.error_sq.sqrt() / self.input_sq.sqrt().clamp_min(1e-30)
+
+
 class FusedSignOps:
     """The per-bucket work of the 1-bit all-reduce in Triton kernels: worker compression
     into message rows, the server step, expansion. Buffers are flat fp32, contiguous,
@@ -50,6 +65,17 @@ class FusedSignOps:
 
     def __init__(self, block: int = BYTES_PER_PROGRAM):
         self.block = block
+        self._measured: Measured | None = None
+
+    @contextmanager
+    def measure(self, device):
+        """Inside the block, worker compressions also sum the squares of their inputs and
+        of their new errors into the :class:`Measured` yielded."""
+        self._measured = Measured(device)
+        try:
+            yield self._measured
+        finally:
+            self._measured = None
 
     def _grid(self, n_bytes: int) -> tuple[int]:
         return (max(1, -(-n_bytes // self.block)),)
@@ -64,9 +90,23 @@ class FusedSignOps:
         n_bytes = err.numel() // 8
         grid = self._grid(n_bytes)
         partial = torch.empty(grid[0], dtype=torch.float32, device=err.device)
-        common = dict(SERVER=server, BLOCK=self.block)
+        measured = None if server else self._measured
+        sums = torch.empty(2, grid[0], dtype=torch.float32, device=err.device) if measured else None
+        input_sq, error_sq = (sums[0], sums[1]) if measured else (partial, partial)
+        common = dict(SERVER=server, MEASURE=measured is not None, BLOCK=self.block)
         k.sum_squares[grid](
-            x, err, partial, n_bytes, received, scales, ranks, float(ranks), stride, real, **common
+            x,
+            err,
+            partial,
+            input_sq,
+            n_bytes,
+            received,
+            scales,
+            ranks,
+            float(ranks),
+            stride,
+            real,
+            **common,
         )
         scale = self._scale(partial, real)
         k.pack[grid](
@@ -74,6 +114,7 @@ class FusedSignOps:
             err,
             scale,
             message,
+            error_sq,
             n_bytes,
             body,
             message.shape[-1] if message.dim() == 2 else message.numel(),
@@ -86,6 +127,10 @@ class FusedSignOps:
             **common,
         )
         message.view(-1, body + SCALE_BYTES)[:, body:] = scale.reshape(1).view(torch.uint8)
+        if measured is not None:
+            totals = sums.sum(dim=1)
+            measured.input_sq += totals[0]
+            measured.error_sq += totals[1]
         return scale
 
     def compress(

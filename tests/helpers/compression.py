@@ -143,11 +143,13 @@ def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):
         opt.step()
         stages.append(opt.stage)
         byte_counts.append(opt.last_step_bytes)
+    error = opt.last_compression_error
     return {
         "params": [p.detach().cpu() for p in params],
         "stages": stages,
         "bytes": byte_counts,
         "factors": opt.last_factors.cpu(),
+        "compression_error": None if error is None else error.cpu(),
         "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
     }
 

@@ -32,9 +32,11 @@ def _value(x, err, index, rows, cols, n_bytes, received, scales, ranks, ranks_f,
 
 
 @triton.jit
-def sum_squares(x, err, partial, n_bytes, received, scales, ranks, ranks_f, stride, real,
-                SERVER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """``partial[program]``: the sum of the squared values over this tile's real elements."""
+def sum_squares(x, err, partial, partial_input, n_bytes, received, scales, ranks, ranks_f,
+                stride, real, SERVER: tl.constexpr, MEASURE: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """``partial[program]``: the sum of the squared values over this tile's real elements;
+    with ``MEASURE`` (worker) also ``partial_input[program]``, that of ``x`` alone."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, 8)
     index = rows[:, None] * 8 + cols[None, :]
@@ -42,14 +44,18 @@ def sum_squares(x, err, partial, n_bytes, received, scales, ranks, ranks_f, stri
                real, SERVER)  # fmt: skip
     v = tl.where(index < real, v, 0.0)
     tl.store(partial + tl.program_id(0), tl.sum(tl.sum(v * v, axis=1), axis=0))
+    if MEASURE:
+        plain = tl.load(x + index, mask=rows[:, None] < n_bytes, other=0.0)
+        tl.store(partial_input + tl.program_id(0), tl.sum(tl.sum(plain * plain, axis=1), axis=0))
 
 
 @triton.jit
-def pack(x, err, scale, message, n_bytes, body, row_stride, received, scales, ranks, ranks_f,
-         stride, real, SERVER: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def pack(x, err, scale, message, partial_error, n_bytes, body, row_stride, received, scales,
+         ranks, ranks_f, stride, real, SERVER: tl.constexpr, MEASURE: tl.constexpr,
+         BLOCK: tl.constexpr):  # fmt: skip
     """The signs of the values into ``message`` (byte ``r`` to row ``r // body``, column
     ``r % body``, rows ``row_stride`` bytes apart) and ``err = v - scale·sign(v)`` (0 from
-    ``real`` on)."""
+    ``real`` on); with ``MEASURE``, ``partial_error[program]``: the sum of its squares."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, 8)
     index = rows[:, None] * 8 + cols[None, :]
@@ -64,6 +70,8 @@ def pack(x, err, scale, message, n_bytes, body, row_stride, received, scales, ra
     left = tl.where(positive, v - s, v + s)  # v - (±s), the reference's subtraction
     left = tl.where(index < real, left, 0.0)
     tl.store(err + index, left, mask=rows[:, None] < n_bytes)
+    if MEASURE:
+        tl.store(partial_error + tl.program_id(0), tl.sum(tl.sum(left * left, axis=1), axis=0))
 
 
 @triton.jit
