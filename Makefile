@@ -11,15 +11,18 @@ DATA_ROOT ?= ../shared/data
 DATA_OUT ?=
 ARGS ?=
 
-.PHONY: setup test test-slow test-all test-gpu lint format config-docs smoke repro-mini parity compare tune submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu bench-netem bench-giant-doc clean
+.PHONY: setup test test-slow test-all test-gpu lint format config-docs smoke repro-mini parity compare tune submit data data-sample pretrain finetune report bench-comm bench-data bench-train bench-gpu gpu-check bench-netem bench-giant-doc clean
 
 setup: $(STAMP)
 
-# torch first and exactly pinned: an unpinned resolve could pull a multi-GB build.
+# torch first and exactly pinned: an unpinned resolve could pull a multi-GB build. EXTRAS:
+# the optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
+# tests on the CPU (without it make test skips them). EXTRAS=dev leaves it out.
+EXTRAS ?= dev,gpu
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # Tests in two tiers. make test: every test but the slow and CUDA ones, the quick check
@@ -126,6 +129,14 @@ data-sample: setup
 # Compressed vs fp32 all-reduce on $(RANKS) gloo ranks, $(NUMEL) elements; JSON last line.
 bench-comm: setup
 	$(PY) -m bench.comm --world-size $(RANKS) --numel $(NUMEL)
+
+# The fused kernels' GPU checks in about 8 minutes: the CUDA tests, then bench-gpu with the
+# reference and fused kernels alternating (bf16, eager and compiled, lengths 128 and 512);
+# JSON under $(OUT_GPU) (bench/gpu_check.sh). Uses the machine's Python where there is no
+# .venv (a GPU machine's own CUDA build of torch).
+OUT_GPU ?= runs/gpu_check
+gpu-check:
+	OUT=$(OUT_GPU) bash bench/gpu_check.sh
 
 # data_prep vs the HF run_mlm-style pipeline on DATA_ROOT's Wikipedia sample; JSON last line.
 bench-data: setup

@@ -15,10 +15,25 @@ For every sequence length, precision (bf16, fp16) and compile setting (eager,
   (``adamw_torch_fused``, the kernel our AdamW row runs on CUDA), so ``ratio_vs_hf_trainer``
   compares the loops; its MLM head runs on every position, ours on the masked ones only.
 
+Old and new code in one invocation: ``--impl reference,fused`` runs LAMB's and 1-bit
+LAMB's step with the reference (plain torch) and the fused kernels (``optimizer.kernels``,
+:mod:`onebit_bert.kernels`) on one trainer per configuration, alternating: ``--repeats``
+rounds of ``--steps`` timed steps per implementation, so that a speed-up is a ratio of
+figures from one machine and one process (``comparisons``: fused over reference, and
+1-bit LAMB over LAMB per implementation). AdamW has one implementation (torch's fused
+kernel): its row says ``impl: torch``.
+
+Each figure has its MFU (the FLOP formula is stated in the output: ``bench/yardstick.py``)
+and the optimizer step's own time (CUDA events around ``optimizer.step``) beside its
+floor: the bytes the step must move over the memory's bandwidth (``--bandwidth-gbs``, or
+measured by a copy). ``optimizer_steps`` times the optimizers alone on the preset's
+parameters (no model run), the two implementations alternating as well.
+
 Each configuration runs ``--warmup-steps`` untimed steps (compilation, the 1-bit switch,
-the fp16 loss scale settling), then ``--steps`` timed ones. The clock is the device's:
-on CUDA every step is timed by two CUDA events on the current stream (read after the GPU
-synchronised), on the CPU by ``time.perf_counter``; ``clock`` says which.
+the fp16 loss scale settling; every implementation takes some), then the timed ones. The
+clock is the device's: on CUDA every step is timed by two CUDA events on the current
+stream (read after the GPU synchronised), on the CPU by ``time.perf_counter``; ``clock``
+says which.
 ``samples_per_s`` is the micro-batch over the median step, ``peak_memory_gib``
 ``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). One
 more, untimed step of our loop runs under torch's CUDA sync debug mode:
@@ -29,6 +44,7 @@ configuration failed.
 
 ``--device cpu`` runs the same code on the CPU, in fp32, as a dry run of the benchmark's
 plumbing (a small ``--model`` makes it quick): its figures measure nothing about a GPU.
+There ``--impl`` is ``reference`` unless Triton's interpreter is on (``TRITON_INTERPRET=1``).
 
 The data needs nothing outside the repository: by default (``--corpus generated``) the
 smoke corpus that ``python -m smoke_data`` writes, prepared by the data stage at both
@@ -60,6 +76,7 @@ if __package__ in (None, ""):  # run as a file (python bench/gpu.py): make bench
 
 NO_CUDA = "bench-gpu needs a CUDA GPU; none found (torch.cuda.is_available() is False)"
 OPTIMIZERS = ("lamb", "onebit_lamb", "adamw")
+IMPLS = ("reference", "fused")
 PRECISIONS = ("bf16", "fp16", "fp32")
 MODELS = ("bert-large", "bert-base", "bert-small", "bert-mini", "bert-tiny")
 SEQ_LENGTHS = (128, 512)
@@ -157,6 +174,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="our loop's optimizers, comma list of lamb, onebit_lamb, adamw (default: all)",
     )
     parser.add_argument(
+        "--impl",
+        type=comma_list(IMPLS),
+        default=list(IMPLS),
+        help="LAMB's and 1-bit LAMB's implementations, alternated on one trainer: comma list "
+        "of reference, fused (default: both)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of --steps timed steps per implementation (default: 3)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the peak MFU divides by (default: the GPU's dense bf16/fp16 peak where known)",
+    )
+    parser.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=None,
+        help="memory bandwidth for the optimizer's floor, GB/s (default: measured by a copy)",
+    )
+    parser.add_argument(
+        "--optimizer-steps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time LAMB's and 1-bit LAMB's steps alone on the preset (default: on)",
+    )
+    parser.add_argument(
         "--compile",
         choices=("off", "on", "both"),
         default="both",
@@ -197,8 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.steps < 1 or args.batch_size < 1 or args.max_documents < 1:
-        parser.error("--steps, --batch-size and --max-documents must be >= 1")
+    if min(args.steps, args.batch_size, args.max_documents, args.repeats) < 1:
+        parser.error("--steps, --batch-size, --max-documents and --repeats must be >= 1")
+    if "fused" in args.impl:
+        from onebit_bert.kernels import interpreting, triton_available
+
+        if not triton_available():
+            parser.error("--impl fused needs Triton (pip install '.[gpu]'); or --impl reference")
+        if args.device == "cpu" and not interpreting():
+            parser.error("--impl fused on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
     if args.warmup_steps < 2:
         parser.error(
             "--warmup-steps must be >= 2: the first steps compile, switch 1-bit LAMB to its "
@@ -224,6 +279,7 @@ class Device:
         self.torch = torch
         self.type = kind
         self.cuda = kind == "cuda"
+        self.name = torch.cuda.get_device_name(0) if self.cuda else None
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -295,15 +351,18 @@ def rate(step_seconds: list[float], batch: int) -> dict:
 def our_loop(
     data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, batch, args, device
 ) -> dict:
-    """Samples/s of the project's loop on the device (see the module docstring)."""
+    """Samples/s of the project's loop on the device (see the module docstring), per
+    implementation: ``{"impls": {impl: figures}, ...}``."""
     from bench.common import pretrain_config
     from bench.host_syncs import count_host_syncs
+    from bench.yardstick import StepClock, model_flops, optimizer_figures
     from onebit_bert.config import from_dict
     from onebit_bert.distributed import init_distributed
     from pretrain.config import PretrainConfig
     from pretrain.train import Trainer
 
-    total = args.warmup_steps + args.steps
+    rounds = args.repeats * len(args.impl)
+    total = args.warmup_steps + rounds * args.steps
     settings = pretrain_config(
         data,
         run_dir,
@@ -320,19 +379,50 @@ def our_loop(
     ctx = init_distributed(backend=None if device.cuda else "gloo", env={})
     trainer = Trainer(from_dict(PretrainConfig, settings), ctx)
     try:
+        opt = trainer.strategy.optimizer
+        switch = getattr(opt, "set_kernels", None)
+        impls = args.impl if switch is not None else ["torch"]
+        clock = StepClock(device.torch, device.cuda)
+        clock.wrap(opt)
         if compiled:
             # The encoder, where the time goes; the MLM head on masked positions has a
             # shape that changes with every batch and stays eager.
             trainer.model.bert.compile()
-        seconds = [
-            device.time_step(partial(trainer.train_step, step)) for step in range(1, total + 1)
-        ]
-        _, syncs = count_host_syncs(lambda: trainer.train_step(total + 1), ctx.device)
+        for step in range(1, args.warmup_steps + 1):
+            if switch is not None:
+                switch(impls[step % len(impls)])
+            trainer.train_step(step)
+        clock.take()
+        seconds = {impl: [] for impl in impls}
+        optimizer_seconds = {impl: [] for impl in impls}
+        step = args.warmup_steps
+        for _ in range(args.repeats if switch is not None else rounds):
+            for impl in impls:
+                if switch is not None:
+                    switch(impl)
+                for _ in range(args.steps):
+                    step += 1
+                    seconds[impl].append(device.time_step(partial(trainer.train_step, step)))
+                optimizer_seconds[impl] += clock.take()
+        _, syncs = count_host_syncs(lambda: trainer.train_step(step + 1), ctx.device)
+        flops = model_flops(trainer.model, batch, trainer.seq_length)
+        params = sum(p.numel() for group in opt.param_groups for p in group["params"])
+        figures = {}
+        for impl in impls:
+            figures[impl] = {
+                **rate(seconds[impl], batch),
+                **optimizer_figures(optimizer, optimizer_seconds[impl], params, args.bandwidth),
+            }
+            step_seconds = figures[impl]["step_seconds_median"]
+            tflops = flops["model_flops_per_step"] / step_seconds / 1e12
+            figures[impl]["model_tflops_per_s"] = float(f"{tflops:.4g}")
         return {
-            **rate(seconds[args.warmup_steps :], batch),
+            "impls": figures,
+            **flops,
+            "optimizer_params": params,
             "clock": device.clock,
             "host_syncs_per_step": syncs,
-            "stage": getattr(trainer.strategy.optimizer, "stage", None),
+            "stage": getattr(opt, "stage", None),
             "skipped_steps": trainer.scaler.skipped_steps,
         }
     finally:
@@ -371,7 +461,12 @@ def batch_for(seq_length: int, batch_size: int) -> int:
 
 
 def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict]:
-    """Every configuration on ``data`` (sequence length -> the data stage's shard folder)."""
+    """Every configuration on ``data`` (sequence length -> the data stage's shard folder);
+    one row per loop, optimizer and implementation. Sets ``args.bandwidth`` (GB/s: given
+    or measured) for the optimizer's floor."""
+    from bench.yardstick import measure_bandwidth, peak_tflops
+
+    args.bandwidth = args.bandwidth_gbs or measure_bandwidth(device.torch, device.type)
     compile_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     runs = []
     for seq_length, shards in data.items():
@@ -381,6 +476,7 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                 mode = "compiled" if compiled else "eager"
                 common = {"seq_length": seq_length, "batch_size": batch, "precision": precision}
                 common["compile"] = compiled
+                peak = peak_tflops(device.name, precision, args.peak_tflops)
                 hf = None
                 if args.hf_baseline:
                     name = f"hf_trainer_{seq_length}_{precision}_{mode}"
@@ -403,11 +499,17 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                         device,
                     )
                     result = measure(name, run, device)
-                    if hf and "samples_per_s" in hf and "samples_per_s" in result:
-                        result["ratio_vs_hf_trainer"] = round(
-                            result["samples_per_s"] / hf["samples_per_s"], 3
-                        )
-                    runs.append({"loop": "ours", "optimizer": optimizer, **common, **result})
+                    for impl, figures in result.pop("impls", {"-": {}}).items():
+                        row = {"loop": "ours", "optimizer": optimizer, "impl": impl, **common}
+                        row.update(result, **figures)
+                        if "model_tflops_per_s" in row and peak:
+                            row["peak_tflops"] = peak
+                            row["mfu"] = float(f"{row['model_tflops_per_s'] / peak:.4g}")
+                        if hf and "samples_per_s" in hf and "samples_per_s" in row:
+                            row["ratio_vs_hf_trainer"] = round(
+                                row["samples_per_s"] / hf["samples_per_s"], 3
+                            )
+                        runs.append(row)
     return runs
 
 
@@ -457,6 +559,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"no prepared shards at {', '.join(missing)}: prepare those lengths")
         vocab_size = prepared_vocab_size(out)
         runs = run_all(data, tmp, args, device)
+        steps = []
+        if args.optimizer_steps:
+            from bench.yardstick import standalone_optimizer_steps
+
+            alone = partial(standalone_optimizer_steps, args, device, args.impl, args.bandwidth)
+            steps = measure("optimizer_steps", lambda: {"rows": alone()}, device).get("rows", [])
+    from bench.yardstick import FLOP_FORMULA, comparisons
+
     eager_failures = [r for r in runs if "error" in r and not r["compile"]]
     if device.cuda:
         properties = torch.cuda.get_device_properties(0)
@@ -480,7 +590,14 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": args.warmup_steps,
         "hf_trainer_optimizer": HF_OPTIMIZER,
         "clock": device.clock,
+        "impls": args.impl,
+        "repeats": args.repeats,
+        "bandwidth_gbs": args.bandwidth,
+        "bandwidth_source": "given" if args.bandwidth_gbs else "measured (device copy)",
+        "flop_formula": FLOP_FORMULA,
         "runs": runs,
+        "optimizer_steps": steps,
+        "comparisons": comparisons(runs, steps),
         "failures": sum("error" in r for r in runs),
         "reference": NVIDIA_REFERENCE,
     }

@@ -115,29 +115,32 @@ def test_giant_document_benchmark_runs_small():
 
 
 def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
-    """bench/gpu.py's loops, timing, host-sync count and HF Trainer baseline, on the CPU
-    (its --device cpu dry run): every configuration yields its figures, 1-bit LAMB in its
-    compression stage. A GPU is needed for the benchmark's real figures."""
+    """bench/gpu.py's loops, timing, host-sync count, HF Trainer baseline, MFU and the
+    optimizer's floor, on the CPU (its --device cpu dry run): every configuration yields
+    its figures, 1-bit LAMB in its compression stage. A GPU is needed for the benchmark's
+    real figures."""
     from bench import gpu
 
     parser = gpu.build_parser()
     args = parser.parse_args(
         shlex.split(
-            "--device cpu --model bert-tiny --precisions fp32 --compile off "
-            "--steps 1 --warmup-steps 2 --batch-size 8 --vocab-size 2000"
+            "--device cpu --model bert-tiny --precisions fp32 --compile off --impl reference "
+            "--steps 1 --repeats 2 --warmup-steps 2 --batch-size 8 --vocab-size 2000 "
+            "--peak-tflops 1 --bandwidth-gbs 10"
         )
     )
     gpu.check_arguments(parser, args)
     runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
-    assert [(r["loop"], r["optimizer"]) for r in runs] == [
-        ("hf_trainer", "adamw"),
-        ("ours", "lamb"),
-        ("ours", "onebit_lamb"),
-        ("ours", "adamw"),
+    assert [(r["loop"], r["optimizer"], r.get("impl")) for r in runs] == [
+        ("hf_trainer", "adamw", None),
+        ("ours", "lamb", "reference"),
+        ("ours", "onebit_lamb", "reference"),
+        ("ours", "adamw", "torch"),
     ]
     for run in runs:
         assert "error" not in run, run
-        assert run["samples_per_s"] > 0 and run["steps_timed"] == 1, run
+        timed = 1 if run["loop"] == "hf_trainer" else 2
+        assert run["samples_per_s"] > 0 and run["steps_timed"] == timed, run
         assert run["precision"] == "fp32" and run["compile"] is False
         assert run["seq_length"] == 128 and run["batch_size"] == 8
         assert run["clock"] == "perf_counter"
@@ -147,8 +150,51 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
     for run in ours.values():
         assert run["ratio_vs_hf_trainer"] > 0
         assert run["host_syncs_per_step"] > 0  # the gradient norm, at least
+        assert run["mfu"] == run["model_tflops_per_s"] > 0 and run["peak_tflops"] == 1
+        assert run["flop_formula"].startswith("6*N*T + 12*L*d*S*T")
+        assert run["optimizer_step_ms"] > 0 and run["optimizer_floor_ms"] > 0
+    params = ours["lamb"]["optimizer_params"]
+    assert ours["lamb"]["optimizer_bytes_floor"] == 28 * params
+    assert ours["onebit_lamb"]["optimizer_bytes_floor"] == int(56.5 * params)
+    assert ours["lamb"]["optimizer_floor_ms"] == round(28 * params / 10e9 * 1000, 3)
     with pytest.raises(SystemExit):  # half precision is the GPU's
         gpu.check_arguments(parser, parser.parse_args(["--device", "cpu"]))
+    with pytest.raises(SystemExit):  # the fused kernels need CUDA or the interpreter
+        gpu.check_arguments(
+            parser, parser.parse_args(shlex.split("--device cpu --precisions fp32"))
+        )
+
+
+def test_gpu_benchmark_comparisons_are_ratios_of_one_invocation():
+    from bench.yardstick import comparisons, model_flops
+
+    def row(optimizer, impl, samples, ms):
+        return dict(loop="ours", optimizer=optimizer, impl=impl, seq_length=128,
+                    precision="bf16", compile=True, samples_per_s=samples,
+                    optimizer_step_ms=ms)  # fmt: skip
+
+    runs = [
+        row("lamb", "reference", 100, 8),
+        row("lamb", "fused", 110, 4),
+        row("onebit_lamb", "reference", 60, 40),
+        row("onebit_lamb", "fused", 99, 10),
+    ]
+    alone = [{"optimizer": "onebit_lamb", "impl": "reference", "optimizer_step_ms": 30},
+             {"optimizer": "onebit_lamb", "impl": "fused", "optimizer_step_ms": 6}]  # fmt: skip
+    (config, step) = comparisons(runs, alone)
+    assert config["lamb_fused_over_reference_samples"] == 1.1
+    assert config["onebit_lamb_optimizer_step_speedup"] == 4.0
+    assert config["onebit_over_lamb_samples_reference"] == 0.6
+    assert config["onebit_over_lamb_samples_fused"] == 0.9
+    assert step == {"optimizer_alone": "onebit_lamb", "step_speedup_fused": 5.0}
+
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    model = build_model(ModelConfig(preset="bert-tiny"), 64)
+    flops = model_flops(model, batch=4, seq_length=32)
+    n = sum(p.numel() for p in model.bert.encoder.parameters())
+    assert flops["model_flops_per_step"] == 6 * n * 128 + 12 * 2 * 128 * 32 * 128
 
 
 def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
@@ -159,7 +205,8 @@ def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
     status = gpu.main(
         shlex.split(
             "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
-            "--warmup-steps 2 --batch-size 8 --optimizers lamb --no-hf-baseline"
+            "--warmup-steps 2 --batch-size 8 --optimizers lamb --no-hf-baseline "
+            "--impl reference --repeats 1"
         )
     )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -169,6 +216,39 @@ def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
     assert [(r["seq_length"], r["batch_size"]) for r in summary["runs"]] == [(128, 8), (512, 2)]
     assert all(r["samples_per_s"] > 0 for r in summary["runs"])
     assert summary["reference"]["sequences_per_s_per_gpu"] == {"128": 580, "512": 210}
+    assert summary["bandwidth_gbs"] > 0 and summary["impls"] == ["reference"]
+    (alone,) = summary["optimizer_steps"]  # LAMB's step alone, on the preset's parameters
+    assert alone["optimizer"] == "lamb" and alone["optimizer_step_ms"] > 0
+    assert alone["optimizer_vs_floor"] > 0 and alone["steps_timed"] == 1
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter():
+    """bench/gpu.py with --impl reference,fused on the CPU, the fused kernels in Triton's
+    interpreter (a child process: Triton fixes its mode at import): both implementations
+    alternate on one trainer and are compared. LAMB only: the interpreter takes about
+    half a minute per fused step of bert-tiny on 2 cores (1-bit LAMB's: several)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = (
+        "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
+        "--warmup-steps 2 --repeats 1 --batch-size 4 --vocab-size 6500 --seq-lengths 128 "
+        "--optimizers lamb --no-hf-baseline --no-optimizer-steps --impl reference,fused"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", *shlex.split(command)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-5000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["optimizer"], r["impl"]) for r in summary["runs"]] == [
+        ("lamb", "reference"),
+        ("lamb", "fused"),
+    ]
+    assert all(r["samples_per_s"] > 0 and r["optimizer_step_ms"] > 0 for r in summary["runs"])
+    (config,) = summary["comparisons"]
+    assert config["lamb_fused_over_reference_samples"] > 0
 
 
 def test_checkpoint_io_bench_saves_loads_and_reports_rates(tmp_path):

@@ -19,12 +19,16 @@ import pytest
 import torch
 
 from onebit_bert.distributed import packing
+from onebit_bert.distributed.comm import Communicator
 from onebit_bert.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.kernels import triton_available, use_fused
 from onebit_bert.metrics_log import read_metrics
+from onebit_bert.optim import Lamb
 from pretrain.config import ModelConfig
 from pretrain.model import PretrainingLoss, build_model
 from tests.distributed_harness import run_ranks
 from tests.helpers.compression import compressed_calls, per_tensor_calls, run_onebit_lamb
+from tests.helpers.kernel_checks import CHECKS
 from tests.helpers.loss_scaling import OverflowOnce, fit_overflow_once, overflow_on_rank_one
 from tests.helpers.nccl import every_collective
 from tests.helpers.runs import mlm_losses, tiny_config, train_in_process
@@ -139,6 +143,44 @@ def test_onebit_lamb_steps_on_cuda_match_the_cpu(world_size):
         assert torch.all(gpu["masked_momentum"] == 0)
     for gpu in on_gpu[1:]:
         for a, b in zip(gpu["params"], on_gpu[0]["params"], strict=True):
+            assert torch.equal(a, b), "replicas diverged"
+
+
+# ----------------------------------------------------------------------------- fused kernels
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_fused_kernels_on_cuda_match_the_reference_on_the_cpu(check):
+    # The interpreter runs the same checks in make test (tests/test_kernels.py).
+    if not triton_available():
+        pytest.fail("Triton is missing: torch's CUDA builds ship it (pip install '.[gpu]')")
+    CHECKS[check](GPU)
+
+
+def test_cuda_picks_the_fused_kernels_by_default():
+    assert Communicator(None, device=GPU).sign_ops.name == "fused"
+    params = [torch.nn.Parameter(torch.randn(4, device=GPU))]
+    assert Lamb(params).kernels == "auto" and use_fused(GPU, "auto")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fused_onebit_lamb_on_cuda_matches_the_reference_on_cuda_and_the_cpu(world_size):
+    steps, mask = 8, 2
+    on_cpu = run_ranks(run_onebit_lamb, world_size, steps, mask, 64)
+    args = (world_size, steps, mask, 64)
+    reference = run_ranks(run_onebit_lamb, *args, "reference", device=GPU)
+    fused = run_ranks(run_onebit_lamb, *args, "fused", device=GPU)
+    for cpu, ref, new in zip(on_cpu, reference, fused, strict=True):
+        assert new["stages"] == cpu["stages"] == ["warmup"] * 3 + ["compression"] * 5
+        assert new["bytes"] == ref["bytes"] == cpu["bytes"]
+        for got, want_gpu, want_cpu in zip(new["params"], ref["params"], cpu["params"],
+                                           strict=True):  # fmt: skip
+            torch.testing.assert_close(got, want_gpu, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got, want_cpu, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new["factors"], cpu["factors"], rtol=1e-5, atol=1e-6)
+        assert torch.all(new["masked_momentum"] == 0)
+    for other in fused[1:]:
+        for a, b in zip(other["params"], fused[0]["params"], strict=True):
             assert torch.equal(a, b), "replicas diverged"
 
 

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from onebit_bert.distributed.compression import ErrorFeedback
+from onebit_bert.distributed.compression import ErrorFeedback, SignOps
 
 CODECS = ("none", "bf16", "fp16", "int8", "int4", "onebit", "onebit_tensor", "powersgd")
 """Codec names, as the ``comm.compression`` config section spells them."""
@@ -425,15 +425,25 @@ class OneBitCodec(Codec):
     compress each tensor, but all tensors travel in one all-to-all and one all-gather
     (DeepSpeed issues both per tensor); otherwise the tensors are concatenated and share
     each chunk's scale (a layer of small values next to one of large values is then
-    rounded to the large one's scale)."""
+    rounded to the large one's scale).
+
+    ``sign_ops``: the per-bucket implementation (default: the communicator's,
+    :attr:`~onebit_bert.distributed.comm.Communicator.sign_ops`)."""
 
     name = "onebit"
     lossy = True
     overlaps_fused = True
 
-    def __init__(self, comm, bucket_numel: int | None = None, per_tensor: bool = False):
+    def __init__(
+        self,
+        comm,
+        bucket_numel: int | None = None,
+        per_tensor: bool = False,
+        sign_ops: SignOps | None = None,
+    ):
         super().__init__(comm)
         comm.prepare_packing()
+        self.sign_ops = sign_ops if sign_ops is not None else comm.sign_ops
         self.bucket_numel = bucket_numel
         self.feedback: dict[str, ErrorFeedback] = {}
         self.per_tensor = per_tensor
@@ -447,12 +457,14 @@ class OneBitCodec(Codec):
         if self.per_tensor and len(tensors) > 1:
             # each tensor its own scales and errors, all of them in one pair of collectives
             padded = [self._padded([t], f"{key}/{i}") for i, t in enumerate(tensors)]
-            self.comm.compressed_all_reduce_many([(buffer, fb) for buffer, fb, _ in padded])
+            self.comm.compressed_all_reduce_many(
+                [(buffer, fb) for buffer, fb, _ in padded], self.sign_ops
+            )
             for tensor, (buffer, _, numel) in zip(tensors, padded, strict=True):
                 self._unflatten(buffer[:numel], [tensor])
             return
         buffer, feedback, numel = self._padded(tensors, key)
-        self.comm.compressed_all_reduce(buffer, feedback)
+        self.comm.compressed_all_reduce(buffer, feedback, self.sign_ops)
         self._unflatten(buffer[:numel], tensors)
 
     def _padded(
@@ -509,8 +521,13 @@ class OneBitCodec(Codec):
             error = self.all_reduce_fused(padded, numel, key)
             buffer[:numel] = padded[:numel]
             return error
+        measure = getattr(self.sign_ops, "measure", None)
+        if measure is not None:  # the fused kernels sum both norms' squares as they go
+            with measure(buffer.device) as measured:
+                self.comm.compressed_all_reduce(buffer, feedback, self.sign_ops)
+            return measured.relative_error()
         norm = torch.linalg.vector_norm(buffer)
-        self.comm.compressed_all_reduce(buffer, feedback)
+        self.comm.compressed_all_reduce(buffer, feedback, self.sign_ops)
         return torch.linalg.vector_norm(feedback.worker_error) / norm.clamp_min(1e-30)
 
     def reset(self) -> None:

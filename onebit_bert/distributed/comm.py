@@ -35,15 +35,8 @@ import torch
 import torch.distributed as dist
 
 from onebit_bert.distributed.compat import all_gather_flat, reduce_scatter_flat
-from onebit_bert.distributed.compression import (
-    SCALE_BYTES,
-    ErrorFeedback,
-    combine_chunks,
-    compress_in_place,
-    frame,
-    read_scales,
-)
-from onebit_bert.distributed.packing import prepare, sign_table, unpack_signs
+from onebit_bert.distributed.compression import ErrorFeedback, SignOps, sign_ops
+from onebit_bert.distributed.packing import prepare, sign_table
 from onebit_bert.timing import PENDING, DeviceClock
 
 TRAFFIC_KINDS = ("gradients", "momentum", "parameters", "neighbour", "statistics", "other")
@@ -188,6 +181,10 @@ class Communicator:
         self.kind = "other"
         self._tables: dict[torch.device, torch.Tensor] = {}
         self._clock = DeviceClock(self.device)
+        self.sign_ops: SignOps = sign_ops(self.device)
+        """The 1-bit all-reduce's per-bucket work: the fused kernels on CUDA where Triton
+        is there, the reference otherwise (:func:`~onebit_bert.distributed.compression.sign_ops`);
+        a caller may pass its own to :meth:`compressed_all_reduce`."""
 
     # ------------------------------------------------------------------ bookkeeping
     def snapshot(self) -> CommStats:
@@ -443,6 +440,7 @@ class Communicator:
         else:
             ranks = dist.get_process_group_ranks(self.group)
             side = Communicator(dist.new_group(ranks), self.device, self.synchronize_timing)
+        side.sign_ops = self.sign_ops
         if shared_stats:
             side.stats = self.stats
         return side
@@ -452,18 +450,21 @@ class Communicator:
             dist.barrier(group=self.group)
 
     # ------------------------------------------------------------------ 1-bit all-reduce
-    def compressed_all_reduce(self, buffer: torch.Tensor, feedback: ErrorFeedback) -> torch.Tensor:
+    def compressed_all_reduce(
+        self, buffer: torch.Tensor, feedback: ErrorFeedback, ops: SignOps | None = None
+    ) -> torch.Tensor:
         """Average ``buffer`` over ranks with error-compensated 1-bit compression, in place.
 
         ``buffer`` is flat fp32 of ``feedback.padded_numel`` elements; its padding tail must
         be zero and stays zero. Per bucket: worker compression, one all-to-all carrying
         each chunk's signs with this rank's scale, the server step on this rank's chunk,
         one all-gather carrying the server signs with their scale, then expansion. The
-        result is identical on every rank.
+        result is identical on every rank. ``ops``: the per-bucket implementation (default
+        :attr:`sign_ops`).
         """
         self._check_compressed(buffer, feedback)
         for index in range(len(feedback.buckets)):
-            self.compressed_all_reduce_bucket(buffer, feedback, index)
+            self.compressed_all_reduce_bucket(buffer, feedback, index, ops)
         return buffer
 
     def _check_compressed(self, buffer: torch.Tensor, feedback: ErrorFeedback) -> None:
@@ -483,7 +484,7 @@ class Communicator:
             raise ValueError(f"compressed_all_reduce needs fp32, got {buffer.dtype}")
 
     def compressed_all_reduce_many(
-        self, pairs: Sequence[tuple[torch.Tensor, ErrorFeedback]]
+        self, pairs: Sequence[tuple[torch.Tensor, ErrorFeedback]], ops: SignOps | None = None
     ) -> None:
         """:meth:`compressed_all_reduce` on every ``(buffer, feedback)`` pair, each with its
         own scales and errors, in one all-to-all and one all-gather for all of them: the
@@ -492,7 +493,7 @@ class Communicator:
         for buffer, feedback in pairs:
             self._check_compressed(buffer, feedback)
         runs = [
-            CompressedBucket(self, buffer, feedback, index)
+            CompressedBucket(self, buffer, feedback, index, ops)
             for buffer, feedback in pairs
             for index in range(len(feedback.buckets))
         ]
@@ -512,11 +513,15 @@ class Communicator:
             run.expand(part)
 
     def compressed_all_reduce_bucket(
-        self, buffer: torch.Tensor, feedback: ErrorFeedback, index: int
+        self,
+        buffer: torch.Tensor,
+        feedback: ErrorFeedback,
+        index: int,
+        ops: SignOps | None = None,
     ) -> None:
         """:meth:`compressed_all_reduce` on bucket ``index`` of ``feedback``'s plan only
         (the buckets are independent: one bucket at a time gives the same numbers)."""
-        run = CompressedBucket(self, buffer, feedback, index)
+        run = CompressedBucket(self, buffer, feedback, index, ops)
         run.start()
         run.exchange(block=True)
         run.finish()
@@ -611,7 +616,14 @@ class CompressedBucket:
     A caller that runs several buckets at once must issue their collectives in one order
     on every rank (NCCL and gloo match collectives by their order on a group)."""
 
-    def __init__(self, comm: Communicator, buffer: torch.Tensor, feedback: ErrorFeedback, index):
+    def __init__(
+        self,
+        comm: Communicator,
+        buffer: torch.Tensor,
+        feedback: ErrorFeedback,
+        index: int,
+        ops: SignOps | None = None,
+    ):
         bucket = feedback.buckets[index]
         p = comm.world_size
         self.comm = comm
@@ -624,14 +636,16 @@ class CompressedBucket:
         self.my_real = bucket.chunk_real(comm.rank, p)
         self.chunk = bucket.size // p
         self.table = comm._table(buffer.device)
+        self.ops = ops if ops is not None else comm.sign_ops
         self.pending: Issued | None = None
         self.stage = "new"
 
     def compress(self) -> torch.Tensor:
         """Worker: compress the local slice into ``(p, chunk/8 + 4)`` bytes, row j (chunk
         j's signs and this rank's scale) addressed to rank j. Nothing is sent."""
-        signs, scale = compress_in_place(self.x, self.worker_error, self.real, self.table)
-        self.outgoing = frame(signs, scale, self.comm.world_size)
+        self.outgoing = self.ops.compress(
+            self.x, self.worker_error, self.real, self.table, self.comm.world_size
+        )
         return self.outgoing
 
     def start(self) -> None:
@@ -644,29 +658,13 @@ class CompressedBucket:
     def serve(self, incoming: torch.Tensor) -> torch.Tensor:
         """Server: average this rank's chunk over the rows of ``incoming`` (one per rank)
         and compress it again into one message (signs and scale), which is returned."""
-        p = self.comm.world_size
-        mine = torch.empty(self.chunk, dtype=self.x.dtype, device=self.x.device)
-        combine_chunks(incoming, p, self.table, mine)
-        mine[self.my_real :].zero_()
-        server_signs, server_scale = compress_in_place(
-            mine, self.server_error, self.my_real, self.table
-        )
-        self.own = frame(server_signs, server_scale, 1).view(-1)  # alive until sent
-        return self.own
+        self.own = self.ops.serve(incoming, self.server_error, self.my_real, self.table)
+        return self.own  # alive until sent
 
     def expand(self, gathered: torch.Tensor) -> None:
         """Everyone: expand every server's message (row i of ``gathered`` from rank i) into
         its chunk of the slice; the padding is zeroed again."""
-        body = gathered.shape[1] - SCALE_BYTES
-        server_scales = read_scales(gathered)
-        for i in range(self.comm.world_size):
-            unpack_signs(
-                gathered[i, :body],
-                server_scales[i],
-                out=self.x[i * self.chunk : (i + 1) * self.chunk],
-                table=self.table,
-            )
-        self.x[self.real :].zero_()
+        self.ops.expand(gathered, self.x, self.real, self.table)
 
     def exchange(self, block: bool = False) -> bool:
         """Server: once the all-to-all is done (``block``: wait for it), average this

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from onebit_bert.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.kernels import use_fused
 
 # Bytes used to carry one fp32 scale next to the packed signs in the same message.
 SCALE_BYTES = 4
@@ -191,3 +192,57 @@ def frame(packed: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
     message[:, :body] = packed.view(rows, body)
     message[:, body:] = scale.to(torch.float32).reshape(1).view(torch.uint8)
     return message
+
+
+class SignOps:
+    """The per-bucket work of the 1-bit all-reduce in plain torch: the reference, on every
+    device. :class:`onebit_bert.kernels.signs.FusedSignOps` does the same in fewer passes
+    (:func:`sign_ops` chooses). ``table`` is :func:`~onebit_bert.distributed.packing.sign_table`
+    for the buffers' device."""
+
+    name = "reference"
+
+    def compress(
+        self, x: torch.Tensor, error: torch.Tensor, real: int, table: torch.Tensor, rows: int
+    ) -> torch.Tensor:
+        """Worker: :func:`compress_in_place` on ``x``, framed as ``rows`` messages (row
+        ``j``: chunk ``j``'s signs, then the scale)."""
+        signs, scale = compress_in_place(x, error, real, table)
+        return frame(signs, scale, rows)
+
+    def serve(
+        self, incoming: torch.Tensor, error: torch.Tensor, real: int, table: torch.Tensor
+    ) -> torch.Tensor:
+        """Server: average this rank's chunk over the rows of ``incoming`` (one per rank),
+        zero it past ``real``, compress it with ``error``: one flat message."""
+        mine = torch.empty(error.numel(), dtype=torch.float32, device=error.device)
+        combine_chunks(incoming, incoming.shape[0], table, mine)
+        mine[real:].zero_()
+        signs, scale = compress_in_place(mine, error, real, table)
+        return frame(signs, scale, 1).view(-1)
+
+    def expand(self, gathered: torch.Tensor, x: torch.Tensor, real: int, table) -> None:
+        """Everyone: chunk ``i`` of ``x`` from row ``i`` of ``gathered`` (server ``i``'s
+        signs and scale); 0 past ``real``."""
+        ranks = gathered.shape[0]
+        chunk = x.numel() // ranks
+        body = gathered.shape[1] - SCALE_BYTES
+        server_scales = read_scales(gathered)
+        for i in range(ranks):
+            unpack_signs(
+                gathered[i, :body],
+                server_scales[i],
+                out=x[i * chunk : (i + 1) * chunk],
+                table=table,
+            )
+        x[real:].zero_()
+
+
+def sign_ops(device: torch.device | str, kernels: str = "auto"):
+    """The per-bucket implementation for buffers on ``device`` under setting ``kernels``
+    (:func:`onebit_bert.kernels.use_fused`)."""
+    if use_fused(device, kernels):
+        from onebit_bert.kernels.signs import FusedSignOps
+
+        return FusedSignOps()
+    return SignOps()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from onebit_bert.distributed.comm import Communicator
+from onebit_bert.kernels import check_kernels
 from onebit_bert.optim import defaults
 from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig
 from onebit_bert.optim.lamb import Lamb
@@ -94,9 +95,15 @@ class OptimizerConfig:
     bucket_numel: int | None = None
     """1-bit LAMB, 1-bit Adam, 0/1 Adam: compress in buckets of at most this many
     elements."""
+    kernels: Literal["auto", "reference", "fused"] = "auto"
+    """lamb and onebit_lamb: auto runs the fused Triton kernels on CUDA (fewer passes over
+    memory) and the reference elsewhere; reference: plain torch everywhere (what the golden
+    trajectories record); fused: the kernels, refused where they cannot run. Both give the
+    same numbers within floating-point rounding (onebit_bert.kernels)."""
 
     def __post_init__(self):
         optimizer_spec(self.name)
+        check_kernels(self.kernels)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.freeze_step != AUTO and self.freeze_step < 1:
@@ -194,6 +201,7 @@ def _lamb(b: OptimizerBuild):
         max_coeff=cfg.max_coeff,
         min_coeff=cfg.min_coeff,
         bias_correction=cfg.bias_correction,
+        kernels=cfg.kernels,
     )
 
 
@@ -224,6 +232,7 @@ def _onebit_lamb(b: OptimizerBuild):
         factor_threshold=cfg.factor_threshold,
         coeff_refresh=cfg.coeff_refresh,
         coeff_refresh_max=cfg.coeff_refresh_max,
+        kernels=cfg.kernels,
     )
 
 

@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 
 from onebit_bert.distributed.codecs import Codec, OneBitCodec
 from onebit_bert.distributed.comm import Communicator, CompressedBucket
-from onebit_bert.distributed.compression import padded_size
+from onebit_bert.distributed.compression import padded_size, sign_ops
+from onebit_bert.kernels import check_kernels
 from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig, FreezeDetector
 from onebit_bert.optim.ddp_traffic import DdpGradientTraffic
 from onebit_bert.optim.lamb import check_params_and_grads
@@ -70,7 +71,9 @@ class CompressedOptimizer(Optimizer):
         defaults: dict,
         comm: Communicator | None,
         bucket_numel: int | None,
+        kernels: str = "auto",
     ):
+        check_kernels(kernels)
         if bucket_numel is not None and bucket_numel < 1:
             raise ValueError(f"bucket_numel must be a positive element count, got {bucket_numel}")
         super().__init__(params, defaults)
@@ -93,7 +96,12 @@ class CompressedOptimizer(Optimizer):
         ``v = 0`` makes that ``scale/eps``: unused rows (a token type, the NSP head and the
         pooler when training without NSP) would be thrown to magnitudes of 1e4 by noise.
         DeepSpeed leaves this to a hand-made ``exp_avg_mask``. False: its behaviour."""
-        self.codec: Codec = OneBitCodec(self.comm, bucket_numel)
+        self.kernels = kernels
+        """The reference or the fused kernels (:mod:`onebit_bert.kernels`; ``auto``: fused
+        on CUDA) for the default codec's per-bucket work and the subclasses' updates."""
+        self.codec: Codec = OneBitCodec(
+            self.comm, bucket_numel, sign_ops=sign_ops(self._device, kernels)
+        )
         """The codec (:mod:`onebit_bert.distributed.codecs`) that averages the fused buffer:
         by default 1-bit with error feedback on this optimizer's communicator, in place on
         the padded buffer (and overlappable with the backward pass); :meth:`set_codec`
@@ -245,6 +253,13 @@ class CompressedOptimizer(Optimizer):
             views.append(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         return views
+
+    def set_kernels(self, kernels: str) -> None:
+        """Take later steps with ``kernels`` (the state is the same for both)."""
+        check_kernels(kernels)
+        self.kernels = kernels
+        if self._own_codec:
+            self.codec.sign_ops = sign_ops(self._device, kernels)
 
     def set_codec(self, codec: Codec) -> None:
         """Average the fused buffer with ``codec`` instead of the default 1-bit codec (its
@@ -549,7 +564,8 @@ class OverlappedCompression:
                         torch.linalg.vector_norm(self.flat[b.start : b.start + b.size]).double()
                         ** 2
                     )
-                    run = CompressedBucket(self.comm, self.flat, self.feedback, k)
+                    ops = getattr(self.opt.codec, "sign_ops", None)
+                    run = CompressedBucket(self.comm, self.flat, self.feedback, k, ops)
                     run.start()
                     self.runs[k] = run
                 elif not self.runs[k].exchange(block):

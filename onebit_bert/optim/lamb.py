@@ -9,6 +9,12 @@ Per parameter tensor ("layer") ``w`` with gradient ``g``::
     w = w - lr·r·u
 
 Bias correction is off by default, as in the BERT recipes and in 1-bit LAMB.
+
+The step is multi-tensor either way: the reference (:func:`lamb_update`) is a dozen
+``torch._foreach_*`` calls, one stacked trust-ratio computation and no per-tensor Python
+loop; on CUDA (``kernels``: :mod:`onebit_bert.kernels`) the fused kernels of
+:func:`onebit_bert.kernels.multi_tensor.lamb_step` do the same arithmetic in two passes
+over memory.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim import Optimizer
 
+from onebit_bert.kernels import check_kernels, use_fused
 from onebit_bert.optim import defaults
 
 
@@ -154,6 +161,13 @@ def trust_ratios(
     """``clamp(‖w‖/‖u‖, min_coeff, max_coeff)`` per tensor, 1 where either norm is 0."""
     w_norm = torch.stack(torch._foreach_norm(params)).float()
     u_norm = torch.stack(torch._foreach_norm(updates)).float()
+    return trust_ratios_from_norms(w_norm, u_norm, min_coeff, max_coeff)
+
+
+def trust_ratios_from_norms(
+    w_norm: torch.Tensor, u_norm: torch.Tensor, min_coeff: float, max_coeff: float
+) -> torch.Tensor:
+    """:func:`trust_ratios` from the stacked norms ``‖w‖`` and ``‖u‖`` (fp32)."""
     ratio = (w_norm / u_norm).clamp_(min_coeff, max_coeff)
     return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
 
@@ -162,7 +176,9 @@ class Lamb(Optimizer):
     """Layer-wise adaptive large-batch optimizer; gradients must already be averaged.
 
     ``last_trust_ratios`` holds the previous step's ``r`` for every parameter that had a
-    gradient, in parameter order (fp32 tensor, on the parameters' device).
+    gradient, in parameter order (fp32 tensor, on the parameters' device). ``kernels``:
+    the reference or the fused kernels (:mod:`onebit_bert.kernels`; ``auto``: fused on
+    CUDA); a group whose tensors are not all contiguous fp32 takes the reference.
     """
 
     syncs_internally = False  # the caller all-reduces gradients before step()
@@ -177,8 +193,10 @@ class Lamb(Optimizer):
         max_coeff: float = defaults.MAX_COEFF,
         min_coeff: float = defaults.MIN_COEFF,
         bias_correction: bool = defaults.BIAS_CORRECTION,
+        kernels: str = "auto",
     ):
         check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        check_kernels(kernels)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -191,6 +209,13 @@ class Lamb(Optimizer):
         super().__init__(params, defaults)
         check_params_and_grads(self, "LAMB")
         self.last_trust_ratios: torch.Tensor | None = None
+        self.kernels = kernels
+        self._tables = None
+
+    def set_kernels(self, kernels: str) -> None:
+        """Take later steps with ``kernels`` (the state is the same for both)."""
+        check_kernels(kernels)
+        self.kernels = kernels
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_state_shapes(self, state_dict)
@@ -232,10 +257,44 @@ class Lamb(Optimizer):
 
     def _update(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor:
         """:func:`lamb_group_update` on same-device, same-dtype ``params`` of ``group``."""
+        if use_fused(params[0].device, self.kernels):
+            ratios = self._fused_update(group, params)
+            if ratios is not None:
+                return ratios
         return lamb_group_update(
             group,
             params,
             [self.state[p] for p in params],
             step=self.state[params[0]]["step"],
             bias_correction=group["bias_correction"],
+        )
+
+    def _fused_update(self, group: dict, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """:meth:`_update` in the fused kernels; None when a tensor does not fit them."""
+        from onebit_bert.kernels import multi_tensor
+
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        exp_avgs = [st["exp_avg"] for st in states]
+        exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+        if not multi_tensor.fits(params, grads, exp_avgs, exp_avg_sqs):
+            return None
+        if self._tables is None:
+            self._tables = multi_tensor.TableCache()
+        beta1, beta2 = group["betas"]
+        min_coeff, max_coeff = group["min_coeff"], group["max_coeff"]
+        return multi_tensor.lamb_step(
+            self._tables.table(params),
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=states[0]["step"],
+            bias_correction=group["bias_correction"],
+            ratios_from_norms=lambda w, u: trust_ratios_from_norms(w, u, min_coeff, max_coeff),
         )

@@ -21,7 +21,8 @@ the freeze, then at intervals that double up to ``coeff_refresh_max``) the momen
 averaged exactly (an fp32 all-reduce instead of the 1-bit one) and every layer's ``c`` is
 reset so that ``c·f`` equals LAMB's clipped trust ratio of that exact momentum against the
 frozen second moment: that step has LAMB's step norm, and ``f`` carries on from it. With
-16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times.
+16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times. A refresh step runs
+the reference update (not the fused kernels).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 
 from onebit_bert.distributed.comm import Communicator
+from onebit_bert.kernels import multi_tensor, use_fused
+from onebit_bert.kernels.multi_tensor import TableCache
 from onebit_bert.optim import defaults
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig
 from onebit_bert.optim.compressed import WarmupThenCompress
@@ -86,12 +89,18 @@ class OneBitLamb(WarmupThenCompress):
             (bounds the temporary memory of one all-reduce); ``None``: one bucket.
         auto_freeze, total_steps: with ``freeze_step="auto"``, the detector's settings and
             the run's length in steps (its bounds are fractions of it).
+        coeff_refresh, coeff_refresh_max: refresh ``c`` from an exact momentum average at
+            the steps :func:`refresh_due` names (0: never, the authors' algorithm).
+        kernels: ``auto`` (the fused kernels on CUDA), ``reference`` or ``fused``
+            (:mod:`onebit_bert.kernels`) for the compression stage: the fold, the 1-bit
+            all-reduce's per-bucket work and the update. The warmup is LAMB's reference.
 
     After each step: ``stage`` ("warmup" or "compression"), ``last_trust_ratios`` (``r``
     in warmup, ``c·f`` in compression, one per layer), ``last_factors`` (``f``, or None in
     warmup), ``last_compression_error`` (‖this rank's worker error‖ / ‖the scaled momentum
     it compressed‖, or None in warmup), ``last_step_bytes`` and ``bytes_sent`` (this
-    optimizer's traffic from this rank).
+    optimizer's traffic from this rank), ``last_refreshed`` (whether the last step refreshed
+    the coefficients).
     """
 
     NAME = NAME
@@ -114,6 +123,7 @@ class OneBitLamb(WarmupThenCompress):
         bucket_numel: int | None = None,
         auto_freeze: AutoFreezeConfig | None = None,
         total_steps: int | None = None,
+        kernels: str = "auto",
         coeff_refresh: int = 0,
         coeff_refresh_max: int = 512,
     ):
@@ -146,9 +156,10 @@ class OneBitLamb(WarmupThenCompress):
             factor_min=factor_min,
             factor_threshold=factor_threshold,
         )
-        super().__init__(params, hyperparameters, comm, bucket_numel)
+        super().__init__(params, hyperparameters, comm, bucket_numel, kernels)
         self._init_freeze(freeze_step, auto_freeze, total_steps)
         self._scratch: torch.Tensor | None = None
+        self._tables = TableCache()
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
@@ -258,7 +269,7 @@ class OneBitLamb(WarmupThenCompress):
         else:
             self._prepare_compression(members, flat)
             for group, params in layout:
-                if params:
+                if params and not self._fused_fold(group, params):
                     self._fold_for_compression(group, params)
             if refresh:
                 self._exact_all_reduce(flat, "momentum")
@@ -269,13 +280,17 @@ class OneBitLamb(WarmupThenCompress):
         for group, params in layout:
             if not params:
                 continue
-            factor, trust = self._compressed_update(group, params, previous, offset, refresh)
+            if refresh:
+                factor, trust = self._compressed_update(group, params, previous, offset, True)
+            elif self._fits(params):
+                factor, trust = self._fused_compressed_update(group, params, previous, offset)
+            else:
+                factor, trust = self._compressed_update(group, params, previous, offset)
             factors.append(factor)
             ratios.append(trust)
             offset += sum(p.numel() for p in params)
         self.last_factors = torch.cat(factors)
         self.last_trust_ratios = torch.cat(ratios)
-
         self.last_refreshed = refresh
 
     def _refresh_due(self, step: int) -> bool:
@@ -354,10 +369,28 @@ class OneBitLamb(WarmupThenCompress):
         del denom_fresh
         factor = torch.stack(_foreach_max(denom)).float()
         del denom
+        norms = None
         if wd != 0.0:
             norm_plain = torch.stack(torch._foreach_norm(update)).float()
             torch._foreach_add_(update, params, alpha=wd)
             norm_decayed = torch.stack(torch._foreach_norm(update)).float()
+            norms = (norm_plain, norm_decayed)
+        factor, trust = self._factor_and_trust(group, states, factor, norms)
+        if refresh:  # c·f becomes LAMB's trust ratio of the exact momentum
+            ratio = trust_ratios(params, update, group["min_coeff"], group["max_coeff"])
+            coeffs = [st["lamb_coeff"] for st in states]
+            torch._foreach_copy_(coeffs, list((ratio / factor).unbind(0)))
+            trust = torch.stack(coeffs) * factor
+        torch._foreach_mul_(update, list((trust * -lr).unbind(0)))
+        torch._foreach_add_(params, update)
+        return factor, trust
+
+    def _factor_and_trust(self, group, states, factor, norms):
+        """The factor ``f`` from the largest drift per layer (and, with weight decay, the
+        norms of the update without and with it), bounded and rate-limited against the
+        last one, which it replaces; and the trust ratio ``c·f``."""
+        if norms is not None:
+            norm_plain, norm_decayed = norms
             rho = torch.where(
                 norm_decayed > 0,
                 (norm_plain / norm_decayed).clamp(max=1.0),
@@ -371,12 +404,69 @@ class OneBitLamb(WarmupThenCompress):
             torch.maximum(factor, last * (1.0 - threshold)), last * (1.0 + threshold)
         )
         torch._foreach_copy_([st["last_factor"] for st in states], list(factor.unbind(0)))
-        if refresh:  # c·f becomes LAMB's trust ratio of the exact momentum
-            ratio = trust_ratios(params, update, group["min_coeff"], group["max_coeff"])
-            torch._foreach_copy_(
-                [st["lamb_coeff"] for st in states], list((ratio / factor).unbind(0))
-            )
         trust = torch.stack([st["lamb_coeff"] for st in states]) * factor
-        torch._foreach_mul_(update, list((trust * -lr).unbind(0)))
-        torch._foreach_add_(params, update)
+        return factor, trust
+
+    # ------------------------------------------------------------------ fused kernels
+    def _fits(self, params: list[torch.Tensor]) -> bool:
+        """Whether this group's compression step runs in the fused kernels."""
+        if not use_fused(self._device, self.kernels):
+            return False
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
+        return multi_tensor.fits(
+            params,
+            grads,
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [st["exp_avg_sq_fresh"] for st in states],
+        )
+
+    def _fused_fold(self, group: dict, params: list[torch.Tensor]) -> bool:
+        """:meth:`_fold_for_compression` in one kernel; False where it does not apply."""
+        if not self._fits(params):
+            return False
+        states = [self.state[p] for p in params]
+        momenta = [st["exp_avg"] for st in states]
+        base = self._flat.data_ptr()
+        start = (momenta[0].data_ptr() - base) // momenta[0].element_size()
+        multi_tensor.onebit_fold(
+            self._tables.table(params),
+            self._gradients(params, None),
+            momenta,
+            self._views(self._scratch, params, start),
+            torch.stack([st["scaling_coeff"] for st in states]),
+            group["betas"][0],
+        )
+        return True
+
+    def _fused_compressed_update(self, group, params, previous, offset):
+        """:meth:`_compressed_update` in two passes of fused kernels."""
+        beta1, beta2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        states = [self.state[p] for p in params]
+        momenta = [st["exp_avg"] for st in states]
+        second = [st["exp_avg_sq"] for st in states]
+        for p, m in zip(params, momenta, strict=True):
+            mask = self._masks.get(p)
+            if mask is not None:
+                m.mul_(mask)  # masking before unscaling: the same bits (the mask is 0 or 1)
+        table = self._tables.table(params)
+        factor, norm_plain, norm_decayed = multi_tensor.onebit_measure(
+            table,
+            momenta,
+            self._views(previous, params, offset),
+            [st["exp_avg_sq_fresh"] for st in states],
+            second,
+            params,
+            torch.stack([st["scaling_coeff"] for st in states]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            mask_untrained=self.mask_untrained,
+        )
+        norms = None if norm_plain is None else (norm_plain, norm_decayed)
+        factor, trust = self._factor_and_trust(group, states, factor, norms)
+        multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
         return factor, trust

@@ -122,10 +122,13 @@ def param_groups(params):
     ]
 
 
-def run_onebit_lamb(comm, steps, mask_index, bucket):
-    """1-bit LAMB on ``comm.device`` (the same inputs on every device); results on the CPU."""
+def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):
+    """1-bit LAMB on ``comm.device`` (the same inputs on every device) with ``kernels``;
+    results on the CPU."""
     params = [torch.nn.Parameter(t.to(comm.device)) for t in init_params()]
-    opt = OneBitLamb(param_groups(params), comm=comm, bucket_numel=bucket, **ONEBIT_LAMB_HP)
+    opt = OneBitLamb(
+        param_groups(params), comm=comm, bucket_numel=bucket, kernels=kernels, **ONEBIT_LAMB_HP
+    )
     if mask_index is not None:
         opt.set_momentum_mask(params[mask_index], row_mask())
     stages, byte_counts = [], []
@@ -140,11 +143,13 @@ def run_onebit_lamb(comm, steps, mask_index, bucket):
         opt.step()
         stages.append(opt.stage)
         byte_counts.append(opt.last_step_bytes)
+    error = opt.last_compression_error
     return {
         "params": [p.detach().cpu() for p in params],
         "stages": stages,
         "bytes": byte_counts,
         "factors": opt.last_factors.cpu(),
+        "compression_error": None if error is None else error.cpu(),
         "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
     }
 

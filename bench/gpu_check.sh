@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks of the fused kernels in one go, sized for about 8 minutes on one H200 (at
+# most about 10 by the timeouts below):
+#   1. the CUDA tests (what make test-gpu runs: pytest -m cuda), fused kernels included;
+#   2. bench-gpu, BERT-Large, bf16, LAMB and 1-bit LAMB, reference and fused kernels
+#      alternating on one trainer per configuration (--impl reference,fused): eager at
+#      lengths 128 and 512 with the optimizers timed alone, then compiled at 128, then
+#      compiled at 512 (three invocations, so that a late one running out of time keeps
+#      the earlier figures).
+# Usage: OUT=dir bash bench/gpu_check.sh   (PY: the Python to use; default: the project's
+# .venv if there is one, else python3, e.g. a machine's own CUDA build of torch).
+# Writes to $OUT (default runs/gpu_check): test-gpu.log, bench-*.json (the JSON line of each
+# invocation), bench-*.log (its stderr); the prepared data goes to $DATA (default
+# runs/gpu_check_data, reused when there). Exits non-zero when a step failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+if [ -z "${PY:-}" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+mkdir -p "$OUT"
+status=0
+started=$(date +%s)
+say() { echo "gpu_check: $* ($(($(date +%s) - started)) s)" >&2; }
+
+"$PY" -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu_check needs a CUDA GPU')" ||
+    exit 1
+
+say "CUDA tests"
+timeout 210 "$PY" -m pytest -v -m cuda -p no:cacheprovider tests/test_gpu.py >"$OUT/test-gpu.log" 2>&1 ||
+    status=1
+tail -n 3 "$OUT/test-gpu.log" >&2
+
+say "data at lengths 128 and 512"
+DATA=${DATA:-runs/gpu_check_data}  # kept out of $OUT: only the results travel back
+if [ ! -d "$DATA/seq512" ]; then
+    "$PY" -c "import sys; from pathlib import Path; from bench.common import prepare_generated; \
+prepare_generated(Path(sys.argv[1]), (128, 512))" "$DATA" >"$OUT/data.log" 2>&1 || status=1
+fi
+
+COMMON=(--prepared "$DATA" --precisions bf16 --optimizers lamb,onebit_lamb
+    --impl reference,fused --no-hf-baseline --steps 6 --warmup-steps 4 --repeats 2)
+bench() {
+    local name=$1 limit=$2
+    shift 2
+    say "bench $name"
+    timeout "$limit" "$PY" -m bench.gpu "${COMMON[@]}" "$@" >"$OUT/bench-$name.out" \
+        2>"$OUT/bench-$name.log" || status=1
+    tail -n 1 "$OUT/bench-$name.out" >"$OUT/bench-$name.json"
+}
+bench eager 120 --compile off --seq-lengths 128,512
+bench compiled-128 120 --compile on --seq-lengths 128 --no-optimizer-steps
+bench compiled-512 110 --compile on --seq-lengths 512 --no-optimizer-steps
+say "done, status $status"
+exit $status

@@ -1,0 +1,161 @@
+"""Triton kernels of :mod:`onebit_bert.kernels.multi_tensor` (loaded through
+:func:`onebit_bert.kernels.triton_module`, never imported where Triton may be missing).
+
+One launch covers every tensor of a list: program ``b`` works on block ``b`` of the block
+table, elements ``start .. start + BLOCK`` of tensor ``tensor[b]``, whose address it reads
+from a table of pointers (one int64 per tensor and operand). A block never spans two
+tensors, so per-tensor sums are sums of whole blocks' partials (:func:`segment_reduce`,
+in a fixed order: the same bits on every rank and every run).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _at(pointers, t):
+    return tl.load(pointers + t).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def segment_reduce(first_block, block_count, partial, out, MAX: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """``out[t]``: the sum (or ``MAX``: the maximum) of tensor ``t``'s block partials."""
+    t = tl.program_id(0)
+    first = tl.load(first_block + t)
+    count = tl.load(block_count + t)
+    if MAX:
+        acc = tl.full((BLOCK,), float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, count, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        if MAX:
+            part = tl.load(partial + first + offs, mask=offs < count, other=float("-inf"))
+            acc = tl.maximum(acc, part)
+        else:
+            part = tl.load(partial + first + offs, mask=offs < count, other=0.0)
+            acc += part
+    if MAX:
+        tl.store(out + t, tl.max(acc, axis=0))
+    else:
+        tl.store(out + t, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr):
+    """LAMB's update direction ``m / (sqrt(v) + eps) + wd·p`` (with bias correction:
+    ``m / (sqrt(v)/bc2_sqrt + eps) / bc1``), rounded as the reference's passes round."""
+    denom = tl.sqrt_rn(v)
+    if BIAS:
+        denom = tl.math.div_rn(denom, tl.zeros_like(denom) + bc2_sqrt)
+    u = tl.math.div_rn(m, denom + eps)
+    if BIAS:
+        u = tl.math.div_rn(u, tl.zeros_like(u) + bc1)
+    if WD:
+        u = u + wd * p
+    return u
+
+
+@triton.jit
+def lamb_measure(block_tensor, block_start, numels, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
+                 part_w, part_u, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc1,
+                 bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """LAMB's moments (written), and per block the sums of ``p²`` and of the update's
+    squares (the trust ratio's two norms)."""
+    b = tl.program_id(0)
+    t = tl.load(block_tensor + b)
+    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
+    inside = offs < tl.load(numels + t)
+    p = tl.load(_at(p_ptrs, t) + offs, mask=inside, other=0.0)
+    g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
+    m_at = _at(m_ptrs, t) + offs
+    v_at = _at(v_ptrs, t) + offs
+    m = tl.load(m_at, mask=inside, other=0.0) * beta1
+    m = m + one_minus_beta1 * g
+    v = tl.load(v_at, mask=inside, other=0.0) * beta2
+    v = v + one_minus_beta2 * g * g
+    tl.store(m_at, m, mask=inside)
+    tl.store(v_at, v, mask=inside)
+    u = _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS, WD)
+    u = tl.where(inside, u, 0.0)
+    tl.store(part_w + b, tl.sum(p * p, axis=0))
+    tl.store(part_u + b, tl.sum(u * u, axis=0))
+
+
+@triton.jit
+def scaled_step(block_tensor, block_start, numels, p_ptrs, m_ptrs, v_ptrs, coef, eps, bc1,
+                bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """``p += coef[t] · u``, the update direction recomputed from the moments."""
+    b = tl.program_id(0)
+    t = tl.load(block_tensor + b)
+    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
+    inside = offs < tl.load(numels + t)
+    p_at = _at(p_ptrs, t) + offs
+    p = tl.load(p_at, mask=inside, other=0.0)
+    m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
+    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+    u = _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS, WD)
+    step = u * tl.load(coef + t)
+    tl.store(p_at, p + step, mask=inside)
+
+
+@triton.jit
+def onebit_fold(block_tensor, block_start, numels, g_ptrs, m_ptrs, prev_ptrs, coeffs,
+                grad_scale, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """1-bit LAMB's fold: ``prev = m``, then ``m = (β1·m + (1-β1)·g) · coeff[t]``."""
+    b = tl.program_id(0)
+    t = tl.load(block_tensor + b)
+    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
+    inside = offs < tl.load(numels + t)
+    m_at = _at(m_ptrs, t) + offs
+    m = tl.load(m_at, mask=inside, other=0.0)
+    tl.store(_at(prev_ptrs, t) + offs, m, mask=inside)
+    g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
+    if HAS_SCALE:
+        g = g * tl.load(grad_scale)
+    m = m * beta1
+    m = (m + one_minus_beta1 * g) * tl.load(coeffs + t)
+    tl.store(m_at, m, mask=inside)
+
+
+@triton.jit
+def onebit_measure(block_tensor, block_start, numels, m_ptrs, prev_ptrs, fresh_ptrs, v_ptrs,
+                   p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
+                   beta2, one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
+                   WD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """1-bit LAMB after the all-reduce: ``m /= coeff[t]`` (0 where ``v`` is 0 with
+    ``MASK_UNTRAINED``), the fresh second moment from the reconstructed gradient
+    ``(m - β1·prev)/(1-β1)`` (both written), and per block the largest drift
+    ``(sqrt(v)+eps)/(sqrt(fresh)+eps)`` and, with ``WD``, the sums of squares of
+    ``u = m/(sqrt(v)+eps)`` and of ``u + wd·p``."""
+    b = tl.program_id(0)
+    t = tl.load(block_tensor + b)
+    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
+    inside = offs < tl.load(numels + t)
+    m_at = _at(m_ptrs, t) + offs
+    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+    m = tl.load(m_at, mask=inside, other=0.0)
+    m = tl.math.div_rn(m, tl.zeros_like(v) + tl.load(coeffs + t))
+    if MASK_UNTRAINED:
+        m = tl.where(v == 0, 0.0, m)
+    tl.store(m_at, m, mask=inside)
+    prev = tl.load(_at(prev_ptrs, t) + offs, mask=inside, other=0.0)
+    estimate = prev * neg_beta1
+    estimate = tl.math.div_rn(estimate + m, tl.zeros_like(v) + one_minus_beta1)
+    fresh_at = _at(fresh_ptrs, t) + offs
+    fresh = tl.load(fresh_at, mask=inside, other=1.0) * beta2
+    fresh = fresh + one_minus_beta2 * estimate * estimate
+    tl.store(fresh_at, fresh, mask=inside)
+    denom = tl.sqrt_rn(v) + eps
+    drift = tl.math.div_rn(denom, tl.sqrt_rn(fresh) + eps)
+    tl.store(part_drift + b, tl.max(tl.where(inside, drift, float("-inf")), axis=0))
+    if WD:
+        u = tl.where(inside, tl.math.div_rn(m, denom), 0.0)
+        p = tl.load(_at(p_ptrs, t) + offs, mask=inside, other=0.0)
+        decayed = u + wd * p
+        tl.store(part_u + b, tl.sum(u * u, axis=0))
+        tl.store(part_ud + b, tl.sum(decayed * decayed, axis=0))

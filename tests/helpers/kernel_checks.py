@@ -1,0 +1,211 @@
+"""The fused kernels (onebit_bert.kernels) against the reference: checks that run in a
+process whose Triton interprets (tests/test_kernels.py starts it with
+``TRITON_INTERPRET=1``) or on a GPU (tests/test_gpu.py, ``device="cuda:0"``).
+
+Where the arithmetic is exact (signs, packing, the server's sum of ±scales, unpacking)
+the kernels must give the reference's bits; a scale is a sum of squares in another order,
+so scales and what they enter are compared within rounding. Inputs are made on the CPU
+and moved to ``device``; the reference runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onebit_bert.distributed.comm import Communicator
+from onebit_bert.distributed.compression import SCALE_BYTES, ErrorFeedback, SignOps
+from onebit_bert.distributed.packing import pack_signs, sign_table, unpack_signs
+from onebit_bert.optim import Lamb
+from tests.helpers.compression import rank_inputs, run_onebit_lamb
+
+TABLE = sign_table("cpu")
+
+
+def fused_ops():
+    from onebit_bert.kernels.signs import FusedSignOps
+
+    return FusedSignOps()
+
+
+def scale_of(message: torch.Tensor) -> torch.Tensor:
+    tails = message.reshape(-1, message.shape[-1])[:, -SCALE_BYTES:]
+    return torch.tensor(tails.tolist(), dtype=torch.uint8).view(torch.float32).view(-1)
+
+
+def check_worker_signs(device: str = "cpu") -> None:
+    """Worker compression: the reference's signs bit for bit (also for values that are
+    exactly 0, ±0, NaN and ±inf), its scale within rounding, and the error exactly
+    ``x+e - s·sign(x+e)`` for the kernel's own scale."""
+    for ranks, numel, real in [(1, 8 * 300, 8 * 300 - 5), (3, 24 * 97, 2000)]:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 3
+        x[real:] = 0
+        error = torch.randn(numel, generator=torch.Generator().manual_seed(2)) * 0.1
+        error[real:] = 0
+        error[::5] = -x[::5]  # x + error == 0 exactly: sign +1
+        e_ref = error.clone()
+        want = SignOps().compress(x.clone(), e_ref, real, TABLE, ranks)
+        e_new = error.clone().to(device)
+        got = fused_ops().compress(x.to(device), e_new, real, None, ranks).cpu()
+        e_new = e_new.cpu()
+        assert got.shape == want.shape
+        assert torch.equal(got[:, :-SCALE_BYTES], want[:, :-SCALE_BYTES]), "signs differ"
+        torch.testing.assert_close(scale_of(got), scale_of(want), rtol=1e-6, atol=0)
+        value = x + error
+        s = scale_of(got)[0]
+        expected = value - unpack_signs(pack_signs(value), s, table=TABLE)
+        expected[real:] = 0
+        assert torch.equal(e_new, expected), "error is not x+e - s·sign(x+e)"
+        torch.testing.assert_close(e_new, e_ref, rtol=0, atol=1e-6 * s.item())
+
+    numel = 8 * 64
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    x[::7] = 0.0
+    x[1::11] = -0.0
+    x[2::13] = float("nan")
+    x[3::17] = float("inf")
+    x[4::19] = float("-inf")
+    got = fused_ops().compress(x.to(device), torch.zeros(numel, device=device), numel, None, 1)
+    assert torch.equal(got[0, :-SCALE_BYTES].cpu(), pack_signs(x)), "special values"
+
+
+def check_server_step(device: str = "cpu") -> None:
+    """The server's average of ``±s_i`` over 1 to 4 ranks is the reference's exactly: the
+    same signs, and the error exactly ``y - t·sign(y)`` for the kernel's own scale ``t``."""
+    chunk = 8 * 50
+    for ranks, real_cut in [(1, 0), (2, 3), (4, 40)]:
+        messages = []
+        for r in range(ranks):
+            x = rank_inputs(r, 0, chunk * ranks, chunk * ranks)
+            messages.append(SignOps().compress(x, torch.zeros_like(x), x.numel(), TABLE, ranks))
+        incoming = torch.stack([m[ranks - 1] for m in messages])  # the last rank's chunk
+        real = chunk - real_cut
+        error = torch.randn(chunk, generator=torch.Generator().manual_seed(4)) * 0.05
+        error[real:] = 0
+        e_ref = error.clone()
+        want = SignOps().serve(incoming, e_ref, real, TABLE)
+        e_new = error.clone().to(device)
+        got = fused_ops().serve(incoming.to(device), e_new, real, None).cpu()
+        e_new = e_new.cpu()
+        assert torch.equal(got[:-SCALE_BYTES], want[:-SCALE_BYTES]), "signs differ"
+        torch.testing.assert_close(scale_of(got), scale_of(want), rtol=1e-6, atol=0)
+        combined = torch.zeros(chunk)
+        for row in incoming:
+            body = row[:-SCALE_BYTES].contiguous()
+            combined += unpack_signs(body, scale_of(row)[0], table=TABLE)
+        combined = combined / ranks
+        combined[real:] = 0
+        value = combined + error
+        expected = value - unpack_signs(pack_signs(value), scale_of(got)[0], table=TABLE)
+        expected[real:] = 0
+        assert torch.equal(e_new, expected), f"server error at {ranks} ranks"
+
+
+def check_expansion(device: str = "cpu") -> None:
+    """Expansion gives the reference's values bit for bit, 0 past the real elements."""
+    chunk, body = 8 * 33, 33
+    for ranks in (1, 3):
+        g = torch.Generator().manual_seed(ranks)
+        gathered = torch.randint(
+            0, 256, (ranks, body + SCALE_BYTES), dtype=torch.uint8, generator=g
+        )
+        scales = torch.rand(ranks, generator=g) + 0.5
+        gathered[:, body:] = scales.view(torch.uint8).view(ranks, SCALE_BYTES)
+        real = ranks * chunk - 13
+        want = torch.full((ranks * chunk,), 7.0)
+        SignOps().expand(gathered, want, real, TABLE)
+        got = torch.full((ranks * chunk,), 7.0, device=device)
+        fused_ops().expand(gathered.to(device), got, real, None)
+        assert torch.equal(got.cpu(), want), f"expansion at {ranks} ranks"
+
+
+def check_all_reduce(device: str = "cpu") -> None:
+    """Three calls of the 1-bit all-reduce (world size 1, one bucket and several) with the
+    fused kernels track the reference's: the first call's signs equal, the outputs and
+    errors within rounding, the padding 0."""
+    numel, calls = 1001, 3
+    for bucket in (None, 64):
+        results = {}
+        for name, ops, where in (("reference", SignOps(), "cpu"), ("fused", fused_ops(), device)):
+            comm = Communicator(None, device=where)
+            feedback = ErrorFeedback(numel, 1, device=where, bucket_numel=bucket)
+            outs = []
+            for call in range(calls):
+                x = rank_inputs(0, call, numel, feedback.padded_numel).to(where)
+                comm.compressed_all_reduce(x, feedback, ops)
+                outs.append(x.cpu())
+            results[name] = outs, feedback.worker_error.cpu(), feedback.server_error.cpu()
+        (want, w_ref, s_ref), (got, w_new, s_new) = results["reference"], results["fused"]
+        assert torch.equal(torch.sign(got[0]), torch.sign(want[0]))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert torch.all(a[numel:] == 0), "padding picked up a value"
+        torch.testing.assert_close(w_new, w_ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(s_new, s_ref, rtol=0, atol=1e-5)
+
+
+def check_lamb(device: str = "cpu") -> None:
+    """Fused LAMB (two groups, with and without weight decay and bias correction, a zero
+    parameter) tracks the reference on the CPU within rounding: parameters, trust ratios,
+    moments."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(30, 50), (50,), (3000,), (7,), (1,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    init[3].zero_()  # ‖w‖ = 0: ratio 1
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+
+    def run(kernels, where, bias_correction):
+        params = [t.clone().to(where).requires_grad_(True) for t in init]
+        groups = [
+            {"params": params[:2], "weight_decay": 0.01},
+            {"params": params[2:], "weight_decay": 0.0},
+        ]
+        opt = Lamb(groups, lr=0.01, bias_correction=bias_correction, kernels=kernels)
+        ratios = []
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads, strict=True):
+                p.grad = grad.clone().to(where)
+            opt.step()
+            ratios.append(opt.last_trust_ratios.cpu())
+        moments = [[opt.state[p][k].cpu() for k in ("exp_avg", "exp_avg_sq")] for p in params]
+        return [p.detach().cpu() for p in params], ratios, moments
+
+    for bias_correction in (False, True):
+        want = run("reference", "cpu", bias_correction)
+        got = run("fused", device, bias_correction)
+        for a, b in zip(got[0], want[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(got[2], want[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def check_onebit_lamb(device: str = "cpu") -> None:
+    """1-bit LAMB with the fused kernels: 3 warmup steps (LAMB's reference either way),
+    then 3 compressed ones, with a momentum mask on one layer, at world size 1 (which
+    still compresses), one bucket and several; tracks the reference on the CPU."""
+    steps, mask = 6, 2
+    for bucket in (None, 64):
+        want = run_onebit_lamb(Communicator(None), steps, mask, bucket, "reference")
+        got = run_onebit_lamb(Communicator(None, device=device), steps, mask, bucket, "fused")
+        assert got["stages"] == want["stages"] == ["warmup"] * 3 + ["compression"] * 3
+        assert got["bytes"] == want["bytes"]
+        for a, b in zip(got["params"], want["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["factors"], want["factors"], rtol=1e-5, atol=1e-6)
+        error, expected = got["compression_error"], want["compression_error"]
+        torch.testing.assert_close(error, expected, rtol=1e-4, atol=0)  # summed as it goes
+        assert torch.all(got["masked_momentum"] == 0)
+
+
+CHECKS = {
+    f.__name__: f
+    for f in (
+        check_worker_signs,
+        check_server_step,
+        check_expansion,
+        check_all_reduce,
+        check_lamb,
+        check_onebit_lamb,
+    )
+}
