@@ -62,6 +62,13 @@ class DataConfig:
     """Run a validation pass every this many steps (0: only at the end)."""
     validation_batches: int = 10
     """Micro-batches (per rank) of the validation split in one pass."""
+    verify_shards: bool = True
+    """Hash every shard and compare it with the manifest's sha256 before training, so a
+    shard changed after data_prep (a flipped byte that keeps its token ids valid included)
+    stops the run at start with its name, instead of training on it or failing mid-run.
+    The ranks share the work: about 3.2 s per GB on one busy CPU core (BERT-Large's 41 GB
+    of phase-1 shards: about 2 s per rank at 64 ranks). false: only the sizes are checked
+    at start, and token ids as rows are read."""
     prefetch: bool = True
     """Build the next training micro-batch on a background thread while this one trains
     (host work only; pinned and copied without blocking on CUDA). false: build each on
@@ -151,6 +158,7 @@ RESUME_MAY_CHANGE = (
     "divergence",
     "data.validation_every",
     "data.validation_batches",
+    "data.verify_shards",
     "stop_after",
     "backend",
     "collective_timeout_s",

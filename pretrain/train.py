@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onebit_bert.checkpoint import CheckpointManager
+from onebit_bert.checkpoint import CheckpointManager, NoUsableCheckpoint
 from onebit_bert.config import read_config_file, save_config, to_dict
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.precision import LossScaler, autocast, resolve_precision
 from onebit_bert.run_lock import RunLock, RunLocked
-from onebit_bert.shards import PretrainingShards
+from onebit_bert.shards import PretrainingShards, ShardFormatError
 from onebit_bert.strategies import build_strategy
 from onebit_bert.timing import PENDING, DeviceClock, resolve_pending
 from pretrain import checkpointing, outputs
@@ -128,7 +128,10 @@ class Trainer:
         self._take_lock()
         try:
             self._build()
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, NoUsableCheckpoint | ShardFormatError) and ctx.rank == 0:
+                # the last launch's word (stopped, preempted) no longer holds
+                outputs.RunStatus(cfg.run_dir).fail(one_line(err), ctx.rank)
             self.release()
             raise
 
@@ -161,6 +164,12 @@ class Trainer:
         self.scaler = LossScaler(self.precision, ctx.comm)
         self.start_step = 0
         self.resumed = resumed is not None
+        if resumed is not None:
+            self.start_step = resumed[0]
+        self.step = self.start_step
+        """The step in progress (what a failure is recorded at)."""
+        self.last_saved = self.start_step if self.resumed else None
+        """The newest checkpoint of this run (None: none yet)."""
         if resumed is not None:
             self.start_step, shared, per_rank = resumed
             checkpointing.restore(shared, per_rank, self.strategy, self.scheduler, self.scaler)
@@ -256,6 +265,8 @@ class Trainer:
                 f"{cfg.model.max_position_embeddings} positions"
             )
         self.ids = token_ids(self.train_rows)
+        if cfg.data.verify_shards:
+            self._verify_shards()
         interface = resolve_interface(cfg.logging.net_interface)
         self.net = InterfaceCounter(interface) if interface is not None else None
         self.schedule = BatchSchedule(
@@ -269,6 +280,30 @@ class Trainer:
         self.prefetcher = Prefetcher(
             self._build_micro_batch, pin=ctx.device.type == "cuda", enabled=cfg.data.prefetch
         )
+
+    def _verify_shards(self) -> None:
+        """Every shard of both splits against the manifest's sha256, before any training:
+        rank ``r`` hashes shards ``r, r + world, ...`` and one all-reduce tells every rank
+        the first damaged one, so all stop with the same :class:`ShardFormatError` naming
+        it (cost: :data:`onebit_bert.shards.SHA256_SECONDS_PER_GB`)."""
+        ctx = self.ctx
+        splits = (self.train_rows, self.val_rows)
+        none = float(sum(s.num_shards for s in splits))
+        first = torch.full((1,), none, dtype=torch.float64, device=ctx.device)
+        offset = 0
+        for rows in splits:
+            for index in range(ctx.rank, rows.num_shards, ctx.world_size):
+                if rows.damaged(index) is not None:
+                    first.fill_(min(first.item(), offset + index))
+                    break
+            offset += rows.num_shards
+        with ctx.comm.traffic("statistics"):
+            ctx.comm.all_reduce(first, op="min")
+        found = int(first.item())
+        for rows in splits:
+            if found < rows.num_shards:
+                raise ShardFormatError(rows.damaged(found))
+            found -= rows.num_shards
 
     def _build_micro_batch(self, rows: np.ndarray, step: int, micro: int) -> dict:
         """Micro-batch ``micro`` of global batch ``step`` (host arrays; the prefetcher's
@@ -417,6 +452,7 @@ class Trainer:
         try:
             while step < max_steps:
                 step += 1
+                self.step = step
                 record = self.train_step(step)
                 self.step_seconds = record.t_end - record.t_start
                 if step % log_cfg.every == 0 or step == max_steps:
@@ -437,6 +473,7 @@ class Trainer:
                 )
                 if step % cfg.checkpoint.every == 0 or stop or step == max_steps:
                     last_saved = step if self.save(step) else last_saved
+                    self.last_saved = last_saved
                 self.status.heartbeat(step, last_saved)
                 if self.lock is not None:
                     self.lock.heartbeat()
@@ -573,16 +610,29 @@ class Trainer:
         return out
 
 
+def one_line(err: BaseException, limit: int = 500) -> str:
+    """``Type: message`` on one line (a collective library's multi-line text joined)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}"[:limit]
+
+
 def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     """Run (or resume) the phase; returns the final summary (also in the run directory).
-    A run that raises is marked ``failed`` in its status before the error propagates."""
+    A run that raises is marked ``failed`` in its status before the error propagates, by
+    whichever rank failed first (:meth:`~pretrain.outputs.RunStatus.fail`): a rank whose
+    collective broke because another rank left keeps that rank's message."""
     trainer = Trainer(cfg, ctx)
     try:
         return trainer.run()
     except (TrainingDiverged, RunLocked):
         raise
     except BaseException as err:
-        trainer.status.finish(outputs.FAILED, {"error": f"{type(err).__name__}: {err}"[:500]})
+        trainer.status.fail(
+            one_line(err),
+            ctx.rank,
+            step=trainer.step,
+            last_checkpoint=trainer.last_saved,
+        )
         raise
     finally:
         trainer.release()

@@ -1,0 +1,126 @@
+"""Faults of a running job that must end it quickly and say why: a damaged shard on one
+rank of two (every rank stops within seconds, status.json names the shard), a shard
+changed after data_prep (refused before training by its sha256)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onebit_bert.shards import ShardFormatError
+from pretrain.data import BatchSchedule
+from tests.helpers.runs import kill_all, tiny_config, torchrun, write_cfg
+from tests.test_reliability import _run
+
+
+def _copy_corpus(tiny_corpus: Path, tmp_path: Path) -> Path:
+    shutil.copytree(tiny_corpus.parent, tmp_path / "data")
+    return tmp_path / "data" / tiny_corpus.name
+
+
+def _train_shards(seq: Path) -> list[dict]:
+    return json.loads((seq / "manifest.json").read_text())["splits"]["train"]["shards"]
+
+
+def _row_of_rank(seq: Path, step: int, rank: int, cfg: dict) -> tuple[Path, int]:
+    """A (shard, row) that ``rank`` of two reads at ``step`` (and the other rank does not)."""
+    entries = _train_shards(seq)
+    sizes = [e["sequences"] for e in entries]
+    batch = cfg["batch"]
+    accumulation = batch["global_batch_size"] // (batch["micro_batch_size"] * 2)
+    schedule = BatchSchedule(
+        sum(sizes),
+        batch["global_batch_size"],
+        batch["micro_batch_size"],
+        accumulation,
+        2,
+        cfg["seed"],
+    )
+    row = int(schedule.micro_indices(step - 1, rank)[0][1][0])
+    shard = int(np.searchsorted(np.cumsum(sizes), row, side="right"))
+    return seq / entries[shard]["file"], row - sum(sizes[:shard])
+
+
+def _wait(proc, limit: float) -> tuple[str, float]:
+    started = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except BaseException:
+        kill_all(proc)
+        raise
+    return out, time.monotonic() - started
+
+
+def test_a_damaged_row_on_one_rank_stops_every_rank_within_seconds(tiny_corpus, tmp_path):
+    seq = _copy_corpus(tiny_corpus, tmp_path)
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(
+        seq,
+        run_dir,
+        **{
+            "optimizer.name": "onebit_lamb",
+            "schedule.max_steps": 8,
+            "data.verify_shards": False,  # the damage is found as its row is read
+            "collective_timeout_s": 600.0,
+        },
+    )
+    shard, row = _row_of_rank(seq, step=3, rank=1, cfg=cfg)
+    rows = np.load(shard, mmap_mode="r+", allow_pickle=False)
+    rows["input_ids"][row, 1] = 60000  # outside the vocabulary
+    rows.flush()
+    del rows
+    proc = torchrun(write_cfg(cfg, tmp_path / "c.yaml"))
+    out, _ = _wait(proc, 240)
+    ended = time.time()
+    assert proc.returncode != 0, out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["failed_rank"] == 1, status
+    assert status["step"] == 3, status
+    message = f"{shard.name} row {row} holds a token id"
+    assert message in status["error"] and message in out
+    # every rank (and torchrun) ended within seconds of the failure, not at the
+    # collective timeout
+    assert ended - status["finished"] < 60, out
+    assert "pretrain/train.py" not in out, out  # one line per rank, no worker traceback
+
+
+def _flip(path: Path, offset: int, length: int = 8) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset : offset + length] = bytes(b ^ 0xFF for b in data[offset : offset + length])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_shard_header_stops_both_ranks_before_training(tiny_corpus, tmp_path):
+    seq = _copy_corpus(tiny_corpus, tmp_path)
+    shard = seq / _train_shards(seq)[-1]["file"]
+    _flip(shard, offset=20)  # the tester's damage: inside the .npy header
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(seq, run_dir, **{"optimizer.name": "onebit_lamb"})
+    proc = torchrun(write_cfg(cfg, tmp_path / "c.yaml"))
+    out, _ = _wait(proc, 240)
+    assert proc.returncode != 0, out
+    assert out.count(f"error: {shard} does not match the sha256") == 2, out  # both ranks
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and str(shard) in status["error"]
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_a_changed_token_that_stays_in_the_vocabulary_is_refused_before_training(
+    tiny_corpus, tmp_path
+):
+    seq = _copy_corpus(tiny_corpus, tmp_path)
+    shard = seq / _train_shards(seq)[0]["file"]
+    rows = np.load(shard, mmap_mode="r+", allow_pickle=False)
+    rows["input_ids"][3, 2] = 6 if rows["input_ids"][3, 2] != 6 else 7  # another valid id
+    rows.flush()
+    del rows
+    cfg = tiny_config(seq, tmp_path / "run")
+    with pytest.raises(ShardFormatError, match=f"{shard} does not match the sha256"):
+        _run(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    _run({**cfg, "data": {**cfg["data"], "verify_shards": False}})  # trains: it is a valid id
