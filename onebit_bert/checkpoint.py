@@ -124,6 +124,18 @@ class CheckpointManager:
         self.comm.barrier()
         return final
 
+    def set_aside(self, step: int, why: str) -> Path | None:
+        """Rename the checkpoint of ``step`` to ``<why>_step_XXXXXXXX`` (kept for a look, never
+        loaded or pruned); returns the new path, or None when there is no such checkpoint."""
+        path = self.directory / f"step_{step:08d}"
+        if not path.is_dir():
+            return None
+        target = self.directory / f"{why}_{path.name}"
+        if target.exists():
+            shutil.rmtree(target)
+        path.rename(target)
+        return target
+
     def _prune(self, step: int) -> None:
         """After saving ``step``: drop checkpoints of later steps (an abandoned timeline),
         then all but the newest ``keep_last``."""

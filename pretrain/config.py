@@ -186,15 +186,33 @@ class ResumeConfig:
 
 @dataclass
 class DivergenceConfig:
-    """When a run whose numbers broke stops instead of training (and exporting) NaNs."""
+    """When a run whose numbers broke stops instead of training (and exporting) them: NaN
+    or inf for some steps in a row, or a finite loss far above its recent level."""
 
     max_bad_steps: int = 3
     """Stop, with exit code 3, after this many consecutive bad steps: a non-finite loss or
     gradient norm on any rank, or an fp16 overflow skip at the smallest loss scale (1)."""
 
+    loss_spike_factor: float = 10.0
+    """Stop at once, with exit code 3 and before the step's checkpoint or the export, when
+    a step's loss is more than this many times the median loss of the last
+    ``loss_window`` steps: a blow-up whose numbers are all finite (LAMB at lr 1000 takes
+    the loss from 11 to 1e11 with every weight finite). 10x is far above the noise of a
+    healthy run (early BERT losses fall from 11 to 7; a late spike of 2-3x is
+    recoverable); 0 turns the check off."""
+    loss_window: int = 50
+    """Steps whose median loss is the recent level (a resumed launch starts afresh)."""
+
     def __post_init__(self):
         if self.max_bad_steps < 1:
             raise ValueError("divergence.max_bad_steps must be >= 1")
+        if self.loss_spike_factor < 0 or 0 < self.loss_spike_factor <= 1:
+            raise ValueError(
+                f"divergence.loss_spike_factor must be > 1 (or 0: off), got "
+                f"{self.loss_spike_factor}"
+            )
+        if self.loss_window < 1:
+            raise ValueError("divergence.loss_window must be >= 1")
 
 
 @dataclass

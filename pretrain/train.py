@@ -42,6 +42,7 @@ from pretrain.records import (
     STEP_TOTALS,
     STOP_REQUESTED,
     TOKENS,
+    LossSpikeWatch,
     StepRecord,
     progress_line,
 )
@@ -49,7 +50,8 @@ from pretrain.schedule import lr_multiplier
 
 
 class TrainingDiverged(RuntimeError):
-    """The run stopped because its loss or gradients stopped being finite."""
+    """The run stopped because its loss or gradients stopped being finite, or its loss
+    blew up far above its recent level."""
 
 
 class Preemption:
@@ -447,6 +449,7 @@ class Trainer:
         tokens_per_step = cfg.batch.global_batch_size * self.seq_length
         self.preemption = Preemption()
         state, step, bad_run = "complete", self.start_step, 0
+        loss_watch = LossSpikeWatch(cfg.divergence.loss_spike_factor, cfg.divergence.loss_window)
         last_saved = self.start_step if self.resumed else None
         started = time.perf_counter()
         try:
@@ -466,6 +469,9 @@ class Trainer:
                 bad_run = bad_run + 1 if record.bad else 0
                 if bad_run >= cfg.divergence.max_bad_steps:
                     self._diverged(step, f"{bad_run} bad steps in a row ({record.bad})", last_saved)
+                spike = loss_watch.check(record.loss)
+                if spike is not None:
+                    self._diverged(step, spike, last_saved, spike=True)
                 if every_val and step % every_val == 0:
                     self.logger.log(step, self.validate())
                 stop = record.preempted or (
@@ -533,8 +539,19 @@ class Trainer:
             return None
         return lead_shortfall(lead, self.save_seconds, self.step_seconds or 0.0)
 
-    def _diverged(self, step: int, cause: str, last_saved: int | None) -> None:
-        """Stop: status ``diverged``, nothing saved or exported, :class:`TrainingDiverged`."""
+    def _diverged(self, step: int, cause: str, last_saved: int | None, spike: bool = False) -> None:
+        """Stop: status ``diverged``, nothing saved or exported, :class:`TrainingDiverged`.
+
+        A ``spike`` of step N's loss measures the weights after update N - 1: a checkpoint
+        of step N - 1 holds the blow-up, so rank 0 moves it aside (to
+        ``checkpoints/diverged_step_<N-1>``, which no resume loads) and names the one
+        before it as the last good checkpoint."""
+        if spike and last_saved is not None and last_saved == step - 1:
+            if self.ctx.rank == 0:
+                self.checkpoints.set_aside(last_saved, "diverged")
+            self.ctx.comm.barrier()
+            kept = self.checkpoints.checkpoints()
+            last_saved = int(kept[-1].name.split("_", 1)[1]) if kept else None
         good = f"step {last_saved}" if last_saved is not None else "none"
         message = (
             f"training diverged at step {step}: {cause}; last good checkpoint: {good} "

@@ -1,10 +1,12 @@
 """Faults of a running job that must end it quickly and say why: a damaged shard on one
 rank of two (every rank stops within seconds, status.json names the shard), a shard
-changed after data_prep (refused before training by its sha256)."""
+changed after data_prep (refused before training by its sha256), a finite blow-up of
+the loss (divergence, nothing saved after it, nothing exported)."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -12,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from onebit_bert.metrics_log import read_metrics
 from onebit_bert.shards import ShardFormatError
 from pretrain.data import BatchSchedule
+from pretrain.train import TrainingDiverged
 from tests.helpers.runs import kill_all, tiny_config, torchrun, write_cfg
 from tests.test_reliability import _run
 
@@ -124,3 +128,30 @@ def test_a_changed_token_that_stays_in_the_vocabulary_is_refused_before_training
         _run(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     _run({**cfg, "data": {**cfg["data"], "verify_shards": False}})  # trains: it is a valid id
+
+
+def test_a_finite_blow_up_is_divergence(tiny_corpus, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(
+        tiny_corpus,
+        run_dir,
+        **{
+            "optimizer.lr": 1000.0,
+            "schedule.name": "constant",
+            "schedule.warmup_proportion": 0.0,
+            "checkpoint.every": 1,
+        },
+    )
+    with pytest.raises(TrainingDiverged, match=r"x the median .*\(divergence.loss_spike_factor\)"):
+        _run(cfg)
+    losses = [r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert all(math.isfinite(x) for x in losses) and max(losses) > 10 * min(losses), losses
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "diverged", status
+    assert not (run_dir / "final").exists()  # nothing exported
+    # step N's loss measures update N - 1: its checkpoint holds the blow-up, set aside
+    spiked = len(losses)
+    saved = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")]
+    assert all(step < spiked - 1 for step in saved), (saved, spiked)
+    assert (run_dir / "checkpoints" / f"diverged_step_{spiked - 1:08d}").is_dir()
+    assert status["last_checkpoint"] == max(saved, default=None)
