@@ -260,8 +260,29 @@ class PretrainConfig:
         if self.seed < 0:
             raise ValueError("seed must be >= 0")
         check_comm_config(self.comm, resolve_strategy_name(self.strategy, self.optimizer))
+        self._check_freeze_step()
         if self.recipe is not None:
             check_recipe(self.recipe, dataclasses.asdict(self))
+
+    def _check_freeze_step(self) -> None:
+        """A 1-bit LAMB or 1-bit Adam phase that would never leave its full-precision
+        warmup (``freeze_step >= schedule.max_steps``) is refused: it would be recorded as
+        a compressing run while compressing nothing. Allowed with ``model.init_optimizer``,
+        where the optimizer's step count continues from the earlier phase (the shipped
+        phase 2 has freeze_step 6,100 and 1,563 steps after phase 1's 7,038, so it
+        compresses from its first step)."""
+        opt = self.optimizer
+        if opt.name not in ("onebit_lamb", "onebit_adam") or opt.freeze_step == "auto":
+            return
+        if self.model.init_optimizer or opt.freeze_step < self.schedule.max_steps:
+            return
+        raise ValueError(
+            f"optimizer.freeze_step {opt.freeze_step} >= schedule.max_steps "
+            f"{self.schedule.max_steps}: this {opt.name} run would never compress (every "
+            f"step is in its full-precision warmup); lower optimizer.freeze_step below "
+            f"schedule.max_steps (recipes: 15-25 % of the steps), use freeze_step auto, or "
+            f"optimizer.name=lamb for an uncompressed run"
+        )
 
     def resolved_recipe(self) -> str | None:
         """``recipe``, or the registered recipe the config's fields match (None: none)."""

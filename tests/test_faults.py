@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from onebit_bert.config import from_dict
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.shards import ShardFormatError
+from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule
 from pretrain.train import TrainingDiverged
 from tests.helpers.runs import kill_all, tiny_config, torchrun, write_cfg
@@ -155,3 +157,21 @@ def test_a_finite_blow_up_is_divergence(tiny_corpus, tmp_path):
     assert all(step < spiked - 1 for step in saved), (saved, spiked)
     assert (run_dir / "checkpoints" / f"diverged_step_{spiked - 1:08d}").is_dir()
     assert status["last_checkpoint"] == max(saved, default=None)
+
+
+def test_a_compressing_run_that_never_compresses_is_refused(tiny_corpus, tmp_path):
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "run",
+        **{"optimizer.name": "onebit_lamb", "optimizer.freeze_step": 12},
+    )
+    with pytest.raises(ValueError, match="freeze_step 12 >= schedule.max_steps 12: this "):
+        from_dict(PretrainConfig, cfg)
+    cfg["optimizer"]["name"] = "onebit_adam"
+    with pytest.raises(ValueError, match="onebit_adam run would never compress"):
+        from_dict(PretrainConfig, cfg)
+    cfg["model"]["init_optimizer"] = True  # a later phase: the step count continues
+    assert from_dict(PretrainConfig, cfg).optimizer.freeze_step == 12
+    del cfg["model"]["init_optimizer"]
+    cfg["optimizer"]["freeze_step"] = 11
+    assert from_dict(PretrainConfig, cfg).optimizer.freeze_step == 11
