@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(err: BaseException | str, code: int) -> int:
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    text = err.strerror if isinstance(err, NoSpaceError) else err  # without "[Errno 28]"
+    print(f"error: {text}", file=sys.stderr, flush=True)
     return code
 
 

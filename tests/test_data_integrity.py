@@ -226,7 +226,9 @@ def test_atomic_writes_on_a_full_device(tmp_path):
     with pytest.raises(NoSpaceError) as info:
         atomic_write_json(target, {"x": "y" * 1000})
     assert info.value.errno == errno.ENOSPC
-    assert str(info.value).endswith(f"no space left on device while writing {target}")
+    message = str(info.value)
+    assert f"no space left on device while writing {target} (" in message
+    assert message.endswith(")") and " MB free on /" in message
     _assert_clean(tmp_path, target)
     with pytest.raises(NoSpaceError, match="no space left on device while writing"):
         atomic_write_bytes(target, b"z" * 1000)

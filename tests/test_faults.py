@@ -1,12 +1,16 @@
 """Faults of a running job that must end it quickly and say why: a damaged shard on one
 rank of two (every rank stops within seconds, status.json names the shard), a shard
 changed after data_prep (refused before training by its sha256), a finite blow-up of
-the loss (divergence, nothing saved after it, nothing exported)."""
+the loss (divergence, nothing saved after it, nothing exported), a 1-bit run that would
+never compress, a full device while a checkpoint is written."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -175,3 +179,68 @@ def test_a_compressing_run_that_never_compresses_is_refused(tiny_corpus, tmp_pat
     del cfg["model"]["init_optimizer"]
     cfg["optimizer"]["freeze_step"] = 11
     assert from_dict(PretrainConfig, cfg).optimizer.freeze_step == 11
+
+
+class _FillsUp:
+    """A file that takes ``room`` bytes, then fails as a full device does."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        if n > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= n
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def test_a_full_device_during_a_checkpoint_is_named_with_its_free_space(
+    tiny_corpus, tmp_path, monkeypatch, capsys
+):
+    from onebit_bert import checkpoint
+    from pretrain.__main__ import main
+
+    real = checkpoint.atomic_open
+
+    @contextlib.contextmanager
+    def filling(path, mode="wb"):
+        with real(path, mode) as f:
+            yield _FillsUp(f, 1000) if "step_00000008.tmp" in str(path) else f
+
+    monkeypatch.setattr(checkpoint, "atomic_open", filling)
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tiny_corpus, run_dir, **{"checkpoint.every": 4})
+    assert main(["--config", str(write_cfg(cfg, tmp_path / "c.yaml"))]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no space left on device while writing "), err
+    assert "step_00000008.tmp/rank00000.pt (" in err[0] and " MB free on /" in err[0]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "no space left on device" in status["error"]
+    assert " MB free on /" in status["error"]
+    assert status["step"] == 8 and status["last_checkpoint"] == 4  # the last good save
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_00000004"]  # no step_00000008.tmp left behind
+    assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_a_device_without_room_for_the_next_checkpoint_fails_before_writing(
+    tiny_corpus, tmp_path, monkeypatch
+):
+    import shutil as shutil_module
+
+    from onebit_bert.io import NoSpaceError
+
+    run_dir = tmp_path / "run"
+    _run(tiny_config(tiny_corpus, run_dir, **{"schedule.max_steps": 4}))
+    usage = shutil_module.disk_usage(run_dir)
+    monkeypatch.setattr(
+        "onebit_bert.checkpoint.shutil.disk_usage", lambda p: usage._replace(free=1000)
+    )
+    longer = {"schedule.max_steps": 8, "resume.allow_changes": ["schedule.max_steps"]}
+    with pytest.raises(NoSpaceError, match=r"checkpoint step 8 .* step_00000004 took"):
+        _run(tiny_config(tiny_corpus, run_dir, **longer))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004"]
