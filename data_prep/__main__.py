@@ -14,6 +14,7 @@ from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
 from onebit_bert.config import ConfigError, config_help, load_config
 from onebit_bert.io import NoSpaceError
+from onebit_bert.run_lock import RunLocked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except NoSpaceError as err:
         print(f"error: {err.strerror}", file=sys.stderr)
         return 1
+    except RunLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 4
     summary = {
         f"seq{n}": {
             "train_sequences": m["splits"]["train"]["sequences"],

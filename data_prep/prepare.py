@@ -63,6 +63,7 @@ from data_prep.text import document_sentences
 from data_prep.tokenizer import build_tokenizer, load_backend, save_tokenizer, tokenizer_hash
 from onebit_bert.config import to_dict
 from onebit_bert.io import atomic_write_json
+from onebit_bert.run_lock import holding_lock
 from onebit_bert.shards import FORMAT_VERSION, write_shard
 
 log = logging.getLogger("data_prep")
@@ -253,10 +254,18 @@ def _progress(cfg: DataPrepConfig, total: int | None):
 
 
 def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
-    """Run (or resume, or confirm) the preparation; returns the manifest per length."""
+    """Run (or resume, or confirm) the preparation; returns the manifest per length.
+    The output's run lock (``run.lock``) is held throughout: a second preparation of the
+    same output stops with :class:`~onebit_bert.run_lock.RunLocked` naming the first."""
     out = Path(cfg.output)
     check_output_path(out)
     described = check_sources(cfg)  # every input opened before any expensive work
+    # one writer per output, as pretraining and fine-tuning have per run directory
+    with holding_lock(out):
+        return _prepare(cfg, out, described)
+
+
+def _prepare(cfg: DataPrepConfig, out: Path, described: dict) -> dict[int, dict]:
     print_ = log.info
     fp = fingerprint(cfg, described)
     manifests = _finished_manifests(cfg, fp)
