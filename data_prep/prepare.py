@@ -309,6 +309,7 @@ def _prepare(cfg: DataPrepConfig, out: Path, described: dict) -> dict[int, dict]
                 f"sequences, fewer than one shard of {cfg.sequences_per_shard}; lower "
                 f"sequences_per_shard"
             )
+        _warn_about_losses(cfg, seq_length, splits, totals["tokens"])
         manifest = {
             "format_version": FORMAT_VERSION,
             "seq_length": seq_length,
@@ -340,6 +341,43 @@ def _prepare(cfg: DataPrepConfig, out: Path, described: dict) -> dict[int, dict]
         out,
     )
     return manifests
+
+
+KEPT_WARNING = 0.5
+"""Below this share of the corpus's tokens in the shards' rows, data_prep warns."""
+
+
+def kept_fraction(mode: str, splits: dict, corpus_tokens: int) -> float:
+    """The corpus's tokens in the rows of both splits (special tokens not counted) as a
+    share of the tokens the corpus has. NSP rows repeat some text (a random B is drawn
+    from elsewhere), so a sound corpus comes out near or above 1."""
+    specials = 3 if mode == "nsp" else 2
+    content = sum(s["tokens"] - specials * s["sequences"] for s in splits.values())
+    return content / max(corpus_tokens, 1)
+
+
+def _warn_about_losses(cfg: DataPrepConfig, seq_length: int, splits: dict, tokens: int) -> None:
+    """A warning (not an error: the shards are usable) when most of the text did not make
+    it into rows, or the validation split came out empty."""
+    kept = kept_fraction(cfg.instances.mode, splits, tokens)
+    if kept < KEPT_WARNING:
+        log.warning(
+            "data_prep: seq %d: the rows hold %.2f %% of the corpus's %d tokens; the rest was "
+            "truncated or dropped (%d train rows short of a shard). Check for documents "
+            "far longer than a sequence without sentence punctuation, or lower "
+            "sequences_per_shard",
+            seq_length,
+            100 * kept,
+            tokens,
+            splits["train"]["dropped_sequences"],
+        )
+    if cfg.validation_fraction > 0 and splits["validation"]["sequences"] == 0:
+        log.warning(
+            "data_prep: seq %d: the validation split is empty although validation_fraction "
+            "is %g: the corpus has too few documents (documents are held out whole)",
+            seq_length,
+            cfg.validation_fraction,
+        )
 
 
 def _finished_manifests(cfg: DataPrepConfig, fp: str) -> dict[int, dict] | None:

@@ -448,3 +448,44 @@ def test_shared_sample_with_the_bert_vocabulary(tmp_path):
     assert rows["input_ids"].max() < 30522 and np.all(rows["input_ids"][:, 0] == 101)
     assert 0.4 < float((rows["nsp"] == 1).mean()) < 0.7
     assert rows["length"].mean() > 100  # seq 128 rows are mostly full
+
+
+def test_a_huge_document_without_punctuation_keeps_its_tokens(tmp_path, caplog):
+    """One 200 kB line without sentence punctuation: the text step cuts it into
+    10,000-character "sentences", each longer than a pair; they are cut into half-pair
+    pieces, so nearly every token reaches a row and half the pairs are true next pairs
+    (before: 1-2 % of the tokens, every pair a random next)."""
+    import logging
+    import random
+
+    from data_prep.prepare import _warn_about_losses, kept_fraction
+    from onebit_bert.config import from_dict
+    from tests.corpus import write_vocab
+
+    rng = random.Random(3)
+    corpus = tmp_path / "huge.txt"
+    corpus.write_text(" ".join(rng.choice(WORDS) for _ in range(32000)) + "\n")
+    items = {
+        "output": str(tmp_path / "out"),
+        "sources": [{"name": "huge", "kind": "text", "paths": [str(corpus)]}],
+        "tokenizer": {"vocab_file": str(write_vocab(tmp_path / "vocab.txt"))},
+        "instances": {"seq_lengths": [32]},
+        "sequences_per_shard": 64,
+        "validation_fraction": 0.0,
+        "workers": 1,
+        "progress": False,
+    }
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        manifest = prepare(from_dict(DataPrepConfig, items))[32]
+    splits = manifest["splits"]
+    assert kept_fraction("nsp", splits, manifest["corpus_tokens"]) > 0.8
+    train = splits["train"]
+    assert train["random_next_rows_before_drop"] < 0.7 * (
+        train["sequences"] + train["dropped_sequences"]
+    )
+    assert "the rows hold" not in caplog.text
+    # a loss (as before the cut: 1.25 % kept) is warned about with the share kept
+    lossy = {**splits, "train": {**train, "tokens": train["tokens"] // 20}}
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        _warn_about_losses(from_dict(DataPrepConfig, items), 32, lossy, manifest["corpus_tokens"])
+    assert "data_prep: seq 32: the rows hold " in caplog.text
