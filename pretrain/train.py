@@ -210,7 +210,18 @@ class Trainer:
             **({"save_seconds": self.save_seconds} if self.save_seconds is not None else {}),
             **({"step_seconds": self.step_seconds} if self.step_seconds is not None else {}),
         )
-        self.logger = MetricsLogger(self.run_dir, ctx.is_main, cfg.logging, config=to_dict(cfg))
+        self.logger = MetricsLogger(
+            self.run_dir,
+            ctx.is_main,
+            cfg.logging,
+            config=to_dict(cfg),
+            resume_step=self.start_step if self.resumed else None,
+        )
+        if self.resumed:
+            self.logger.progress(
+                f"resuming from step {self.start_step} "
+                f"({outputs.checkpoints_dir(self.run_dir) / f'step_{self.start_step:08d}'})"
+            )
         if self.config_changes:
             self.logger.log(self.start_step, {"resume_changes": self.config_changes})
 

@@ -244,3 +244,21 @@ def test_a_device_without_room_for_the_next_checkpoint_fails_before_writing(
     with pytest.raises(NoSpaceError, match=r"checkpoint step 8 .* step_00000004 took"):
         _run(tiny_config(tiny_corpus, run_dir, **longer))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004"]
+
+
+def test_a_resume_says_where_it_starts_and_replaces_the_replayed_rows(
+    tiny_corpus, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tiny_corpus, run_dir, **{"schedule.max_steps": 8})
+    _run(cfg)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000008")  # as if killed after step 8's log
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 9, "lo')  # and a torn last line
+    capsys.readouterr()
+    _run(cfg)
+    assert f"resuming from step 4 ({run_dir / 'checkpoints' / 'step_00000004'})" in (
+        capsys.readouterr().err
+    )
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 9))  # steps 5-8 once each: the replayed ones replaced

@@ -111,6 +111,9 @@ def test_no_usable_checkpoint_stops_unless_a_restart_is_allowed(tiny_corpus, tmp
         shared.write_bytes(os.urandom(shared.stat().st_size))
     with pytest.raises(NoUsableCheckpoint, match="step_00000004, step_00000008"):
         _run(tiny_config(tiny_corpus, run_dir, **base))
+    status = json.loads((run_dir / "status.json").read_text())  # not the last launch's word
+    assert status["state"] == "failed" and "NoUsableCheckpoint" in status["error"], status
+    assert "step_00000004, step_00000008" in status["error"]
     with pytest.warns(UserWarning):
         restart = {**base, "schedule.max_steps": 4, "checkpoint.allow_restart": True}
         _run(tiny_config(tiny_corpus, run_dir, **restart))
