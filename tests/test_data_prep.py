@@ -489,3 +489,22 @@ def test_a_huge_document_without_punctuation_keeps_its_tokens(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="data_prep"):
         _warn_about_losses(from_dict(DataPrepConfig, items), 32, lossy, manifest["corpus_tokens"])
     assert "data_prep: seq 32: the rows hold " in caplog.text
+
+
+def test_an_empty_file_among_others_is_skipped_with_a_warning(tmp_path, corpus, caplog):
+    import logging
+
+    empty = tmp_path / "part-0002.txt"
+    empty.write_text("")
+    blank = tmp_path / "part-0003.txt"
+    blank.write_text("\n  \n")
+    paths = [str(corpus["text"]), str(empty), str(blank)]
+    source = {"name": "text", "kind": "text", "paths": paths}
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        manifests = prepare(config(tmp_path / "a", corpus, sources=[source], workers=1))
+    assert manifests[32]["splits"]["train"]["sequences"] > 0
+    assert "source 'text': 2 of its 3 files hold no text and add nothing" in caplog.text
+    assert str(empty) in caplog.text
+    only_empty = {**source, "paths": [str(empty), str(blank)]}
+    with pytest.raises(SourceError, match=r"part-0002.txt is empty \(and so are the other 1"):
+        prepare(config(tmp_path / "b", corpus, sources=[only_empty]))
