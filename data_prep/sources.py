@@ -221,7 +221,8 @@ def check_sources(cfg: DataPrepConfig) -> dict[str, list[dict]]:
         files = expand_paths(cfg, source)
         empty = [p for p in files if _holds_no_text(source, p)]
         if len(empty) == len(files):
-            raise SourceError(f"source {source.name!r}: {empty[0]} is empty" + _and_others(empty))
+            what = "is empty" if os.path.getsize(empty[0]) == 0 else "holds no text"
+            raise SourceError(f"source {source.name!r}: {empty[0]} {what}" + _and_others(empty))
         if empty:
             # one empty file of many (an interrupted export, a placeholder) is no reason to
             # refuse the rest: it adds no documents
