@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import time
 import zlib
 from collections import deque
@@ -120,6 +121,10 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_dir: str, sep_id: int) -> None:
+    # The main process handles Ctrl-C and SIGTERM and terminates the pool (SIGTERM's
+    # default action ends a worker without a word); a worker raising KeyboardInterrupt
+    # itself would only add a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
     tokenizer = load_backend(tokenizer_dir)

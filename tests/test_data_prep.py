@@ -508,3 +508,33 @@ def test_an_empty_file_among_others_is_skipped_with_a_warning(tmp_path, corpus, 
     only_empty = {**source, "paths": [str(empty), str(blank)]}
     with pytest.raises(SourceError, match=r"part-0002.txt is empty \(and so are the other 1"):
         prepare(config(tmp_path / "b", corpus, sources=[only_empty]))
+
+
+def test_sigterm_stops_data_prep_with_one_line(tmp_path):
+    from onebit_bert.config import save_config
+
+    many = write_corpus(tmp_path / "corpus", n_docs=3000)
+    cfg = config(tmp_path, many, keep_work=True, unit_bytes=2000)
+    save_config(cfg, tmp_path / "cfg.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data_prep", "--config", str(tmp_path / "cfg.yaml")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    done = Path(cfg.output) / "work" / "done"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if done.is_dir() and len(list(done.iterdir())) >= 3:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)  # the main process only, as a scheduler's kill may
+    out, _ = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be stopped")
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "Traceback" not in out and "BrokenPipeError" not in out, out
+    assert "data_prep: stopped by SIGTERM; run the same command again to resume" in out
+    assert not (Path(cfg.output) / "run.lock").exists()  # released on the way out
