@@ -17,15 +17,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from onebit_bert.config import from_dict
+from onebit_bert.distributed import Communicator
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.shards import ShardFormatError
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule
-from pretrain.train import TrainingDiverged
-from tests.helpers.runs import kill_all, tiny_config, torchrun, write_cfg
-from tests.test_reliability import _run
+from pretrain.train import TrainingDiverged, train
+from tests.helpers.runs import dist_context, kill_all, tiny_config, torchrun, write_cfg
+
+
+def _run(cfg: dict) -> dict:
+    torch.set_num_threads(1)
+    return train(from_dict(PretrainConfig, cfg), dist_context(Communicator(None)))
 
 
 def _copy_corpus(tiny_corpus: Path, tmp_path: Path) -> Path:

@@ -181,14 +181,25 @@ def test_second_launch_on_a_run_is_refused_and_a_killed_ones_lock_is_taken_over(
 
 def test_data_prep_takes_its_outputs_lock(tmp_path, live_pid, capsys):
     from data_prep.__main__ import main as data_prep_main
+    from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare
-    from onebit_bert.config import save_config
+    from onebit_bert.config import from_dict, save_config
     from tests.corpus import write_corpus
-    from tests.test_data_integrity import config
 
     corpus = write_corpus(tmp_path / "corpus", n_docs=40)
     out = tmp_path / "prepared"
-    cfg = config(out, corpus, keep_work=False)
+    cfg = from_dict(
+        DataPrepConfig,
+        {
+            "output": str(out),
+            "sources": [{"name": "text", "kind": "text", "paths": [str(corpus["text"])]}],
+            "tokenizer": {"vocab_file": str(corpus["vocab"])},
+            "instances": {"seq_lengths": [32]},
+            "sequences_per_shard": 16,
+            "workers": 1,
+            "progress": False,
+        },
+    )
     _write_lock(out, pids=[live_pid])  # another launch preparing this output
     with pytest.raises(RunLocked, match=rf"{out} is being written by another launch"):
         prepare(cfg)
