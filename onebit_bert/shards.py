@@ -191,6 +191,31 @@ class PretrainingShards:
         return rows_to_features(rows)
 
 
+def first_damaged_shard(
+    splits: Sequence[PretrainingShards], rank: int, world_size: int
+) -> int | None:
+    """The first shard whose sha256 differs from the manifest's among those rank ``rank`` of
+    ``world_size`` checks (``rank, rank + world_size, ...`` of each split), numbered across
+    ``splits`` in order; None when they all match. Every shard is hashed by one rank; the
+    cost is :data:`SHA256_SECONDS_PER_GB`."""
+    offset = 0
+    for rows in splits:
+        for index in range(rank, rows.num_shards, world_size):
+            if rows.damaged(index) is not None:
+                return offset + index
+        offset += rows.num_shards
+    return None
+
+
+def damage_of(splits: Sequence[PretrainingShards], number: int) -> str:
+    """The message for shard ``number`` as :func:`first_damaged_shard` numbers them."""
+    for rows in splits:
+        if number < rows.num_shards:
+            return rows.damaged(number) or f"{rows._files[number]} changed while it was checked"
+        number -= rows.num_shards
+    raise IndexError(f"no shard {number} in these splits")
+
+
 def check_shard_sizes(files: Sequence[Path], entries: Sequence[dict], manifest: Path) -> None:
     """Raise :class:`ShardFormatError` for the first shard whose size differs from the
     manifest's ``bytes`` (entries without ``bytes``, from older manifests, are skipped)."""

@@ -29,7 +29,12 @@ from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.precision import LossScaler, autocast, resolve_precision
 from onebit_bert.run_lock import RunLock, RunLocked
-from onebit_bert.shards import PretrainingShards, ShardFormatError
+from onebit_bert.shards import (
+    PretrainingShards,
+    ShardFormatError,
+    damage_of,
+    first_damaged_shard,
+)
 from onebit_bert.strategies import build_strategy
 from onebit_bert.timing import PENDING, DeviceClock, resolve_pending
 from pretrain import checkpointing, outputs
@@ -295,28 +300,20 @@ class Trainer:
         )
 
     def _verify_shards(self) -> None:
-        """Every shard of both splits against the manifest's sha256, before any training:
-        rank ``r`` hashes shards ``r, r + world, ...`` and one all-reduce tells every rank
-        the first damaged one, so all stop with the same :class:`ShardFormatError` naming
-        it (cost: :data:`onebit_bert.shards.SHA256_SECONDS_PER_GB`)."""
-        ctx = self.ctx
-        splits = (self.train_rows, self.val_rows)
-        none = float(sum(s.num_shards for s in splits))
-        first = torch.full((1,), none, dtype=torch.float64, device=ctx.device)
-        offset = 0
-        for rows in splits:
-            for index in range(ctx.rank, rows.num_shards, ctx.world_size):
-                if rows.damaged(index) is not None:
-                    first.fill_(min(first.item(), offset + index))
-                    break
-            offset += rows.num_shards
+        """Every shard of both splits against the manifest's sha256, before any training,
+        the work spread over the ranks (:func:`~onebit_bert.shards.first_damaged_shard`);
+        one all-reduce tells every rank the first damaged one, so all stop with the same
+        :class:`ShardFormatError` naming it."""
+        ctx, splits = self.ctx, (self.train_rows, self.val_rows)
+        none = sum(s.num_shards for s in splits)
+        found = first_damaged_shard(splits, ctx.rank, ctx.world_size)
+        first = torch.tensor(
+            [none if found is None else found], dtype=torch.float64, device=ctx.device
+        )
         with ctx.comm.traffic("statistics"):
             ctx.comm.all_reduce(first, op="min")
-        found = int(first.item())
-        for rows in splits:
-            if found < rows.num_shards:
-                raise ShardFormatError(rows.damaged(found))
-            found -= rows.num_shards
+        if int(first.item()) < none:
+            raise ShardFormatError(damage_of(splits, int(first.item())))
 
     def _build_micro_batch(self, rows: np.ndarray, step: int, micro: int) -> dict:
         """Micro-batch ``micro`` of global batch ``step`` (host arrays; the prefetcher's

@@ -307,3 +307,17 @@ def test_stale_temp_files_are_removed_at_start(copy, corpus, caplog):
     assert all(p.exists() for p in kept)
     assert "removed 5 temporary file(s) left by an interrupted run" in caplog.text
     assert (seq / "manifest.json").is_file()
+
+
+def test_each_rank_hashes_its_share_of_the_shards(copy):
+    from onebit_bert.shards import damage_of, first_damaged_shard
+
+    seq = copy / "seq32"
+    splits = [PretrainingShards(seq, "train"), PretrainingShards(seq, "validation")]
+    assert [first_damaged_shard(splits, r, 2) for r in (0, 1)] == [None, None]
+    last = splits[0].num_shards - 1
+    shard = seq / _manifest(seq)["splits"]["train"]["shards"][last]["file"]
+    _damage_token(shard, row=0, value=7)  # a valid id: only the sha256 can tell
+    found = [first_damaged_shard(splits, r, 2) for r in (0, 1)]
+    assert found[last % 2] == last and found[1 - last % 2] is None  # one rank hashed it
+    assert damage_of(splits, last).startswith(f"{shard} does not match the sha256")
