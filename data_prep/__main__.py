@@ -8,12 +8,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
 from onebit_bert.config import ConfigError, config_help, load_config
 from onebit_bert.io import NoSpaceError
+from onebit_bert.run_lock import RunLocked
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived: unwinds the run (the worker pool is terminated on the way out, and
+    the output's lock released) so that it ends with one line, not a traceback per worker."""
+
+
+def _stop(signum, _frame) -> None:
+    raise Stopped(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,15 +47,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         cfg = load_config(DataPrepConfig, args.config, args.overrides)
         manifests = prepare(cfg)
+    except Stopped:
+        print(
+            "data_prep: stopped by SIGTERM; run the same command again to resume (finished "
+            "units are kept)",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except NoSpaceError as err:
         print(f"error: {err.strerror}", file=sys.stderr)
         return 1
+    except RunLocked as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     summary = {
         f"seq{n}": {
             "train_sequences": m["splits"]["train"]["sequences"],

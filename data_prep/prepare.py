@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import time
 import zlib
 from collections import deque
@@ -63,6 +64,7 @@ from data_prep.text import document_sentences
 from data_prep.tokenizer import build_tokenizer, load_backend, save_tokenizer, tokenizer_hash
 from onebit_bert.config import to_dict
 from onebit_bert.io import atomic_write_json
+from onebit_bert.run_lock import holding_lock
 from onebit_bert.shards import FORMAT_VERSION, write_shard
 
 log = logging.getLogger("data_prep")
@@ -119,6 +121,10 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_dir: str, sep_id: int) -> None:
+    # The main process handles Ctrl-C and SIGTERM and terminates the pool (SIGTERM's
+    # default action ends a worker without a word); a worker raising KeyboardInterrupt
+    # itself would only add a traceback each.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
     os.environ["RAYON_NUM_THREADS"] = "1"
     tokenizer = load_backend(tokenizer_dir)
@@ -264,10 +270,18 @@ def _progress(cfg: DataPrepConfig, total: int | None):
 
 
 def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
-    """Run (or resume, or confirm) the preparation; returns the manifest per length."""
+    """Run (or resume, or confirm) the preparation; returns the manifest per length.
+    The output's run lock (``run.lock``) is held throughout: a second preparation of the
+    same output stops with :class:`~onebit_bert.run_lock.RunLocked` naming the first."""
     out = Path(cfg.output)
     check_output_path(out)
     described = check_sources(cfg)  # every input opened before any expensive work
+    # one writer per output, as pretraining and fine-tuning have per run directory
+    with holding_lock(out):
+        return _prepare(cfg, out, described)
+
+
+def _prepare(cfg: DataPrepConfig, out: Path, described: dict) -> dict[int, dict]:
     print_ = log.info
     fp = fingerprint(cfg, described)
     manifests = _finished_manifests(cfg, fp)
@@ -311,6 +325,7 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
                 f"sequences, fewer than one shard of {cfg.sequences_per_shard}; lower "
                 f"sequences_per_shard"
             )
+        _warn_about_losses(cfg, seq_length, splits, totals["tokens"])
         manifest = {
             "format_version": FORMAT_VERSION,
             "seq_length": seq_length,
@@ -342,6 +357,43 @@ def prepare(cfg: DataPrepConfig) -> dict[int, dict]:
         out,
     )
     return manifests
+
+
+KEPT_WARNING = 0.5
+"""Below this share of the corpus's tokens in the shards' rows, data_prep warns."""
+
+
+def kept_fraction(mode: str, splits: dict, corpus_tokens: int) -> float:
+    """The corpus's tokens in the rows of both splits (special tokens not counted) as a
+    share of the tokens the corpus has. NSP rows repeat some text (a random B is drawn
+    from elsewhere), so a sound corpus comes out near or above 1."""
+    specials = 3 if mode == "nsp" else 2
+    content = sum(s["tokens"] - specials * s["sequences"] for s in splits.values())
+    return content / max(corpus_tokens, 1)
+
+
+def _warn_about_losses(cfg: DataPrepConfig, seq_length: int, splits: dict, tokens: int) -> None:
+    """A warning (not an error: the shards are usable) when most of the text did not make
+    it into rows, or the validation split came out empty."""
+    kept = kept_fraction(cfg.instances.mode, splits, tokens)
+    if kept < KEPT_WARNING:
+        log.warning(
+            "data_prep: seq %d: the rows hold %.2f %% of the corpus's %d tokens; the rest was "
+            "truncated or dropped (%d train rows short of a shard). Check for documents "
+            "far longer than a sequence without sentence punctuation, or lower "
+            "sequences_per_shard",
+            seq_length,
+            100 * kept,
+            tokens,
+            splits["train"]["dropped_sequences"],
+        )
+    if cfg.validation_fraction > 0 and splits["validation"]["sequences"] == 0:
+        log.warning(
+            "data_prep: seq %d: the validation split is empty although validation_fraction "
+            "is %g: the corpus has too few documents (documents are held out whole)",
+            seq_length,
+            cfg.validation_fraction,
+        )
 
 
 def _finished_manifests(cfg: DataPrepConfig, fp: str) -> dict[int, dict] | None:

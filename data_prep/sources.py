@@ -6,7 +6,8 @@ records) or ``blocks`` (paragraphs separated by blank lines, lines hard-wrapped:
 Cleaning and sentence splitting happen later, in the workers.
 
 :func:`check_sources` opens every local file before any expensive work and fails with
-one clear error naming a file that is missing, empty or unreadable.
+one clear error naming a file that is missing, empty or unreadable; an empty file among
+others that hold text is skipped with a warning (it adds no documents).
 
 :func:`read_source` counts, per source, the characters read, the undecodable bytes (each
 becomes one U+FFFD) and the control characters other than tab, newline and carriage
@@ -24,6 +25,7 @@ import glob
 import gzip
 import io
 import json
+import logging
 import os
 import re
 import zlib
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 from data_prep.config import DataPrepConfig, SourceConfig
 from onebit_bert.io import sha256_file
+
+log = logging.getLogger("data_prep")
 
 PROBE_BYTES = 1 << 16
 
@@ -139,6 +143,25 @@ def expand_paths(cfg: DataPrepConfig, source: SourceConfig) -> list[str]:
     return files
 
 
+def _holds_no_text(source: SourceConfig, path: str) -> bool:
+    """Whether ``path`` is empty: no bytes, or (plain text sources) nothing but
+    whitespace in its first :data:`PROBE_BYTES` of a file no longer than that."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return True
+    if source.kind != "text" or size > PROBE_BYTES or path.endswith((".gz", ".bz2")):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return not f.read().strip()
+    except OSError:
+        return False  # the probe names the error
+
+
+def _and_others(paths: list[str]) -> str:
+    return f" (and so are the other {len(paths) - 1} files of the source)" if len(paths) > 1 else ""
+
+
 def _probe(source: SourceConfig, path: str) -> None:
     """Read the start of ``path`` the way the reader will, to fail early and clearly."""
     if os.path.getsize(path) == 0:
@@ -196,8 +219,23 @@ def check_sources(cfg: DataPrepConfig) -> dict[str, list[dict]]:
             ]
             continue
         files = expand_paths(cfg, source)
+        empty = [p for p in files if _holds_no_text(source, p)]
+        if len(empty) == len(files):
+            what = "is empty" if os.path.getsize(empty[0]) == 0 else "holds no text"
+            raise SourceError(f"source {source.name!r}: {empty[0]} {what}" + _and_others(empty))
+        if empty:
+            # one empty file of many (an interrupted export, a placeholder) is no reason to
+            # refuse the rest: it adds no documents
+            log.warning(
+                "data_prep: source %r: %d of its %d files hold no text and add nothing: %s",
+                source.name,
+                len(empty),
+                len(files),
+                ", ".join(empty[:3]) + (", ..." if len(empty) > 3 else ""),
+            )
         for path in files:
-            _probe(source, path)
+            if path not in empty:
+                _probe(source, path)
         described[source.name] = [
             {"path": _display_path(cfg, p), "bytes": os.path.getsize(p), "sha256": sha256_file(p)}
             for p in files
@@ -376,6 +414,8 @@ def bounded_documents(doc: RawDocument, limit: int | None = None) -> Iterator[Ra
 
 def _file_documents(cfg, source, counter) -> Iterator[RawDocument]:
     for path in expand_paths(cfg, source):
+        if _holds_no_text(source, path):
+            continue  # warned about by check_sources
         if source.kind == "wikiextractor":
             yield from _wikiextractor(path, source, counter)
         elif source.kind == "text":

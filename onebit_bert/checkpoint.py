@@ -21,6 +21,7 @@ abandoned because none of them could be loaded) before keeping the newest ``keep
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import warnings
@@ -30,7 +31,13 @@ from typing import Any
 import torch
 
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.io import atomic_open, atomic_write_json, sha256_file
+from onebit_bert.io import (
+    NoSpaceError,
+    atomic_open,
+    atomic_write_json,
+    free_space,
+    sha256_file,
+)
 
 COMPLETE = "complete.json"
 SHARED = "shared.pt"
@@ -83,9 +90,39 @@ class CheckpointManager:
         )
 
     def save(self, step: int, shared: dict, per_rank: dict) -> Path:
-        """Collective: every rank calls it with its own ``per_rank`` state."""
-        final = self.directory / f"step_{step:08d}"
+        """Collective: every rank calls it with its own ``per_rank`` state.
+
+        A full device raises :class:`~onebit_bert.io.NoSpaceError` naming the file and the
+        free space, before anything is written when the device has less room than the
+        newest checkpoint takes; a failed save leaves no ``.tmp`` directory behind (rank 0
+        removes it) and the checkpoints before it untouched."""
         tmp = self.directory / f"step_{step:08d}.tmp"
+        try:
+            return self._save_checkpoint(step, shared, per_rank, tmp)
+        except BaseException:
+            if self.comm.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _check_room(self, step: int) -> None:
+        """:class:`NoSpaceError` when the device holds less free space than the newest
+        checkpoint takes (a save would fill it mid-write)."""
+        previous = self.checkpoints()
+        if not previous:
+            return
+        needed = sum(f.stat().st_size for f in previous[-1].iterdir() if f.is_file())
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise NoSpaceError(
+                errno.ENOSPC,
+                f"no space left on device for checkpoint step {step} in {self.directory}: "
+                f"{previous[-1].name} took {needed / 1e6:.1f} MB, and only "
+                f"{free_space(self.directory)}; free space there or lower checkpoint.keep_last",
+            )
+
+    def _save_checkpoint(self, step: int, shared: dict, per_rank: dict, tmp: Path) -> Path:
+        final = self.directory / f"step_{step:08d}"
+        self._check_room(step)
         if self.comm.rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -123,6 +160,18 @@ class CheckpointManager:
             self._prune(step)
         self.comm.barrier()
         return final
+
+    def set_aside(self, step: int, why: str) -> Path | None:
+        """Rename the checkpoint of ``step`` to ``<why>_step_XXXXXXXX`` (kept for a look, never
+        loaded or pruned); returns the new path, or None when there is no such checkpoint."""
+        path = self.directory / f"step_{step:08d}"
+        if not path.is_dir():
+            return None
+        target = self.directory / f"{why}_{path.name}"
+        if target.exists():
+            shutil.rmtree(target)
+        path.rename(target)
+        return target
 
     def _prune(self, step: int) -> None:
         """After saving ``step``: drop checkpoints of later steps (an abandoned timeline),

@@ -5,8 +5,10 @@ it over the target (atomic on POSIX file systems). The temporary file is named
 ``.<name>.<random>.tmp`` (:data:`TEMP_FILE`); a killed process can leave one behind, and
 :func:`remove_stale_temp_files` clears them.
 
-A full device (``ENOSPC``, or a write that stores fewer bytes than asked) raises
-:class:`NoSpaceError`, an ``OSError`` with errno ``ENOSPC`` whose message names the file.
+A full device (``ENOSPC``, or a write that stores fewer bytes than asked, also when a
+writer such as ``torch.save`` turns it into a ``RuntimeError``) raises
+:class:`NoSpaceError`, an ``OSError`` with errno ``ENOSPC`` whose message names the file
+and the free space left.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,14 +36,46 @@ class NoSpaceError(OSError):
     """The device filled up while writing a file (errno ``ENOSPC``); the message names it."""
 
 
+def free_space(path: str | Path) -> str:
+    """``12.3 MB free on /mount`` for the file system holding ``path`` (or its nearest
+    existing parent); ``free space unknown`` when it cannot be asked."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 1e6:.1f} MB free on {_mount_point(where)}"
+
+
+def _mount_point(path: Path) -> Path:
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
 def no_space_error(path: str | Path) -> NoSpaceError:
-    return NoSpaceError(errno.ENOSPC, f"no space left on device while writing {path}")
+    return NoSpaceError(
+        errno.ENOSPC, f"no space left on device while writing {path} ({free_space(path)})"
+    )
 
 
-def _is_no_space(err: OSError) -> bool:
-    if isinstance(err, NoSpaceError):
-        return False  # already names its file
-    return err.errno == errno.ENOSPC or (err.errno is None and bool(_SHORT_WRITE.search(str(err))))
+def _is_no_space(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised while handling: torch's zip writer turns
+    a failed write into ``RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos``) is a full device."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, NoSpaceError):
+            return False  # already names its file
+        if isinstance(err, OSError) and (
+            err.errno == errno.ENOSPC or (err.errno is None and bool(_SHORT_WRITE.search(str(err))))
+        ):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 @contextlib.contextmanager
@@ -60,7 +95,7 @@ def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO]:
     except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(err, OSError) and _is_no_space(err):
+        if isinstance(err, OSError | RuntimeError) and _is_no_space(err):
             raise no_space_error(path) from err
         raise
 

@@ -102,8 +102,15 @@ class MetricsLogger:
     """``log(step, metrics)`` from every rank; only the main rank writes."""
 
     def __init__(
-        self, run_dir: str | Path, is_main: bool, cfg: LoggingConfig, config: dict | None = None
+        self,
+        run_dir: str | Path,
+        is_main: bool,
+        cfg: LoggingConfig,
+        config: dict | None = None,
+        resume_step: int | None = None,
     ):
+        """``resume_step``: the run resumes after that step, so the records of later steps
+        (logged before the interruption, about to be replayed) are dropped from the file."""
         self.is_main = is_main
         self.cfg = cfg
         self.path = Path(run_dir) / METRICS_FILE
@@ -116,6 +123,8 @@ class MetricsLogger:
         if cfg.tensorboard:
             self._tensorboard = _tensorboard_writer(Path(run_dir) / "tensorboard")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            drop_records_after(self.path, resume_step)
         self._file = self.path.open("a", buffering=1)
         if cfg.wandb:
             self._wandb = self._start_wandb(Path(run_dir), config or {})
@@ -208,6 +217,29 @@ def _tensorboard_writer(log_dir: Path):
             "(or set logging.tensorboard=false)"
         ) from err
     return SummaryWriter(log_dir=str(log_dir))
+
+
+def drop_records_after(path: str | Path, step: int) -> int:
+    """Rewrite ``path`` (atomically) without its records of steps after ``step`` and any
+    torn line; returns how many records were dropped (0: the file is left as it is)."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)) or (
+            record["step"] <= step
+        ):
+            kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

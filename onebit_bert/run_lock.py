@@ -1,7 +1,8 @@
 """One writer per run directory: ``run.lock`` names the launch that writes there.
 
 Rank 0 takes the lock before anything is written (:meth:`RunLock.acquire`) and refreshes
-its heartbeat while it trains; a second launch on the same run directory stops with
+its heartbeat while it trains (data_prep holds its output's lock with
+:func:`holding_lock`); a second launch on the same run directory stops with
 :class:`RunLocked`, which names the holder. A lock is taken over, not obeyed, when its
 holder is certainly gone:
 
@@ -19,11 +20,14 @@ apart by re-reading the token after the write, and the one that lost stops.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +229,29 @@ class RunLock:
         current = read_lock(self.run_dir)
         if current is not None and current.get("token") == self.token:
             self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def holding_lock(run_dir: str | Path, interval: float = HEARTBEAT_INTERVAL) -> Iterator[RunLock]:
+    """The lock of ``run_dir`` for the ``with`` block (:class:`RunLocked` if another live
+    launch holds it), its heartbeat refreshed by a thread: for work that has no loop of its
+    own to call :meth:`RunLock.heartbeat` from (data_prep's worker pool)."""
+    lock = RunLock(run_dir, interval=interval)
+    lock.acquire()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(interval / 2):
+            try:
+                lock.heartbeat()
+            except RunLocked:  # taken over: the holder's next write will not be ours
+                return
+
+    thread = threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield lock
+    finally:
+        stop.set()
+        thread.join()
+        lock.release()

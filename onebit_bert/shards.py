@@ -20,8 +20,10 @@ whose rows are :data:`row_dtype` ``(seq_length)``:
 Masking is not stored: pretraining masks dynamically.
 
 Opening a split compares every shard's size with the manifest's ``bytes`` (manifests
-written before sizes were recorded are not checked); ``python -m data_prep verify`` also
-checks the sha256 and the token ids.
+written before sizes were recorded are not checked); :meth:`PretrainingShards.damaged`
+compares a shard's sha256 with the manifest's (pretraining does so for every shard before
+it trains, see :data:`SHA256_SECONDS_PER_GB`); ``python -m data_prep verify`` also checks
+the token ids.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onebit_bert.io import CheckedWriter, atomic_open
+from onebit_bert.io import CheckedWriter, atomic_open, sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -65,6 +67,14 @@ def write_shard(path: str | Path, rows: np.ndarray) -> dict:
 
 
 _FIX = "prepare the data again or restore the file"
+
+SHA256_SECONDS_PER_GB = 3.2
+"""Seconds one process takes to hash 1 GB of shards (from the page cache) with
+:func:`onebit_bert.io.sha256_file`: 3.15-3.27 s/GB measured on a 2-core VM with SHA
+extensions while another job kept both cores busy (an idle core does about 1.5 s/GB).
+BERT-Large's phase-1 data (about 157 M rows of 261 bytes at seq 128, 41 GB) takes about
+130 s on one process; pretraining spreads the shards over its ranks, so at 64 ranks each
+hashes 0.64 GB (about 2 s, plus the file system's read time)."""
 
 
 class ShardFormatError(ValueError):
@@ -120,6 +130,20 @@ class PretrainingShards:
     def tokenizer_dir(self) -> Path:
         return (self.directory / self.manifest["tokenizer"]["path"]).resolve()
 
+    def damaged(self, index: int) -> str | None:
+        """Why shard ``index`` differs from the manifest's sha256 (one line naming the file
+        and the fix), or None when it matches or the manifest records no sha256."""
+        expected = self.manifest["splits"][self.split]["shards"][index].get("sha256")
+        if expected is None:
+            return None
+        actual = sha256_file(self._files[index])
+        if actual == expected:
+            return None
+        return (
+            f"{self._files[index]} does not match the sha256 in {self.directory / MANIFEST} "
+            f"(the file was changed or damaged after data_prep wrote it): {_FIX}"
+        )
+
     def shard(self, index: int) -> np.ndarray:
         if index not in self._maps:
             try:
@@ -165,6 +189,31 @@ class PretrainingShards:
                     f"the vocabulary size {int(vocab_size)}: the shard is damaged; {_FIX}"
                 )
         return rows_to_features(rows)
+
+
+def first_damaged_shard(
+    splits: Sequence[PretrainingShards], rank: int, world_size: int
+) -> int | None:
+    """The first shard whose sha256 differs from the manifest's among those rank ``rank`` of
+    ``world_size`` checks (``rank, rank + world_size, ...`` of each split), numbered across
+    ``splits`` in order; None when they all match. Every shard is hashed by one rank; the
+    cost is :data:`SHA256_SECONDS_PER_GB`."""
+    offset = 0
+    for rows in splits:
+        for index in range(rank, rows.num_shards, world_size):
+            if rows.damaged(index) is not None:
+                return offset + index
+        offset += rows.num_shards
+    return None
+
+
+def damage_of(splits: Sequence[PretrainingShards], number: int) -> str:
+    """The message for shard ``number`` as :func:`first_damaged_shard` numbers them."""
+    for rows in splits:
+        if number < rows.num_shards:
+            return rows.damaged(number) or f"{rows._files[number]} changed while it was checked"
+        number -= rows.num_shards
+    raise IndexError(f"no shard {number} in these splits")
 
 
 def check_shard_sizes(files: Sequence[Path], entries: Sequence[dict], manifest: Path) -> None:

@@ -7,11 +7,19 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import sys
+import traceback
 
 from onebit_bert.checkpoint import NoUsableCheckpoint
 from onebit_bert.config import ConfigError, config_help, load_config
-from onebit_bert.distributed.env import destroy_distributed, init_distributed
+from onebit_bert.distributed.env import (
+    abort_distributed,
+    destroy_distributed,
+    init_distributed,
+    peer_lost,
+)
+from onebit_bert.io import NoSpaceError
 from onebit_bert.run_lock import RunLocked
 from pretrain.config import PretrainConfig
 from pretrain.train import TrainingDiverged, train
@@ -60,24 +68,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     backend = None if cfg.backend == "auto" else cfg.backend
     ctx = init_distributed(backend=backend, timeout_s=cfg.collective_timeout_s)
-    is_main = ctx.is_main
+    is_main, rank, world_size = ctx.is_main, ctx.rank, ctx.world_size
+    code, summary = 0, None
     try:
         summary = train(cfg, ctx)
     except TrainingDiverged as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        code = _report(err, 3)
     except RunLocked as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 4
-    except (ValueError, FileNotFoundError, NoUsableCheckpoint) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        ctx = None  # the process group goes with the last reference to it
+        code = _report(err, 4)
+    except (ValueError, FileNotFoundError, NoUsableCheckpoint, NoSpaceError) as err:
+        code = _report(err, 2 if not isinstance(err, NoSpaceError) else 1)
+    except Exception as err:
+        if not peer_lost(err):
+            traceback.print_exc()
+            code = 1
+        else:  # another rank left: its own message says why, status.json records it
+            code = _report(
+                f"rank {rank} stopped: another rank ended ({' '.join(str(err).split())[:200]})",
+                1,
+            )
+    ctx = None  # the process group goes with the last reference to it
+    if code == 0:
         destroy_distributed()
-    if is_main:
+    elif world_size > 1 and not abort_distributed():
+        # A rank still waits in a collective: leave now, so that it sees this process's
+        # connections close and stops in seconds rather than at collective_timeout_s.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if is_main and summary is not None:
         print(json.dumps(summary))
-    return 0
+    return code
+
+
+def _report(err: BaseException | str, code: int) -> int:
+    text = err.strerror if isinstance(err, NoSpaceError) else err  # without "[Errno 28]"
+    print(f"error: {text}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

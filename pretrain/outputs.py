@@ -152,6 +152,7 @@ class RunStatus:
         }
         self._last_write = -float("inf")
         self._warned = False
+        self._created = time.time()
 
     @property
     def record(self) -> dict[str, Any]:
@@ -225,6 +226,33 @@ class RunStatus:
         ordered = {k: record.pop(k) for k in ("state", "step", "last_checkpoint")}
         self._record = {**ordered, **record}
         self._write()
+
+    def fail(self, error: str, rank: int = 0, **info: Any) -> bool:
+        """The run failed on ``rank`` with ``error`` (one line): any rank may call this, so
+        the first rank that fails names the cause. An earlier failure of this launch
+        already on disk (another rank's, whose loss made this one fail) is kept, and False
+        returned; else ``state: failed`` with ``error``, ``failed_rank`` and ``info`` (e.g.
+        step, last_checkpoint) is written, and True returned. Never raises: the caller is
+        on its way out."""
+        try:
+            current = read_status(self.path.parent) or {}
+        except (StatusUnreadable, OSError):
+            current = {}
+        if current.get("state") == FAILED and current.get("finished", 0) >= self._created:
+            return False
+        # The writer's own record once it started; else (another rank, or a launch that
+        # failed before it started) the record on disk, which rank 0 keeps current.
+        base = self._record if "started" in self._record else {**self._record, **current}
+        now = time.time()
+        record = {**base, **info, "error": error, "failed_rank": int(rank)}
+        record.update(state=FAILED, heartbeat=now, finished=now)
+        ordered = {k: record.pop(k, None) for k in ("state", "step", "last_checkpoint")}
+        self._record = {**ordered, **record}
+        try:
+            self._write()
+        except OSError as err:
+            print(f"could not write {self.path}: {err}", file=sys.stderr)
+        return True
 
     def _write(self) -> None:
         atomic_write_json(self.path, self._record)

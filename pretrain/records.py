@@ -1,10 +1,12 @@
 """What one training step reports: :class:`StepRecord` and the metrics and progress line
-made from it."""
+made from it; :class:`LossSpikeWatch`, which tells a finite blow-up from a noisy step."""
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from onebit_bert.distributed.comm import CommStats
@@ -56,13 +58,19 @@ class StepRecord:
     def mlm_loss(self) -> float:
         return self.stats["mlm_loss_sum"] / max(self.stats["mlm_tokens"], 1)
 
+    @property
+    def loss(self) -> float:
+        """MLM loss per masked token plus NSP loss per labelled row (the logged ``loss``)."""
+        s = self.stats
+        nsp = s["nsp_loss_sum"] / s["nsp_examples"] if s["nsp_examples"] else 0.0
+        return self.mlm_loss + nsp
+
     def metrics(self, lr: float, global_batch: int, extra: dict) -> dict:
         """The step's log record; ``extra``: the precision and strategy figures."""
         s = self.stats
         step_s = self.t_end - self.t_start
-        nsp = s["nsp_loss_sum"] / s["nsp_examples"] if s["nsp_examples"] else 0.0
         metrics = {
-            "loss": self.mlm_loss + nsp,
+            "loss": self.loss,
             "mlm_loss": self.mlm_loss,
             "mlm_accuracy": s["mlm_correct"] / max(s["mlm_tokens"], 1),
             "lr": lr,
@@ -116,3 +124,29 @@ def hms(seconds: float) -> str:
         return "?"
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class LossSpikeWatch:
+    """A finite blow-up: a step whose loss is more than ``factor`` times the median of the
+    last ``window`` steps' losses (every rank sees the same summed loss, so all agree).
+
+    The median, not the mean, so that one earlier spike does not raise the bar; a spike
+    is not added to the history. ``factor`` 0 turns the check off."""
+
+    def __init__(self, factor: float, window: int):
+        self.factor = factor
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> str | None:
+        """Why ``loss`` is a blow-up, or None (then it joins the history)."""
+        if not math.isfinite(loss):
+            return None  # the bad-step count handles non-finite losses
+        if self.factor > 0 and self.recent:
+            median = statistics.median(self.recent)
+            if loss > self.factor * median:
+                return (
+                    f"loss {loss:.4g} is more than {self.factor:g}x the median {median:.4g} "
+                    f"of the last {len(self.recent)} steps (divergence.loss_spike_factor)"
+                )
+        self.recent.append(loss)
+        return None

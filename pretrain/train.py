@@ -22,14 +22,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from onebit_bert.checkpoint import CheckpointManager
+from onebit_bert.checkpoint import CheckpointManager, NoUsableCheckpoint
 from onebit_bert.config import read_config_file, save_config, to_dict
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.precision import LossScaler, autocast, resolve_precision
 from onebit_bert.run_lock import RunLock, RunLocked
-from onebit_bert.shards import PretrainingShards
+from onebit_bert.shards import (
+    PretrainingShards,
+    ShardFormatError,
+    damage_of,
+    first_damaged_shard,
+)
 from onebit_bert.strategies import build_strategy
 from onebit_bert.timing import PENDING, DeviceClock, resolve_pending
 from pretrain import checkpointing, outputs
@@ -42,6 +47,7 @@ from pretrain.records import (
     STEP_TOTALS,
     STOP_REQUESTED,
     TOKENS,
+    LossSpikeWatch,
     StepRecord,
     progress_line,
 )
@@ -49,7 +55,8 @@ from pretrain.schedule import lr_multiplier
 
 
 class TrainingDiverged(RuntimeError):
-    """The run stopped because its loss or gradients stopped being finite."""
+    """The run stopped because its loss or gradients stopped being finite, or its loss
+    blew up far above its recent level."""
 
 
 class Preemption:
@@ -128,7 +135,10 @@ class Trainer:
         self._take_lock()
         try:
             self._build()
-        except BaseException:
+        except BaseException as err:
+            if isinstance(err, NoUsableCheckpoint | ShardFormatError) and ctx.rank == 0:
+                # the last launch's word (stopped, preempted) no longer holds
+                outputs.RunStatus(cfg.run_dir).fail(one_line(err), ctx.rank)
             self.release()
             raise
 
@@ -161,6 +171,12 @@ class Trainer:
         self.scaler = LossScaler(self.precision, ctx.comm)
         self.start_step = 0
         self.resumed = resumed is not None
+        if resumed is not None:
+            self.start_step = resumed[0]
+        self.step = self.start_step
+        """The step in progress (what a failure is recorded at)."""
+        self.last_saved = self.start_step if self.resumed else None
+        """The newest checkpoint of this run (None: none yet)."""
         if resumed is not None:
             self.start_step, shared, per_rank = resumed
             checkpointing.restore(shared, per_rank, self.strategy, self.scheduler, self.scaler)
@@ -199,7 +215,18 @@ class Trainer:
             **({"save_seconds": self.save_seconds} if self.save_seconds is not None else {}),
             **({"step_seconds": self.step_seconds} if self.step_seconds is not None else {}),
         )
-        self.logger = MetricsLogger(self.run_dir, ctx.is_main, cfg.logging, config=to_dict(cfg))
+        self.logger = MetricsLogger(
+            self.run_dir,
+            ctx.is_main,
+            cfg.logging,
+            config=to_dict(cfg),
+            resume_step=self.start_step if self.resumed else None,
+        )
+        if self.resumed:
+            self.logger.progress(
+                f"resuming from step {self.start_step} "
+                f"({outputs.checkpoints_dir(self.run_dir) / f'step_{self.start_step:08d}'})"
+            )
         if self.config_changes:
             self.logger.log(self.start_step, {"resume_changes": self.config_changes})
 
@@ -256,6 +283,8 @@ class Trainer:
                 f"{cfg.model.max_position_embeddings} positions"
             )
         self.ids = token_ids(self.train_rows)
+        if cfg.data.verify_shards:
+            self._verify_shards()
         interface = resolve_interface(cfg.logging.net_interface)
         self.net = InterfaceCounter(interface) if interface is not None else None
         self.schedule = BatchSchedule(
@@ -269,6 +298,22 @@ class Trainer:
         self.prefetcher = Prefetcher(
             self._build_micro_batch, pin=ctx.device.type == "cuda", enabled=cfg.data.prefetch
         )
+
+    def _verify_shards(self) -> None:
+        """Every shard of both splits against the manifest's sha256, before any training,
+        the work spread over the ranks (:func:`~onebit_bert.shards.first_damaged_shard`);
+        one all-reduce tells every rank the first damaged one, so all stop with the same
+        :class:`ShardFormatError` naming it."""
+        ctx, splits = self.ctx, (self.train_rows, self.val_rows)
+        none = sum(s.num_shards for s in splits)
+        found = first_damaged_shard(splits, ctx.rank, ctx.world_size)
+        first = torch.tensor(
+            [none if found is None else found], dtype=torch.float64, device=ctx.device
+        )
+        with ctx.comm.traffic("statistics"):
+            ctx.comm.all_reduce(first, op="min")
+        if int(first.item()) < none:
+            raise ShardFormatError(damage_of(splits, int(first.item())))
 
     def _build_micro_batch(self, rows: np.ndarray, step: int, micro: int) -> dict:
         """Micro-batch ``micro`` of global batch ``step`` (host arrays; the prefetcher's
@@ -412,11 +457,13 @@ class Trainer:
         tokens_per_step = cfg.batch.global_batch_size * self.seq_length
         self.preemption = Preemption()
         state, step, bad_run = "complete", self.start_step, 0
+        loss_watch = LossSpikeWatch(cfg.divergence.loss_spike_factor, cfg.divergence.loss_window)
         last_saved = self.start_step if self.resumed else None
         started = time.perf_counter()
         try:
             while step < max_steps:
                 step += 1
+                self.step = step
                 record = self.train_step(step)
                 self.step_seconds = record.t_end - record.t_start
                 if step % log_cfg.every == 0 or step == max_steps:
@@ -430,6 +477,9 @@ class Trainer:
                 bad_run = bad_run + 1 if record.bad else 0
                 if bad_run >= cfg.divergence.max_bad_steps:
                     self._diverged(step, f"{bad_run} bad steps in a row ({record.bad})", last_saved)
+                spike = loss_watch.check(record.loss)
+                if spike is not None:
+                    self._diverged(step, spike, last_saved, spike=True)
                 if every_val and step % every_val == 0:
                     self.logger.log(step, self.validate())
                 stop = record.preempted or (
@@ -437,6 +487,7 @@ class Trainer:
                 )
                 if step % cfg.checkpoint.every == 0 or stop or step == max_steps:
                     last_saved = step if self.save(step) else last_saved
+                    self.last_saved = last_saved
                 self.status.heartbeat(step, last_saved)
                 if self.lock is not None:
                     self.lock.heartbeat()
@@ -496,8 +547,19 @@ class Trainer:
             return None
         return lead_shortfall(lead, self.save_seconds, self.step_seconds or 0.0)
 
-    def _diverged(self, step: int, cause: str, last_saved: int | None) -> None:
-        """Stop: status ``diverged``, nothing saved or exported, :class:`TrainingDiverged`."""
+    def _diverged(self, step: int, cause: str, last_saved: int | None, spike: bool = False) -> None:
+        """Stop: status ``diverged``, nothing saved or exported, :class:`TrainingDiverged`.
+
+        A ``spike`` of step N's loss measures the weights after update N - 1: a checkpoint
+        of step N - 1 holds the blow-up, so rank 0 moves it aside (to
+        ``checkpoints/diverged_step_<N-1>``, which no resume loads) and names the one
+        before it as the last good checkpoint."""
+        if spike and last_saved is not None and last_saved == step - 1:
+            if self.ctx.rank == 0:
+                self.checkpoints.set_aside(last_saved, "diverged")
+            self.ctx.comm.barrier()
+            kept = self.checkpoints.checkpoints()
+            last_saved = int(kept[-1].name.split("_", 1)[1]) if kept else None
         good = f"step {last_saved}" if last_saved is not None else "none"
         message = (
             f"training diverged at step {step}: {cause}; last good checkpoint: {good} "
@@ -573,16 +635,29 @@ class Trainer:
         return out
 
 
+def one_line(err: BaseException, limit: int = 500) -> str:
+    """``Type: message`` on one line (a collective library's multi-line text joined)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}"[:limit]
+
+
 def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     """Run (or resume) the phase; returns the final summary (also in the run directory).
-    A run that raises is marked ``failed`` in its status before the error propagates."""
+    A run that raises is marked ``failed`` in its status before the error propagates, by
+    whichever rank failed first (:meth:`~pretrain.outputs.RunStatus.fail`): a rank whose
+    collective broke because another rank left keeps that rank's message."""
     trainer = Trainer(cfg, ctx)
     try:
         return trainer.run()
     except (TrainingDiverged, RunLocked):
         raise
     except BaseException as err:
-        trainer.status.finish(outputs.FAILED, {"error": f"{type(err).__name__}: {err}"[:500]})
+        trainer.status.fail(
+            one_line(err),
+            ctx.rank,
+            step=trainer.step,
+            last_checkpoint=trainer.last_saved,
+        )
         raise
     finally:
         trainer.release()

@@ -226,7 +226,9 @@ def test_atomic_writes_on_a_full_device(tmp_path):
     with pytest.raises(NoSpaceError) as info:
         atomic_write_json(target, {"x": "y" * 1000})
     assert info.value.errno == errno.ENOSPC
-    assert str(info.value).endswith(f"no space left on device while writing {target}")
+    message = str(info.value)
+    assert f"no space left on device while writing {target} (" in message
+    assert message.endswith(")") and " MB free on /" in message
     _assert_clean(tmp_path, target)
     with pytest.raises(NoSpaceError, match="no space left on device while writing"):
         atomic_write_bytes(target, b"z" * 1000)
@@ -305,3 +307,17 @@ def test_stale_temp_files_are_removed_at_start(copy, corpus, caplog):
     assert all(p.exists() for p in kept)
     assert "removed 5 temporary file(s) left by an interrupted run" in caplog.text
     assert (seq / "manifest.json").is_file()
+
+
+def test_each_rank_hashes_its_share_of_the_shards(copy):
+    from onebit_bert.shards import damage_of, first_damaged_shard
+
+    seq = copy / "seq32"
+    splits = [PretrainingShards(seq, "train"), PretrainingShards(seq, "validation")]
+    assert [first_damaged_shard(splits, r, 2) for r in (0, 1)] == [None, None]
+    last = splits[0].num_shards - 1
+    shard = seq / _manifest(seq)["splits"]["train"]["shards"][last]["file"]
+    _damage_token(shard, row=0, value=7)  # a valid id: only the sha256 can tell
+    found = [first_damaged_shard(splits, r, 2) for r in (0, 1)]
+    assert found[last % 2] == last and found[1 - last % 2] is None  # one rank hashed it
+    assert damage_of(splits, last).startswith(f"{shard} does not match the sha256")

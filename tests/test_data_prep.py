@@ -458,3 +458,93 @@ def test_the_progress_rate_keeps_its_digits_at_any_speed():
     assert token_rate(4_560_000, 1.0) == "4.56M tok/s"
     assert token_rate(250_000, 1.0) == "250k tok/s"
     assert token_rate(0, 0.0) == "0 tok/s"
+
+
+def test_a_huge_document_without_punctuation_keeps_its_tokens(tmp_path, caplog):
+    """One 200 kB line without sentence punctuation: the text step cuts it into
+    10,000-character "sentences", each longer than a pair; they are cut into half-pair
+    pieces, so nearly every token reaches a row and half the pairs are true next pairs
+    (before: 1-2 % of the tokens, every pair a random next)."""
+    import logging
+    import random
+
+    from data_prep.prepare import _warn_about_losses, kept_fraction
+    from onebit_bert.config import from_dict
+    from tests.corpus import write_vocab
+
+    rng = random.Random(3)
+    corpus = tmp_path / "huge.txt"
+    corpus.write_text(" ".join(rng.choice(WORDS) for _ in range(32000)) + "\n")
+    items = {
+        "output": str(tmp_path / "out"),
+        "sources": [{"name": "huge", "kind": "text", "paths": [str(corpus)]}],
+        "tokenizer": {"vocab_file": str(write_vocab(tmp_path / "vocab.txt"))},
+        "instances": {"seq_lengths": [32]},
+        "sequences_per_shard": 64,
+        "validation_fraction": 0.0,
+        "workers": 1,
+        "progress": False,
+    }
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        manifest = prepare(from_dict(DataPrepConfig, items))[32]
+    splits = manifest["splits"]
+    assert kept_fraction("nsp", splits, manifest["corpus_tokens"]) > 0.8
+    train = splits["train"]
+    assert train["random_next_rows_before_drop"] < 0.7 * (
+        train["sequences"] + train["dropped_sequences"]
+    )
+    assert "the rows hold" not in caplog.text
+    # a loss (as before the cut: 1.25 % kept) is warned about with the share kept
+    lossy = {**splits, "train": {**train, "tokens": train["tokens"] // 20}}
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        _warn_about_losses(from_dict(DataPrepConfig, items), 32, lossy, manifest["corpus_tokens"])
+    assert "data_prep: seq 32: the rows hold " in caplog.text
+
+
+def test_an_empty_file_among_others_is_skipped_with_a_warning(tmp_path, corpus, caplog):
+    import logging
+
+    empty = tmp_path / "part-0002.txt"
+    empty.write_text("")
+    blank = tmp_path / "part-0003.txt"
+    blank.write_text("\n  \n")
+    paths = [str(corpus["text"]), str(empty), str(blank)]
+    source = {"name": "text", "kind": "text", "paths": paths}
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        manifests = prepare(config(tmp_path / "a", corpus, sources=[source], workers=1))
+    assert manifests[32]["splits"]["train"]["sequences"] > 0
+    assert "source 'text': 2 of its 3 files hold no text and add nothing" in caplog.text
+    assert str(empty) in caplog.text
+    only_empty = {**source, "paths": [str(empty), str(blank)]}
+    with pytest.raises(SourceError, match=r"part-0002.txt is empty \(and so are the other 1"):
+        prepare(config(tmp_path / "b", corpus, sources=[only_empty]))
+
+
+def test_sigterm_stops_data_prep_with_one_line(tmp_path):
+    from onebit_bert.config import save_config
+
+    many = write_corpus(tmp_path / "corpus", n_docs=3000)
+    cfg = config(tmp_path, many, keep_work=True, unit_bytes=2000)
+    save_config(cfg, tmp_path / "cfg.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data_prep", "--config", str(tmp_path / "cfg.yaml")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    done = Path(cfg.output) / "work" / "done"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if done.is_dir() and len(list(done.iterdir())) >= 3:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)  # the main process only, as a scheduler's kill may
+    out, _ = proc.communicate(timeout=60)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before it could be stopped")
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "Traceback" not in out and "BrokenPipeError" not in out, out
+    assert "data_prep: stopped by SIGTERM; run the same command again to resume" in out
+    assert not (Path(cfg.output) / "run.lock").exists()  # released on the way out

@@ -360,7 +360,8 @@ def test_a_compressing_optimizer_on_one_process_says_it_compresses_nothing():
 
     def cfg(**optimizer_and_strategy):
         strategy = optimizer_and_strategy.pop("strategy", {})
-        return from_dict(PretrainConfig, {"optimizer": optimizer_and_strategy,
+        optimizer = {"freeze_step": 1000, **optimizer_and_strategy}  # within max_steps
+        return from_dict(PretrainConfig, {"optimizer": optimizer,
                                           "strategy": strategy})  # fmt: skip
 
     (note,) = single_process_notes(cfg(name="onebit_lamb"), world_size=1)

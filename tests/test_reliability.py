@@ -17,6 +17,7 @@ from onebit_bert.checkpoint import CheckpointManager, NoUsableCheckpoint
 from onebit_bert.config import from_dict
 from onebit_bert.distributed import Communicator
 from onebit_bert.metrics_log import read_metrics
+from onebit_bert.shards import ShardFormatError
 from pretrain.config import PretrainConfig
 from pretrain.train import TrainingDiverged, train
 from tests.helpers.runs import REPO, dist_context, tiny_config, write_cfg
@@ -43,7 +44,13 @@ def test_a_diverging_run_stops_nonzero_and_keeps_only_finite_checkpoints(tiny_co
     cfg = tiny_config(
         tiny_corpus,
         run_dir,
-        **{"optimizer.lr": 1e6, "schedule.max_steps": 20, "checkpoint.every": 2},
+        # the spike check off: this is the non-finite path (test_faults has the finite one)
+        **{
+            "optimizer.lr": 1e6,
+            "schedule.max_steps": 20,
+            "checkpoint.every": 2,
+            "divergence.loss_spike_factor": 0,
+        },
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pretrain", "--config", str(write_cfg(cfg, tmp_path / "c.yaml"))],
@@ -104,6 +111,9 @@ def test_no_usable_checkpoint_stops_unless_a_restart_is_allowed(tiny_corpus, tmp
         shared.write_bytes(os.urandom(shared.stat().st_size))
     with pytest.raises(NoUsableCheckpoint, match="step_00000004, step_00000008"):
         _run(tiny_config(tiny_corpus, run_dir, **base))
+    status = json.loads((run_dir / "status.json").read_text())  # not the last launch's word
+    assert status["state"] == "failed" and "NoUsableCheckpoint" in status["error"], status
+    assert "step_00000004, step_00000008" in status["error"]
     with pytest.warns(UserWarning):
         restart = {**base, "schedule.max_steps": 4, "checkpoint.allow_restart": True}
         _run(tiny_config(tiny_corpus, run_dir, **restart))
@@ -179,6 +189,9 @@ def test_zeroed_shard_data_stops_the_run(tiny_corpus, tmp_path):
         rows = np.load(shard)
         np.save(shard, np.zeros_like(rows))  # same size: opening cannot tell
     cfg = tiny_config(data / tiny_corpus.name, tmp_path / "run", **{"schedule.max_steps": 10})
+    with pytest.raises(ShardFormatError, match="does not match the sha256"):
+        _run(cfg)  # refused before training
+    cfg["data"]["verify_shards"] = False  # then the zeros train, and their loss is caught
     with pytest.raises(TrainingDiverged, match="non-finite loss"):
         _run(cfg)
     assert not (tmp_path / "run" / "final").exists()

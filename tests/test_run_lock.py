@@ -177,3 +177,48 @@ def test_second_launch_on_a_run_is_refused_and_a_killed_ones_lock_is_taken_over(
         kill_all(third)
     assert outputs.read_status(run_dir)["state"] == "preempted"
     assert read_lock(run_dir) is None
+
+
+def test_data_prep_takes_its_outputs_lock(tmp_path, live_pid, capsys):
+    from data_prep.__main__ import main as data_prep_main
+    from data_prep.config import DataPrepConfig
+    from data_prep.prepare import prepare
+    from onebit_bert.config import from_dict, save_config
+    from tests.corpus import write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus", n_docs=40)
+    out = tmp_path / "prepared"
+    cfg = from_dict(
+        DataPrepConfig,
+        {
+            "output": str(out),
+            "sources": [{"name": "text", "kind": "text", "paths": [str(corpus["text"])]}],
+            "tokenizer": {"vocab_file": str(corpus["vocab"])},
+            "instances": {"seq_lengths": [32]},
+            "sequences_per_shard": 16,
+            "workers": 1,
+            "progress": False,
+        },
+    )
+    _write_lock(out, pids=[live_pid])  # another launch preparing this output
+    with pytest.raises(RunLocked, match=rf"{out} is being written by another launch"):
+        prepare(cfg)
+    assert not (out / "tokenizer").exists()  # refused before any work
+    save_config(cfg, tmp_path / "data.yaml")
+    assert data_prep_main(["--config", str(tmp_path / "data.yaml")]) == 4
+    assert f"pid {live_pid}" in capsys.readouterr().err
+    (out / LOCK_FILE).unlink()
+    prepare(cfg)
+    assert (out / "seq32" / "manifest.json").is_file()
+    assert not (out / LOCK_FILE).exists()  # released
+
+
+def test_the_lock_heartbeat_thread_refreshes_and_releases(tmp_path):
+    from onebit_bert.run_lock import holding_lock
+
+    with holding_lock(tmp_path / "run", interval=0.2) as lock:
+        first = read_lock(tmp_path / "run")["heartbeat"]
+        time.sleep(0.8)
+        assert read_lock(tmp_path / "run")["heartbeat"] > first
+        assert lock.held
+    assert read_lock(tmp_path / "run") is None

@@ -204,6 +204,44 @@ def _bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
 
 
+ABORT_GRACE_S = 10.0
+"""Seconds a failing rank waits for the others to reach the same error before it leaves
+without them (:func:`abort_distributed`)."""
+
+
+def abort_distributed(grace_s: float = ABORT_GRACE_S) -> bool:
+    """Leave the process group after an error without waiting in a collective that may
+    never complete: returns True when every rank reached this point within ``grace_s``
+    seconds (they all failed alike; the group is torn down), False when some did not (a
+    rank still waits in a collective of the step). On False the caller must end the process
+    at once (``os._exit``): the rank left behind then sees its peer's connection close and
+    fails within seconds instead of waiting ``collective_timeout_s`` (a
+    :func:`destroy_distributed` here would wait in its barrier for that long)."""
+    if not dist.is_initialized():
+        gc.collect()
+        return True
+    try:
+        # A barrier that may never complete, waited on for grace_s only (gloo honours the
+        # wait's timeout; its pending work dies with the process on False).
+        work = dist.barrier(async_op=True)
+        if not work.wait(timeout=datetime.timedelta(seconds=grace_s)):
+            return False
+    except Exception:  # timed out, or a peer's connection is already gone
+        return False
+    dist.destroy_process_group()
+    gc.collect()
+    return True
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_lost(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed because another rank's process ended
+    (gloo: "Connection closed by peer"): that rank's own error is the cause."""
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in _PEER_LOST)
+
+
 def destroy_distributed() -> None:
     """Tear down the process group if one exists; safe to call more than once."""
     if dist.is_initialized():
