@@ -73,7 +73,7 @@ def _named_in_optimizer_order(model, weight_decay: float) -> list[tuple[str, flo
     ]
 
 
-def layer_statistics(state: dict, config: PretrainConfig, names: list[tuple[str, float]]) -> dict:
+def layer_statistics(state: dict, names: list[tuple[str, float]]) -> dict:
     """Per-layer figures of one checkpoint's optimizer and weights (see the module
     docstring); names are the model's parameter names."""
     opt = state["optimizer"]
@@ -114,12 +114,16 @@ def _summary(rows: dict) -> dict:
 
 
 def noise_scale(
-    run_dir: Path, step: int, checkpoint: Path, micro_batches: int = 32, micro_batch: int = 32
+    cfg: PretrainConfig,
+    shards: PretrainingShards,
+    ids,
+    step: int,
+    checkpoint: Path,
+    micro_batches: int = 32,
+    micro_batch: int = 32,
 ) -> dict:
-    """``B_simple`` at a checkpoint (module docstring), from the run's next batches."""
-    cfg = _config(run_dir)
-    shards = PretrainingShards(cfg.data.path, "train")
-    ids = token_ids(shards)
+    """``B_simple`` at a checkpoint of the run ``cfg`` describes (module docstring), from the
+    run's next batches of ``shards``."""
     model = build_model(cfg.model, ids.vocab_size, ids.pad)
     model.load_state_dict(load_file(checkpoint / SHARED)["model"])
     model.train()
@@ -170,12 +174,14 @@ def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: in
         raise FileNotFoundError(f"run {name!r}: no finished checkpoints under {run_dir}")
     layers, means = {}, {}
     for step, path in points:
-        rows = layer_statistics(load_file(path / SHARED), cfg, names)
+        rows = layer_statistics(load_file(path / SHARED), names)
         layers[step], means[step] = rows, _summary(rows)
     noise = []
     for wanted in noise_at:
         step, path = min(points, key=lambda p: abs(p[0] - wanted))
-        noise.append(noise_scale(run_dir, step, path, micro_batches, cfg.batch.micro_batch_size))
+        noise.append(
+            noise_scale(cfg, shards, ids, step, path, micro_batches, cfg.batch.micro_batch_size)
+        )
     return {
         "name": name,
         "run_dir": str(run_dir),

@@ -41,10 +41,10 @@ def test_layer_statistics_give_lambs_own_trust_ratios():
     state = {"model": before, "optimizer": opt.state_dict()}
     names = {id(p): n for n, p in model.named_parameters()}
     order = [(names[id(p)], g["weight_decay"]) for g in groups for p in g["params"]]
-    rows = layer_statistics(state, None, order)
+    rows = layer_statistics(state, order)
     ratios = torch.tensor([rows[n]["lamb_ratio"] for n, _ in order])
     torch.testing.assert_close(ratios, opt.last_trust_ratios, rtol=1e-5, atol=0)
     assert all("cf" not in row for row in rows.values())
     # a checkpoint of another model is refused, not misread
     with pytest.raises(ValueError, match="was not written by this model"):
-        layer_statistics(state, None, list(reversed(order)))
+        layer_statistics(state, list(reversed(order)))
