@@ -17,7 +17,15 @@ from onebit_bert.optim import OneBitLamb
 from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
 from tests.distributed_harness import run_ranks
 from tests.helpers.runs import dist_context
-from tests.helpers.tiny_bert import FREEZE, HYPER, STEPS, batch, launch_environment, tiny_bert
+from tests.helpers.tiny_bert import (
+    FREEZE,
+    HYPER,
+    STEPS,
+    batch,
+    example_rows,
+    launch_environment,
+    tiny_bert,
+)
 
 
 def _sent(comm, before=None) -> tuple[int, int]:
@@ -148,12 +156,7 @@ def hf_trainer_run(comm, out_dir):
         sequential sampler): row order step by step, rank by rank."""
 
         def __init__(self):
-            self.rows = [
-                {k: v[i] for k, v in batch(rank, step).items()}
-                for step in range(1, STEPS + 1)
-                for rank in range(comm.world_size)
-                for i in range(4)
-            ]
+            self.rows = example_rows(comm.world_size, STEPS)
 
         def __len__(self):
             return len(self.rows)

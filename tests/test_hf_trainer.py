@@ -16,7 +16,7 @@ import torch
 from onebit_bert.hf_trainer import PER_RANK_FILE, unwrap_optimizer
 from onebit_bert.optim import Lamb, OneBitLamb
 from tests.distributed_harness import run_ranks
-from tests.helpers.tiny_bert import HYPER, batch, launch_environment, tiny_bert
+from tests.helpers.tiny_bert import HYPER, example_rows, launch_environment, tiny_bert
 
 STEPS, SAVE_AT = 6, 4  # 1-bit LAMB's warmup ends at step 3: the checkpoint is compressing
 
@@ -40,12 +40,7 @@ def _trainer(comm, out_dir, optimizer: str, saved: dict):
 
     class Examples(Dataset):
         def __init__(self):
-            self.rows = [
-                {k: v[i] for k, v in batch(rank, step).items()}
-                for step in range(1, STEPS + 1)
-                for rank in range(comm.world_size)
-                for i in range(4)
-            ]
+            self.rows = example_rows(comm.world_size, STEPS)
 
         def __len__(self):
             return len(self.rows)

@@ -37,6 +37,18 @@ def batch(rank: int, step: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
+def example_rows(world_size: int, steps: int) -> list[dict]:
+    """Every step's :func:`batch` rows, one example each, step by step and rank by rank: a
+    sequential sampler over them gives global batch i of 4 rows to rank i % world_size,
+    as Accelerate shards it, so an HF Trainer rank sees the rows a DDP script's rank does."""
+    return [
+        {k: v[i] for k, v in batch(rank, step).items()}
+        for step in range(1, steps + 1)
+        for rank in range(world_size)
+        for i in range(4)
+    ]
+
+
 def launch_environment(comm) -> None:
     """The launcher variables Accelerate reads (the process group already exists)."""
     os.environ.update(
