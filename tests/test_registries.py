@@ -214,3 +214,35 @@ def test_toy_optimizer_joins_with_one_entry_and_runs_with_data_parallel():
         torch.testing.assert_close(model.weight.detach(), before - 0.5)
     finally:
         OPTIMIZERS.pop("toy_sgd", None)
+
+
+# ----------------------------------------------------------------------------- the generic one
+def test_generic_registry_keeps_order_refuses_duplicates_and_names_choices():
+    from onebit_bert.registry import Registry
+
+    @dataclasses.dataclass(frozen=True)
+    class Spec:
+        name: str
+        lossy: bool = False
+
+    reg: Registry[Spec] = Registry(
+        "widget", key="widget.kind", reserved={"auto": "picks one"}, extra_choices=("auto",)
+    )
+    reg.register(Spec("b", lossy=True))
+    reg.register(Spec("a"))
+    assert list(reg) == ["b", "a"] and len(reg) == 2 and "a" in reg
+    assert reg["b"].lossy and reg.get("a") == Spec("a")
+    assert reg.names(lambda s: s.lossy) == ("b",)
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register(Spec("a"))
+    reg.register(Spec("a", lossy=True), replace=True)
+    assert reg.names(lambda s: s.lossy) == ("b", "a")
+    with pytest.raises(ValueError, match="reserved"):
+        reg.register(Spec("auto"))
+    with pytest.raises(
+        ValueError, match=r"widget.kind 'c' is not a registered widget; choose one of auto, b, a"
+    ):
+        reg.get("c")
+    reg.unregister("b")
+    reg.unregister("missing")
+    assert list(reg) == ["a"]
