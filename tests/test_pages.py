@@ -12,7 +12,7 @@ import pytest
 from pipeline import pages
 
 REPO = Path(__file__).resolve().parents[1]
-TUNED = REPO / "docs" / "compare" / "tuned"
+TUNED = REPO / "docs" / "results" / "compare" / "tuned"
 
 
 def test_every_quoted_headline_matches_its_report():
