@@ -155,6 +155,29 @@ def test_readme_starts_with_make_smoke_then_make_test():
     assert firsts[:2] == [["make", "smoke"], ["make", "test"]], firsts[:2]
 
 
+def section(path: Path, title: str) -> str:
+    """The text of one ``## title`` section of a markdown page, up to the next heading."""
+    text = path.read_text(encoding="utf-8")
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^#|\Z)", text, re.M | re.S)
+    assert m, f"{rel(path)} has no '## {title}' section"
+    return m.group(1)
+
+
+def test_readme_is_short_and_answers_at_a_glance():
+    readme = REPO / "README.md"
+    lines = readme.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; keep it to 200"
+    rows = [r for r in section(readme, "Results at a glance").splitlines() if r.startswith("| ")]
+    header, *answers = rows
+    assert header.startswith("| question |"), header
+    assert 1 <= len(answers) <= 8, f"{len(answers)} rows at a glance; at most 8"
+    for row in answers:
+        question, answer, number, page = (c.strip() for c in row.strip("|").split("|"))
+        assert question.endswith("?") and answer and number, row
+        (target,) = LINK.findall(page)  # one link per answer
+        assert (REPO / target).is_file() and target.startswith("docs/results/"), row
+
+
 @pytest.mark.parametrize(("path", "line", "text"), command_cases())
 def test_commands_name_what_exists(path, line, text):
     targets = make_targets()
