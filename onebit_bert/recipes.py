@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from onebit_bert.registry import Registry
+
 MEASURES = ("data_parallel", "onebit", "zero_one_adam", "local_steps", "decentralized")
 """How ``bench.netem`` measures a recipe: every step alike (``data_parallel``), a warmup
 and a compression stage (``onebit``), 0/1 Adam's kinds of step, whole rounds of local
@@ -127,27 +129,20 @@ def _override_value(value: Any) -> str:
     return str(value)
 
 
-RECIPES: dict[str, Recipe] = {}
+RECIPES: Registry[Recipe] = Registry(
+    "recipe", key="recipe", hint="or register it with onebit_bert.recipes.register_recipe"
+)
 """Every registered recipe by name, in registration order."""
 
 
 def register_recipe(recipe: Recipe, replace: bool = False) -> Recipe:
     """Add ``recipe`` to :data:`RECIPES` (``replace``: over an entry of the same name)."""
-    if recipe.name in RECIPES and not replace:
-        raise ValueError(f"recipe {recipe.name} is already registered")
-    RECIPES[recipe.name] = recipe
-    return recipe
+    return RECIPES.register(recipe, replace)
 
 
 def get_recipe(name: str) -> Recipe:
     """The entry for ``name``; a clear error naming the registered recipes."""
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise ValueError(
-            f"recipe {name!r} is not registered; choose one of {', '.join(RECIPES)} "
-            "(or register it with onebit_bert.recipes.register_recipe)"
-        ) from None
+    return RECIPES.get(name)
 
 
 @functools.cache
