@@ -257,6 +257,12 @@ _DILOCO_OUTER_LRS = (0.1, 0.3, 0.7)
 """The paper's 0.7 and below: at rounds of 8 steps, 0.7 with Nesterov momentum 0.9 kept
 DiLoCo on the unigram plateau where 0.1 trained
 (docs/results/2026-11-26-diloco-parity-regime.md)."""
+_DILOCO_SPACE = {LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
+                 "strategy.outer_every": _TAUS}  # fmt: skip
+"""What every DiLoCo recipe searches."""
+_STREAMING_SPACE = {LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
+                    "strategy.fragment_mix": (0.0, 0.5)}  # fmt: skip
+"""What every Streaming DiLoCo recipe searches (its rounds are fixed by its fragments)."""
 
 for _recipe in (
     Recipe("lamb", "LAMB", "lamb", search_space={LR: _LAMB_LRS},
@@ -286,35 +292,29 @@ for _recipe in (
            search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
            summary="local LAMB steps and a parameter average every round"),
     Recipe("diloco", "DiLoCo", "adamw", "diloco", measure="local_steps",
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.outer_every": _TAUS},
+           search_space=_DILOCO_SPACE,
            summary="local AdamW steps, outer SGD with Nesterov momentum (DiLoCo)"),
     Recipe("streaming_diloco", "Streaming DiLoCo", "adamw", "streaming_diloco",
            measure="local_steps",
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.fragment_mix": (0.0, 0.5)},
+           search_space=_STREAMING_SPACE,
            summary="DiLoCo synchronised one fragment at a time, overlapped with inner steps"),
     Recipe("diloco_int4", "DiLoCo, int4 outer", "adamw", "diloco", measure="local_steps",
            settings={"comm.compression.outer": "int4"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.outer_every": _TAUS},
+           search_space=_DILOCO_SPACE,
            summary="DiLoCo sending 4-bit pseudo-gradients with error feedback"),
     Recipe("streaming_diloco_int4", "Streaming DiLoCo, int4 outer", "adamw",
            "streaming_diloco", measure="local_steps",
            settings={"comm.compression.outer": "int4"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.fragment_mix": (0.0, 0.5)},
+           search_space=_STREAMING_SPACE,
            summary="Streaming DiLoCo sending 4-bit fragment pseudo-gradients"),
     Recipe("diloco_node", "DiLoCo, nodes as workers", "adamw", "diloco", measure="local_steps",
            settings={"comm.hierarchy": "node"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.outer_every": _TAUS},
+           search_space=_DILOCO_SPACE,
            summary="DiLoCo as its paper runs it: each node a worker whose ranks average "
                    "gradients every step"),
     Recipe("streaming_diloco_node", "Streaming DiLoCo, nodes as workers", "adamw",
            "streaming_diloco", measure="local_steps", settings={"comm.hierarchy": "node"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.fragment_mix": (0.0, 0.5)},
+           search_space=_STREAMING_SPACE,
            summary="Streaming DiLoCo with each node a worker (data-parallel inside the node)"),
     Recipe("co2_node", "CO2, nodes as workers", "lamb", "co2", measure="local_steps",
            settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
