@@ -264,6 +264,25 @@ _STREAMING_SPACE = {LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
                     "strategy.fragment_mix": (0.0, 0.5)}  # fmt: skip
 """What every Streaming DiLoCo recipe searches (its rounds are fixed by its fragments)."""
 
+
+def _nodes_as_workers(strategy: str, label: str, axis: str, values: tuple) -> Recipe:
+    """Local-step ``strategy`` with each node a worker, LAMB or AdamW inside (the inner
+    optimizer is open and searched with its learning rate), its rounds and ``axis``
+    searched too."""
+    return Recipe(
+        f"{strategy}_node",
+        f"{label}, nodes as workers",
+        "lamb",
+        strategy,
+        measure="local_steps",
+        settings={"comm.hierarchy": "node"},
+        open_fields=("optimizer.name",),
+        search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS, axis: values},
+        summary=f"{label} with each node a worker (data-parallel inside the node), LAMB or "
+        "AdamW inside",
+    )
+
+
 for _recipe in (
     Recipe("lamb", "LAMB", "lamb", search_space={LR: _LAMB_LRS},
            summary="LAMB, gradients all-reduced in fp32 every step"),
@@ -316,18 +335,8 @@ for _recipe in (
            "streaming_diloco", measure="local_steps", settings={"comm.hierarchy": "node"},
            search_space=_STREAMING_SPACE,
            summary="Streaming DiLoCo with each node a worker (data-parallel inside the node)"),
-    Recipe("co2_node", "CO2, nodes as workers", "lamb", "co2", measure="local_steps",
-           settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
-           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS,
-                         "strategy.gap_penalty": _CO2_PENALTIES},
-           summary="CO2 with each node a worker (data-parallel inside the node), LAMB or "
-                   "AdamW inside"),
-    Recipe("slowmo_node", "SlowMo, nodes as workers", "lamb", "slowmo", measure="local_steps",
-           settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
-           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS,
-                         "strategy.outer_momentum": _SLOWMO_BETAS},
-           summary="SlowMo with each node a worker (data-parallel inside the node), LAMB or "
-                   "AdamW inside"),
+    _nodes_as_workers("co2", "CO2", "strategy.gap_penalty", _CO2_PENALTIES),
+    _nodes_as_workers("slowmo", "SlowMo", "strategy.outer_momentum", _SLOWMO_BETAS),
     Recipe("decentlam", "DecentLaM", "sgd", "decentlam", measure="decentralized",
            search_space={LR: _SGD_LRS},
            summary="momentum SGD with gossip over a graph, DecentLaM's correction"),
