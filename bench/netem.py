@@ -319,7 +319,7 @@ def parse_inner(text: str) -> dict[str, str]:
             raise ValueError(f"{part!r} is not RECIPE=OPTIMIZER")
         if name in inner:
             raise ValueError(f"{name} given twice")
-        recipe = RECIPES.get(name)
+        recipe = RECIPES.get(name, None)
         if recipe is None or "optimizer.name" not in recipe.open_fields:
             open_ones = sorted(n for n, r in RECIPES.items() if "optimizer.name" in r.open_fields)
             raise ValueError(

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from onebit_bert.registry import Registry
+
 MEASURES = ("data_parallel", "onebit", "zero_one_adam", "local_steps", "decentralized")
 """How ``bench.netem`` measures a recipe: every step alike (``data_parallel``), a warmup
 and a compression stage (``onebit``), 0/1 Adam's kinds of step, whole rounds of local
@@ -127,27 +129,20 @@ def _override_value(value: Any) -> str:
     return str(value)
 
 
-RECIPES: dict[str, Recipe] = {}
+RECIPES: Registry[Recipe] = Registry(
+    "recipe", key="recipe", hint="or register it with onebit_bert.recipes.register_recipe"
+)
 """Every registered recipe by name, in registration order."""
 
 
 def register_recipe(recipe: Recipe, replace: bool = False) -> Recipe:
     """Add ``recipe`` to :data:`RECIPES` (``replace``: over an entry of the same name)."""
-    if recipe.name in RECIPES and not replace:
-        raise ValueError(f"recipe {recipe.name} is already registered")
-    RECIPES[recipe.name] = recipe
-    return recipe
+    return RECIPES.register(recipe, replace)
 
 
 def get_recipe(name: str) -> Recipe:
     """The entry for ``name``; a clear error naming the registered recipes."""
-    try:
-        return RECIPES[name]
-    except KeyError:
-        raise ValueError(
-            f"recipe {name!r} is not registered; choose one of {', '.join(RECIPES)} "
-            "(or register it with onebit_bert.recipes.register_recipe)"
-        ) from None
+    return RECIPES.get(name)
 
 
 @functools.cache
@@ -262,6 +257,31 @@ _DILOCO_OUTER_LRS = (0.1, 0.3, 0.7)
 """The paper's 0.7 and below: at rounds of 8 steps, 0.7 with Nesterov momentum 0.9 kept
 DiLoCo on the unigram plateau where 0.1 trained
 (docs/results/2026-11-26-diloco-parity-regime.md)."""
+_DILOCO_SPACE = {LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
+                 "strategy.outer_every": _TAUS}  # fmt: skip
+"""What every DiLoCo recipe searches."""
+_STREAMING_SPACE = {LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
+                    "strategy.fragment_mix": (0.0, 0.5)}  # fmt: skip
+"""What every Streaming DiLoCo recipe searches (its rounds are fixed by its fragments)."""
+
+
+def _nodes_as_workers(strategy: str, label: str, axis: str, values: tuple) -> Recipe:
+    """Local-step ``strategy`` with each node a worker, LAMB or AdamW inside (the inner
+    optimizer is open and searched with its learning rate), its rounds and ``axis``
+    searched too."""
+    return Recipe(
+        f"{strategy}_node",
+        f"{label}, nodes as workers",
+        "lamb",
+        strategy,
+        measure="local_steps",
+        settings={"comm.hierarchy": "node"},
+        open_fields=("optimizer.name",),
+        search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS, axis: values},
+        summary=f"{label} with each node a worker (data-parallel inside the node), LAMB or "
+        "AdamW inside",
+    )
+
 
 for _recipe in (
     Recipe("lamb", "LAMB", "lamb", search_space={LR: _LAMB_LRS},
@@ -291,48 +311,32 @@ for _recipe in (
            search_space={LR: _LAMB_LRS, "strategy.outer_every": _TAUS},
            summary="local LAMB steps and a parameter average every round"),
     Recipe("diloco", "DiLoCo", "adamw", "diloco", measure="local_steps",
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.outer_every": _TAUS},
+           search_space=_DILOCO_SPACE,
            summary="local AdamW steps, outer SGD with Nesterov momentum (DiLoCo)"),
     Recipe("streaming_diloco", "Streaming DiLoCo", "adamw", "streaming_diloco",
            measure="local_steps",
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.fragment_mix": (0.0, 0.5)},
+           search_space=_STREAMING_SPACE,
            summary="DiLoCo synchronised one fragment at a time, overlapped with inner steps"),
     Recipe("diloco_int4", "DiLoCo, int4 outer", "adamw", "diloco", measure="local_steps",
            settings={"comm.compression.outer": "int4"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.outer_every": _TAUS},
+           search_space=_DILOCO_SPACE,
            summary="DiLoCo sending 4-bit pseudo-gradients with error feedback"),
     Recipe("streaming_diloco_int4", "Streaming DiLoCo, int4 outer", "adamw",
            "streaming_diloco", measure="local_steps",
            settings={"comm.compression.outer": "int4"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.fragment_mix": (0.0, 0.5)},
+           search_space=_STREAMING_SPACE,
            summary="Streaming DiLoCo sending 4-bit fragment pseudo-gradients"),
     Recipe("diloco_node", "DiLoCo, nodes as workers", "adamw", "diloco", measure="local_steps",
            settings={"comm.hierarchy": "node"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.outer_every": _TAUS},
+           search_space=_DILOCO_SPACE,
            summary="DiLoCo as its paper runs it: each node a worker whose ranks average "
                    "gradients every step"),
     Recipe("streaming_diloco_node", "Streaming DiLoCo, nodes as workers", "adamw",
            "streaming_diloco", measure="local_steps", settings={"comm.hierarchy": "node"},
-           search_space={LR: _ADAM_LRS, "strategy.outer_lr": _DILOCO_OUTER_LRS,
-                         "strategy.fragment_mix": (0.0, 0.5)},
+           search_space=_STREAMING_SPACE,
            summary="Streaming DiLoCo with each node a worker (data-parallel inside the node)"),
-    Recipe("co2_node", "CO2, nodes as workers", "lamb", "co2", measure="local_steps",
-           settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
-           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS,
-                         "strategy.gap_penalty": _CO2_PENALTIES},
-           summary="CO2 with each node a worker (data-parallel inside the node), LAMB or "
-                   "AdamW inside"),
-    Recipe("slowmo_node", "SlowMo, nodes as workers", "lamb", "slowmo", measure="local_steps",
-           settings={"comm.hierarchy": "node"}, open_fields=("optimizer.name",),
-           search_space={_INNER: _LAMB_OR_ADAMW, "strategy.outer_every": _TAUS,
-                         "strategy.outer_momentum": _SLOWMO_BETAS},
-           summary="SlowMo with each node a worker (data-parallel inside the node), LAMB or "
-                   "AdamW inside"),
+    _nodes_as_workers("co2", "CO2", "strategy.gap_penalty", _CO2_PENALTIES),
+    _nodes_as_workers("slowmo", "SlowMo", "strategy.outer_momentum", _SLOWMO_BETAS),
     Recipe("decentlam", "DecentLaM", "sgd", "decentlam", measure="decentralized",
            search_space={LR: _SGD_LRS},
            summary="momentum SGD with gossip over a graph, DecentLaM's correction"),

@@ -4,7 +4,8 @@ A :class:`Registry` maps a name to a frozen spec (a dataclass with a ``name`` fi
 registration order. It is a read-only :class:`~collections.abc.Mapping`, so ``name in
 REGISTRY``, ``REGISTRY[name]`` and iteration work as on a dict; entries are added with
 :meth:`Registry.register` and looked up with :meth:`Registry.get`, whose error names the
-config key and every registered choice.
+config key and every registered choice (``get(name, None)`` returns None instead, as a
+dict's).
 
 Each extension point keeps its spec dataclass (what an entry declares) in its own module
 and creates one registry here, e.g.::
@@ -15,9 +16,11 @@ and creates one registry here, e.g.::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 S = TypeVar("S")
+_REQUIRED: Any = object()
+"""``get``'s default when none is given: a missing name raises."""
 
 
 class Registry(Mapping[str, S], Generic[S]):
@@ -29,6 +32,7 @@ class Registry(Mapping[str, S], Generic[S]):
         key: str | None = None,
         reserved: Mapping[str, str] | None = None,
         extra_choices: tuple[str, ...] = (),
+        hint: str = "",
     ):
         self.kind = kind
         """What an entry is, in messages ("optimizer", "strategy", "codec")."""
@@ -38,6 +42,8 @@ class Registry(Mapping[str, S], Generic[S]):
         """Names no entry may take, with the reason."""
         self.extra_choices = tuple(extra_choices)
         """Values the key accepts besides the entries (listed first in errors, e.g. auto)."""
+        self.hint = hint
+        """Appended to the error for an unknown name (how to add one)."""
         self._entries: dict[str, S] = {}
 
     # -------------------------------------------------------------------- the Mapping
@@ -73,18 +79,18 @@ class Registry(Mapping[str, S], Generic[S]):
         """Every value the config key accepts."""
         return (*self.extra_choices, *self._entries)
 
-    def get(self, name: str, default=None) -> S:  # type: ignore[override]
-        """The entry for ``name``; a clear error naming the key and its choices.
-
-        ``default`` exists only to keep the Mapping signature; a missing name raises.
-        """
-        try:
+    def get(self, name: str, default: Any = _REQUIRED) -> S:  # type: ignore[override]
+        """The entry for ``name``; a clear error naming the key and its choices. With a
+        ``default`` given, a missing name returns it instead (as a dict's ``get``)."""
+        if name in self._entries:
             return self._entries[name]
-        except KeyError:
-            raise ValueError(
-                f"{self.key} {name!r} is not a registered {self.kind}; choose one of "
-                f"{', '.join(self.choices())}"
-            ) from None
+        if default is not _REQUIRED:
+            return default
+        hint = f" ({self.hint})" if self.hint else ""
+        raise ValueError(
+            f"{self.key} {name!r} is not a registered {self.kind}; choose one of "
+            f"{', '.join(self.choices())}{hint}"
+        )
 
     def names(self, predicate: Callable[[S], bool] | None = None) -> tuple[str, ...]:
         """The registered names, or those whose entry satisfies ``predicate``."""

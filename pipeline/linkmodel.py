@@ -57,7 +57,7 @@ class Profile:
 def pattern_of(key: str, stage: str) -> tuple[str, int]:
     """(collective pattern, neighbours) of a recipe key's stage (``decentlam/ring``)."""
     name, _, topology = key.partition("/")
-    recipe = RECIPES.get(name)
+    recipe = RECIPES.get(name, None)
     node = recipe is not None and recipe.settings.get("comm.hierarchy") == "node"
     measure = recipe.measure if recipe else "data_parallel"
     if measure == "decentralized":

@@ -14,6 +14,7 @@ from typing import Literal
 from onebit_bert.distributed.policy import CommConfig
 from onebit_bert.metrics_log import LoggingConfig
 from onebit_bert.optim.build import OptimizerConfig
+from onebit_bert.optim.registry import optimizer_spec
 from onebit_bert.recipes import check_recipe, identify
 from onebit_bert.strategies import StrategyConfig, check_comm_config, resolve_strategy_name
 
@@ -272,7 +273,7 @@ class PretrainConfig:
         phase 2 has freeze_step 6,100 and 1,563 steps after phase 1's 7,038, so it
         compresses from its first step)."""
         opt = self.optimizer
-        if opt.name not in ("onebit_lamb", "onebit_adam") or opt.freeze_step == "auto":
+        if not optimizer_spec(opt.name).freezes or opt.freeze_step == "auto":
             return
         if self.model.init_optimizer or opt.freeze_step < self.schedule.max_steps:
             return

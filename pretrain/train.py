@@ -27,6 +27,7 @@ from onebit_bert.config import read_config_file, save_config, to_dict
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
+from onebit_bert.optim.registry import optimizer_spec
 from onebit_bert.precision import LossScaler, autocast, resolve_precision
 from onebit_bert.run_lock import RunLock, RunLocked
 from onebit_bert.shards import (
@@ -90,14 +91,11 @@ def lead_shortfall(lead_s: float, save_s: float, step_s: float) -> str | None:
     )
 
 
-COMPRESSING_OPTIMIZERS = ("onebit_lamb", "onebit_adam", "zero_one_adam")
-
-
 def single_process_notes(cfg: PretrainConfig, world_size: int) -> list[str]:
     """What a compressing optimizer does differently on one process (nothing to compress):
     warned at start and kept in ``status.json``'s ``notes``."""
     name = cfg.optimizer.name
-    if world_size > 1 or name not in COMPRESSING_OPTIMIZERS or cfg.strategy.force_compression:
+    if world_size > 1 or not optimizer_spec(name).compressed or cfg.strategy.force_compression:
         return []
     what = "exact LAMB without bias correction" if name == "onebit_lamb" else "uncompressed"
     return [

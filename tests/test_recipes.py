@@ -45,7 +45,8 @@ def test_each_recipe_builds_a_config_that_runs_it(name):
 def test_a_config_that_names_another_recipe_is_refused():
     with pytest.raises(ValueError, match=r"recipe 'co2' does not match.*strategy.name"):
         load_config(PretrainConfig, CONFIG, ["optimizer.name=lamb", "recipe=co2"])
-    with pytest.raises(ValueError, match="recipe 'nope' is not registered; choose one of lamb"):
+    unknown = "recipe 'nope' is not a registered recipe; choose one of lamb"
+    with pytest.raises(ValueError, match=unknown):
         load_config(PretrainConfig, CONFIG, ["recipe=nope"])
 
 
@@ -135,10 +136,11 @@ def test_the_benchmark_measures_every_recipe_by_its_table():
                       "CO2 (tau 8)", "compute only"]  # fmt: skip
 
 
-def test_a_registered_recipe_is_measured_and_recorded(monkeypatch):
+def test_a_registered_recipe_is_measured_and_recorded(request):
     toy = Recipe("adamw_powersgd", "AdamW on PowerSGD", "adamw",
                  settings={"comm.compression.grad": "powersgd"})  # fmt: skip
-    monkeypatch.setitem(RECIPES, toy.name, toy)
+    register_recipe(toy)
+    request.addfinalizer(lambda: RECIPES.unregister(toy.name))
     config = {"optimizer": {"name": "adamw"}, "comm": {"compression": {"grad": "powersgd"}}}
     assert identify(config) == "adamw_powersgd"
     assert compare.strategy_key(config) == "adamw_powersgd"

@@ -116,7 +116,7 @@ def test_registry_refuses_duplicates_auto_and_unknown_fields(toy):
         dataclasses.replace(toy, fields=("outer_everyy",))
     with pytest.raises(ValueError, match="unknown traffic kind"):
         dataclasses.replace(toy, traffic=("gradient",))
-    with pytest.raises(ValueError, match="not a registered strategy; choose auto or one of"):
+    with pytest.raises(ValueError, match="not a registered strategy; choose one of auto, data_"):
         strategy_spec("toy_averag")
 
 
@@ -213,7 +213,7 @@ def test_toy_optimizer_joins_with_one_entry_and_runs_with_data_parallel():
         opt.step()
         torch.testing.assert_close(model.weight.detach(), before - 0.5)
     finally:
-        OPTIMIZERS.pop("toy_sgd", None)
+        OPTIMIZERS.unregister("toy_sgd")
 
 
 # ----------------------------------------------------------------------------- the generic one

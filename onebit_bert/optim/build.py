@@ -193,16 +193,15 @@ def _freeze(b: OptimizerBuild) -> dict:
     return dict(freeze_step=cfg.freeze_step, auto_freeze=cfg.auto_freeze, total_steps=b.total_steps)
 
 
+def _fields(cfg: OptimizerConfig, names: str) -> dict:
+    """The config fields named in ``names`` (space-separated), as keyword arguments of the
+    same names."""
+    return {name: getattr(cfg, name) for name in names.split()}
+
+
 def _lamb(b: OptimizerBuild):
-    cfg = b.cfg
-    return Lamb(
-        b.groups,
-        **_common(cfg),
-        max_coeff=cfg.max_coeff,
-        min_coeff=cfg.min_coeff,
-        bias_correction=cfg.bias_correction,
-        kernels=cfg.kernels,
-    )
+    fields = _fields(b.cfg, "max_coeff min_coeff bias_correction kernels")
+    return Lamb(b.groups, **_common(b.cfg), **fields)
 
 
 def _adamw(b: OptimizerBuild):
@@ -217,23 +216,16 @@ def _sgd(b: OptimizerBuild):
     return MomentumSGD(b.groups, lr=b.cfg.lr, momentum=b.cfg.betas[0])
 
 
+_ONEBIT_LAMB = (
+    "max_coeff min_coeff coeff_beta factor_max factor_min factor_threshold coeff_refresh "
+    "coeff_refresh_max kernels"
+)
+"""The config fields 1-bit LAMB takes under their own names."""
+
+
 def _onebit_lamb(b: OptimizerBuild):
-    cfg = b.cfg
-    return OneBitLamb(
-        b.groups,
-        **_common(cfg),
-        **_compressed(b),
-        **_freeze(b),
-        max_coeff=cfg.max_coeff,
-        min_coeff=cfg.min_coeff,
-        coeff_beta=cfg.coeff_beta,
-        factor_max=cfg.factor_max,
-        factor_min=cfg.factor_min,
-        factor_threshold=cfg.factor_threshold,
-        coeff_refresh=cfg.coeff_refresh,
-        coeff_refresh_max=cfg.coeff_refresh_max,
-        kernels=cfg.kernels,
-    )
+    fields = _fields(b.cfg, _ONEBIT_LAMB)
+    return OneBitLamb(b.groups, **_common(b.cfg), **_compressed(b), **_freeze(b), **fields)
 
 
 def _onebit_adam(b: OptimizerBuild):
@@ -247,17 +239,14 @@ def _onebit_adam(b: OptimizerBuild):
     )
 
 
+_ZERO_ONE_ADAM = "var_freeze_step var_update_scaler local_step_scaler local_step_clipper"
+"""The config fields 0/1 Adam takes under their own names."""
+
+
 def _zero_one_adam(b: OptimizerBuild):
-    cfg = b.cfg
+    fields, force = _fields(b.cfg, _ZERO_ONE_ADAM), b.force_compression
     return ZeroOneAdam(
-        b.groups,
-        **_common(cfg),
-        **_compressed(b),
-        var_freeze_step=cfg.var_freeze_step,
-        var_update_scaler=cfg.var_update_scaler,
-        local_step_scaler=cfg.local_step_scaler,
-        local_step_clipper=cfg.local_step_clipper,
-        force_compression=b.force_compression,
+        b.groups, **_common(b.cfg), **_compressed(b), force_compression=force, **fields
     )
 
 

@@ -701,15 +701,3 @@ class WarmupThenCompress(CompressedOptimizer):
             # written by a run with a fixed freeze_step that is already compressing
             self.freeze_step = int(extra["freeze_step"])
             self._detector.freeze_step = self.freeze_step
-
-
-def check_betas_eps_wd(lr: float, betas, eps: float, weight_decay: float) -> None:
-    """One clear error per bad Adam-type hyperparameter."""
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
-    if not eps > 0.0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")

@@ -3,6 +3,7 @@ only steer DeepSpeed's engine are dropped, options it does not implement are ref
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 ADAM_KEYS = frozenset({"lr", "betas", "eps", "weight_decay"})
@@ -74,3 +75,18 @@ def zero_one_adam_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     ``params`` of a DeepSpeed ``{"type": "ZeroOneAdam"}`` optimizer (DeepSpeed's defaults
     for the keys left out)."""
     return _kwargs(config, "0/1 Adam", ZERO_ONE_ADAM_KEYS)
+
+
+class FromDeepSpeed:
+    """``from_deepspeed_config`` for an optimizer whose :attr:`deepspeed_kwargs` (one of
+    the functions above) maps a DeepSpeed optimizer's ``params`` to its own arguments."""
+
+    deepspeed_kwargs: Callable[[dict[str, Any]], dict[str, Any]]
+
+    @classmethod
+    def from_deepspeed_config(
+        cls, params: Iterable, config: dict[str, Any], comm=None, bucket_numel=None
+    ):
+        """Build from the ``params`` of the DeepSpeed optimizer's config (its
+        :attr:`deepspeed_kwargs` says what is accepted), over ``comm``'s ranks."""
+        return cls(params, comm=comm, bucket_numel=bucket_numel, **cls.deepspeed_kwargs(config))

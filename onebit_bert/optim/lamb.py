@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.optim import Optimizer
@@ -38,28 +38,40 @@ def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-def check_lamb_hyperparameters(
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    max_coeff: float,
-    min_coeff: float,
-) -> None:
-    """One clear error per bad hyperparameter, before any state is allocated."""
+def adam_hyperparameters(
+    lr: float = defaults.LR,
+    betas: tuple[float, float] = defaults.BETAS,
+    eps: float = defaults.EPS,
+    weight_decay: float = defaults.WEIGHT_DECAY,
+    **unknown,
+) -> dict:
+    """The Adam-type hyperparameters every optimizer here takes (as keywords), with their
+    defaults, as a param group's defaults; one clear error per bad one, before any state
+    is allocated."""
+    if unknown:
+        raise TypeError(f"unknown optimizer argument(s): {', '.join(sorted(unknown))}")
     if not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+        raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(betas)}")
     if not eps > 0.0:
         raise ValueError(f"eps must be > 0, got {eps}")
     if not weight_decay >= 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+
+def lamb_hyperparameters(
+    max_coeff: float = defaults.MAX_COEFF, min_coeff: float = defaults.MIN_COEFF, **adam
+) -> dict:
+    """:func:`adam_hyperparameters` and LAMB's trust-ratio bounds, checked the same way."""
+    hyperparameters = adam_hyperparameters(**adam)
     if not 0.0 < min_coeff <= max_coeff:
         raise ValueError(
             f"trust-ratio bounds need 0 < min_coeff <= max_coeff, got min_coeff={min_coeff}, "
             f"max_coeff={max_coeff}"
         )
+    return dict(hyperparameters, max_coeff=max_coeff, min_coeff=min_coeff)
 
 
 def check_params_and_grads(optimizer: Optimizer, name: str) -> None:
@@ -76,6 +88,35 @@ def check_params_and_grads(optimizer: Optimizer, name: str) -> None:
                     f"{name} does not support sparse gradients (parameter of shape "
                     f"{tuple(p.shape)}); build the embedding with sparse=False"
                 )
+
+
+def begin_step(optimizer: Optimizer, closure, name: str):
+    """What every ``step`` here starts with: the loss of ``closure`` (evaluated with
+    gradients on; None without one), then :func:`check_params_and_grads`."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    check_params_and_grads(optimizer, name)
+    return loss
+
+
+def groups_with_grads(optimizer: Optimizer) -> Iterator[tuple[dict, list[torch.Tensor]]]:
+    """Each param group with parameters that have a gradient, and those parameters."""
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            yield group, params
+
+
+def zero_moments(state: dict, p: torch.Tensor, *extra: str) -> bool:
+    """Adam's moments ``exp_avg`` and ``exp_avg_sq`` (and each of ``extra``) at zero in
+    ``state`` where it has none yet; whether it had none."""
+    if "exp_avg" in state:
+        return False
+    for key in ("exp_avg", "exp_avg_sq", *extra):
+        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return True
 
 
 def check_state_shapes(optimizer: Optimizer, state_dict: dict) -> None:
@@ -186,27 +227,16 @@ class Lamb(Optimizer):
     def __init__(
         self,
         params: Iterable,
-        lr: float = defaults.LR,
-        betas: tuple[float, float] = defaults.BETAS,
-        eps: float = defaults.EPS,
-        weight_decay: float = defaults.WEIGHT_DECAY,
-        max_coeff: float = defaults.MAX_COEFF,
-        min_coeff: float = defaults.MIN_COEFF,
+        *,
         bias_correction: bool = defaults.BIAS_CORRECTION,
         kernels: str = "auto",
+        **hyperparameters,
     ):
-        check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        """``hyperparameters``: lr, betas, eps, weight_decay, max_coeff, min_coeff
+        (:func:`lamb_hyperparameters`)."""
+        group_defaults = lamb_hyperparameters(**hyperparameters)
         check_kernels(kernels)
-        defaults = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            max_coeff=max_coeff,
-            min_coeff=min_coeff,
-            bias_correction=bias_correction,
-        )
-        super().__init__(params, defaults)
+        super().__init__(params, dict(group_defaults, bias_correction=bias_correction))
         check_params_and_grads(self, "LAMB")
         self.last_trust_ratios: torch.Tensor | None = None
         self.kernels = kernels
@@ -223,22 +253,14 @@ class Lamb(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        check_params_and_grads(self, "LAMB")
+        loss = begin_step(self, closure, "LAMB")
         all_ratios = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_grads(self):
             for p in params:
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    zero_moments(state, p)
                 state["step"] += 1
             subsets = group_by_device_and_dtype(params)
             if len(subsets) == 1:

@@ -51,16 +51,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.optim import defaults
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig
-from onebit_bert.optim.compressed import WarmupThenCompress, check_betas_eps_wd
-from onebit_bert.optim.deepspeed import onebit_adam_kwargs
-from onebit_bert.optim.lamb import check_params_and_grads, check_state_shapes
+from onebit_bert.optim.compressed import CompressedOptimizer, WarmupThenCompress
+from onebit_bert.optim.deepspeed import FromDeepSpeed, onebit_adam_kwargs
+from onebit_bert.optim.lamb import adam_hyperparameters, begin_step, groups_with_grads, zero_moments
+from onebit_bert.optim.warmup_state import WarmupCheckpoint
 
 NAME = "1-bit Adam"
 SECTION = "onebit_adam"
@@ -94,12 +94,29 @@ def fold_gradients(momenta: list[torch.Tensor], grads: list[torch.Tensor], beta1
     torch._foreach_add_(momenta, grads, alpha=1.0 - beta1)
 
 
-class OneBitAdam(WarmupThenCompress):
+def unscale(optimizer: CompressedOptimizer, params: list[torch.Tensor], key: str) -> list:
+    """State ``key`` of ``params`` after a compressed all-reduce: divided back by each
+    layer's scaling coefficient, then masked (the optimizer's momentum masks, and zero
+    where nothing has trained yet); the tensors, in place."""
+    tensors = [optimizer.state[p][key] for p in params]
+    torch._foreach_div_(tensors, [optimizer.state[p]["scaling_coeff"] for p in params])
+    optimizer._apply_masks(params, tensors)
+    return tensors
+
+
+def fold_squares(squares: list[torch.Tensor], grads: list[torch.Tensor], beta2: float) -> None:
+    """``v = β2·v + (1-β2)·g²`` in place."""
+    torch._foreach_mul_(squares, beta2)
+    torch._foreach_addcmul_(squares, grads, grads, value=1.0 - beta2)
+
+
+class OneBitAdam(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     """1-bit Adam over the ranks of ``comm`` (default: the default process group, or a
     world of one when none exists).
 
     Args:
-        lr, betas, eps, weight_decay: Adam's (no bias correction, decoupled weight decay).
+        lr, betas, eps, weight_decay: Adam's (no bias correction, decoupled weight decay),
+            checked and defaulted by :func:`~onebit_bert.optim.lamb.adam_hyperparameters`.
         freeze_step: last step of the warmup (>= 1), or ``"auto"``
             (:mod:`onebit_bert.optim.auto_freeze`, bounded by ``auto_freeze`` and
             ``total_steps``).
@@ -114,81 +131,37 @@ class OneBitAdam(WarmupThenCompress):
     """
 
     NAME = NAME
+    SECTION = SECTION
+    deepspeed_kwargs = staticmethod(onebit_adam_kwargs)
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = defaults.LR,
+        *,
         freeze_step: int | str = defaults.FREEZE_STEP,
-        betas: tuple[float, float] = defaults.BETAS,
-        eps: float = defaults.EPS,
-        weight_decay: float = defaults.WEIGHT_DECAY,
         comm: Communicator | None = None,
         bucket_numel: int | None = None,
         auto_freeze: AutoFreezeConfig | None = None,
         total_steps: int | None = None,
         force_compression: bool = False,
         bias_correction: bool = False,
+        **hyperparameters,
     ):
-        check_betas_eps_wd(lr, betas, eps, weight_decay)
+        group_defaults = adam_hyperparameters(**hyperparameters)
         self.bias_correction = bias_correction
         """Adam's bias correction, with the second moment's frozen at ``freeze_step``
         (:meth:`_corrections`); False: none (DeepSpeed's)."""
         self._check_freeze_step(freeze_step)
-        hyperparameters = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, hyperparameters, comm, bucket_numel)
+        super().__init__(params, group_defaults, comm, bucket_numel)
         self._init_freeze(freeze_step, auto_freeze, total_steps)
         self.compresses = self.comm.world_size > 1 or force_compression
         """Whether the compression stage runs the 1-bit all-reduce (not on a world of one,
         unless forced)."""
 
-    @classmethod
-    def from_deepspeed_config(
-        cls,
-        params: Iterable,
-        config: dict[str, Any],
-        comm: Communicator | None = None,
-        bucket_numel: int | None = None,
-    ) -> OneBitAdam:
-        """Build from the ``params`` of a DeepSpeed ``{"type": "OneBitAdam"}`` optimizer
-        (:func:`onebit_bert.optim.deepspeed.onebit_adam_kwargs` says what is accepted)."""
-        return cls(params, comm=comm, bucket_numel=bucket_numel, **onebit_adam_kwargs(config))
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly; this rank's compression errors are under
-        ``"per_rank"`` (the rest is the same on every rank)."""
-        state = super().state_dict()
-        state[SECTION] = self._freeze_state()
-        state["per_rank"] = self._per_rank_state()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict`. Compression errors saved under a
-        different world size (or by another rank), or missing, start from zero (with a
-        warning when the run is already compressing)."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop(SECTION, None)
-        per_rank = state_dict.pop("per_rank", None) or {}
-        if extra is None:
-            raise ValueError(
-                "this optimizer state has no 1-bit Adam section; it was saved by another "
-                "optimizer (resume with the optimizer that wrote it)"
-            )
-        check_state_shapes(self, state_dict)
-        super().load_state_dict(state_dict)
-        self._load_freeze_state(extra)
-        compressing = self.freeze_step is not None and self._step > self.freeze_step
-        self._load_per_rank_state(per_rank, compressing and self.compresses)
-
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        check_params_and_grads(self, NAME)
+        loss = begin_step(self, closure, NAME)
         self._step += 1
         self.last_compression_error = None
         self.last_step_bytes = 0
@@ -228,21 +201,14 @@ class OneBitAdam(WarmupThenCompress):
             torch._foreach_mul_(momenta, [self.state[p]["scaling_coeff"] for p in params])
 
     def _warmup_step(self) -> None:
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_grads(self):
             for p in params:
-                if "exp_avg" not in self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+                zero_moments(self.state[p], p)
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             grads = [p.grad for p in params]
             fold_gradients([st["exp_avg"] for st in states], grads, beta1)
-            squares = [st["exp_avg_sq"] for st in states]
-            torch._foreach_mul_(squares, beta2)
-            torch._foreach_addcmul_(squares, grads, grads, value=1.0 - beta2)
+            fold_squares([st["exp_avg_sq"] for st in states], grads, beta2)
             adam_update(group, params, states, self._corrections(group))
         self._observe_warmup(self._states_with("exp_avg_sq"))
 
@@ -266,9 +232,6 @@ class OneBitAdam(WarmupThenCompress):
         for group, params in layout:
             if not params:
                 continue
-            states = [self.state[p] for p in params]
             if self.compresses:
-                momenta = [st["exp_avg"] for st in states]
-                torch._foreach_div_(momenta, [st["scaling_coeff"] for st in states])
-                self._apply_masks(params, momenta)
-            adam_update(group, params, states, self._corrections(group))
+                unscale(self, params, "exp_avg")
+            adam_update(group, params, [self.state[p] for p in params], self._corrections(group))

@@ -28,7 +28,6 @@ the reference update (not the fused kernels).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -38,14 +37,16 @@ from onebit_bert.kernels.multi_tensor import TableCache
 from onebit_bert.optim import defaults
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig
 from onebit_bert.optim.compressed import WarmupThenCompress
-from onebit_bert.optim.deepspeed import onebit_lamb_kwargs
+from onebit_bert.optim.deepspeed import FromDeepSpeed, onebit_lamb_kwargs
 from onebit_bert.optim.lamb import (
-    check_lamb_hyperparameters,
-    check_params_and_grads,
-    check_state_shapes,
+    begin_step,
+    groups_with_grads,
     lamb_group_update,
+    lamb_hyperparameters,
     trust_ratios,
+    zero_moments,
 )
+from onebit_bert.optim.warmup_state import WarmupCheckpoint
 
 NAME = "1-bit LAMB"
 
@@ -71,16 +72,17 @@ def _foreach_max(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(fused(tensors)) if fused is not None else [t.max() for t in tensors]
 
 
-class OneBitLamb(WarmupThenCompress):
+class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     """1-bit LAMB over the ranks of ``comm`` (default: the default process group, or a
     world of one when none exists).
 
     Args:
-        lr, betas, eps, weight_decay: as in LAMB (decoupled weight decay).
+        lr, betas, eps, weight_decay, max_coeff, min_coeff: as in LAMB (decoupled weight
+            decay; the bounds of the warmup trust ratio), checked and defaulted by
+            :func:`~onebit_bert.optim.lamb.lamb_hyperparameters`.
         freeze_step: last step of the warmup stage (>= 1), or ``"auto"``: chosen when the
             second moment has settled (:mod:`onebit_bert.optim.auto_freeze`, bounded by
             ``auto_freeze`` and ``total_steps``).
-        max_coeff, min_coeff: bounds of the warmup trust ratio.
         coeff_beta: EMA rate of the recorded trust ratio ``c``.
         factor_max, factor_min: bounds of the compression-stage factor ``f``.
         factor_threshold: largest relative change of ``f`` from one step to the next.
@@ -104,17 +106,15 @@ class OneBitLamb(WarmupThenCompress):
     """
 
     NAME = NAME
+    SECTION = "onebit"
+    OTHER_STATE_HINT = "load LAMB states into LAMB"
+    deepspeed_kwargs = staticmethod(onebit_lamb_kwargs)
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = defaults.LR,
+        *,
         freeze_step: int | str = defaults.FREEZE_STEP,
-        betas: tuple[float, float] = defaults.BETAS,
-        eps: float = defaults.EPS,
-        weight_decay: float = defaults.WEIGHT_DECAY,
-        max_coeff: float = defaults.MAX_COEFF,
-        min_coeff: float = defaults.MIN_COEFF,
         coeff_beta: float = defaults.COEFF_BETA,
         factor_max: float = defaults.FACTOR_MAX,
         factor_min: float = defaults.FACTOR_MIN,
@@ -126,8 +126,9 @@ class OneBitLamb(WarmupThenCompress):
         kernels: str = "auto",
         coeff_refresh: int = 0,
         coeff_refresh_max: int = 512,
+        **hyperparameters,
     ):
-        check_lamb_hyperparameters(lr, betas, eps, weight_decay, max_coeff, min_coeff)
+        group_defaults = lamb_hyperparameters(**hyperparameters)
         if coeff_refresh < 0 or (coeff_refresh > 0 and coeff_refresh_max < coeff_refresh):
             raise ValueError(
                 f"coeff_refresh must be >= 0 (0: never) and coeff_refresh_max >= it, got "
@@ -144,19 +145,13 @@ class OneBitLamb(WarmupThenCompress):
             )
         if not 0.0 <= factor_threshold < 1.0:
             raise ValueError(f"factor_threshold must be in [0, 1), got {factor_threshold}")
-        hyperparameters = dict(
-            lr=lr,
-            betas=tuple(betas),
-            eps=eps,
-            weight_decay=weight_decay,
-            max_coeff=max_coeff,
-            min_coeff=min_coeff,
+        group_defaults.update(
             coeff_beta=coeff_beta,
             factor_max=factor_max,
             factor_min=factor_min,
             factor_threshold=factor_threshold,
         )
-        super().__init__(params, hyperparameters, comm, bucket_numel, kernels)
+        super().__init__(params, group_defaults, comm, bucket_numel, kernels)
         self._init_freeze(freeze_step, auto_freeze, total_steps)
         self._scratch: torch.Tensor | None = None
         self._tables = TableCache()
@@ -164,59 +159,13 @@ class OneBitLamb(WarmupThenCompress):
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
 
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_deepspeed_config(
-        cls,
-        params: Iterable,
-        config: dict[str, Any],
-        comm: Communicator | None = None,
-        bucket_numel: int | None = None,
-    ) -> OneBitLamb:
-        """Build from the ``params`` of a DeepSpeed ``{"type": "OneBitLamb"}`` optimizer
-        (see :func:`onebit_bert.optim.deepspeed.onebit_lamb_kwargs` for what is accepted)."""
-        kwargs = onebit_lamb_kwargs(config)
-        return cls(params, comm=comm, bucket_numel=bucket_numel, **kwargs)
-
     def _on_new_flat(self, flat: torch.Tensor) -> None:
         self._scratch = torch.empty_like(flat)
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly. The part that differs between ranks (this
-        rank's compression errors) is under ``"per_rank"``: a checkpoint can store the rest
-        once and only that part per rank."""
-        state = super().state_dict()
-        state["onebit"] = self._freeze_state()
-        state["per_rank"] = self._per_rank_state()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a state saved by :meth:`state_dict`. Compression errors saved under a
-        different world size (or by another rank), or missing, start from zero (with a
-        warning when the run is already compressing)."""
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("onebit", None)
-        per_rank = state_dict.pop("per_rank", None) or {}
-        if extra is None:
-            raise ValueError(
-                "this optimizer state has no 1-bit LAMB section; it was saved by another "
-                "optimizer (load LAMB states into LAMB)"
-            )
-        check_state_shapes(self, state_dict)
-        super().load_state_dict(state_dict)
-        self._load_freeze_state(extra)
-        compressing = self.freeze_step is not None and self._step > self.freeze_step
-        self._load_per_rank_state(per_rank, compressing)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        check_params_and_grads(self, NAME)
+        loss = begin_step(self, closure, NAME)
         self._step += 1
         if self.freeze_step is None or self._step <= self.freeze_step:
             self._warmup_step()
@@ -226,16 +175,10 @@ class OneBitLamb(WarmupThenCompress):
 
     def _warmup_step(self) -> None:
         ratios = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_grads(self):
             for p in params:
-                state = self.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["lamb_coeff"] = torch.zeros((), device=p.device)
+                if zero_moments(self.state[p], p):
+                    self.state[p]["lamb_coeff"] = torch.zeros((), device=p.device)
             r = lamb_group_update(
                 group, params, [self.state[p] for p in params], self._step, bias_correction=False
             )

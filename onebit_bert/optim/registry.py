@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from onebit_bert.registry import Registry
+
 
 @dataclass(frozen=True)
 class OptimizerBuild:
@@ -46,34 +48,25 @@ class OptimizerSpec:
     """The strategy ``strategy.name: auto`` picks for it."""
 
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {}
+OPTIMIZERS: Registry[OptimizerSpec] = Registry("optimizer", key="optimizer.name")
 """Every registered optimizer by name, in registration order."""
 
 
 def register_optimizer(spec: OptimizerSpec, replace: bool = False) -> OptimizerSpec:
     """Add ``spec`` to :data:`OPTIMIZERS` (``replace``: over an entry of the same name)."""
-    if spec.name in OPTIMIZERS and not replace:
-        raise ValueError(f"optimizer {spec.name} is already registered")
-    OPTIMIZERS[spec.name] = spec
-    return spec
+    return OPTIMIZERS.register(spec, replace)
 
 
 def optimizer_spec(name: str) -> OptimizerSpec:
     """The entry for ``name``; a clear error naming the registered optimizers."""
-    try:
-        return OPTIMIZERS[name]
-    except KeyError:
-        raise ValueError(
-            f"optimizer.name {name!r} is not a registered optimizer; choose one of "
-            f"{', '.join(OPTIMIZERS)}"
-        ) from None
+    return OPTIMIZERS.get(name)
 
 
 def compressed_optimizers() -> tuple[str, ...]:
     """The optimizers that communicate by themselves."""
-    return tuple(name for name, spec in OPTIMIZERS.items() if spec.compressed)
+    return OPTIMIZERS.names(lambda spec: spec.compressed)
 
 
 def freezing_optimizers() -> tuple[str, ...]:
     """The optimizers with a ``freeze_step``."""
-    return tuple(name for name, spec in OPTIMIZERS.items() if spec.freezes)
+    return OPTIMIZERS.names(lambda spec: spec.freezes)

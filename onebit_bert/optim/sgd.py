@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim import Optimizer
 
-from onebit_bert.optim.lamb import check_params_and_grads
+from onebit_bert.optim.lamb import begin_step, check_params_and_grads, groups_with_grads
 
 
 class MomentumSGD(Optimizer):
@@ -46,15 +46,8 @@ class MomentumSGD(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step on every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        check_params_and_grads(self, "momentum SGD")
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        loss = begin_step(self, closure, "momentum SGD")
+        for group, params in groups_with_grads(self):
             buffers = []
             for p in params:
                 state = self.state[p]

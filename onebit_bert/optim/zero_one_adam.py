@@ -70,10 +70,16 @@ import torch
 
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.optim import defaults
-from onebit_bert.optim.compressed import CompressedOptimizer, check_betas_eps_wd
-from onebit_bert.optim.deepspeed import zero_one_adam_kwargs
-from onebit_bert.optim.lamb import check_params_and_grads, check_state_shapes
-from onebit_bert.optim.onebit_adam import adam_update, fold_gradients
+from onebit_bert.optim.compressed import CompressedOptimizer
+from onebit_bert.optim.deepspeed import FromDeepSpeed, zero_one_adam_kwargs
+from onebit_bert.optim.lamb import (
+    adam_hyperparameters,
+    begin_step,
+    check_state_shapes,
+    groups_with_grads,
+    zero_moments,
+)
+from onebit_bert.optim.onebit_adam import adam_update, fold_gradients, fold_squares, unscale
 
 NAME = "0/1 Adam"
 SECTION = "zero_one_adam"
@@ -92,12 +98,13 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
-class ZeroOneAdam(CompressedOptimizer):
+class ZeroOneAdam(FromDeepSpeed, CompressedOptimizer):
     """0/1 Adam over the ranks of ``comm`` (default: the default process group, or a world
     of one when none exists).
 
     Args:
-        lr, betas, eps, weight_decay: Adam's (no bias correction, decoupled weight decay).
+        lr, betas, eps, weight_decay: Adam's (no bias correction, decoupled weight decay),
+            checked and defaulted by :func:`~onebit_bert.optim.lamb.adam_hyperparameters`.
         var_freeze_step: last step of the variance stage.
         var_update_scaler: variance updates per interval before it doubles (kappa).
         local_step_scaler: local steps between two doublings of the local-step interval.
@@ -111,23 +118,22 @@ class ZeroOneAdam(CompressedOptimizer):
     """
 
     NAME = NAME
+    deepspeed_kwargs = staticmethod(zero_one_adam_kwargs)
 
     def __init__(
         self,
         params: Iterable,
-        lr: float = defaults.LR,
-        betas: tuple[float, float] = defaults.BETAS,
-        eps: float = defaults.EPS,
-        weight_decay: float = defaults.WEIGHT_DECAY,
+        *,
+        comm: Communicator | None = None,
+        bucket_numel: int | None = None,
+        force_compression: bool = False,
         var_freeze_step: int = defaults.VAR_FREEZE_STEP,
         var_update_scaler: int = defaults.VAR_UPDATE_SCALER,
         local_step_scaler: int = defaults.LOCAL_STEP_SCALER,
         local_step_clipper: int = defaults.LOCAL_STEP_CLIPPER,
-        comm: Communicator | None = None,
-        bucket_numel: int | None = None,
-        force_compression: bool = False,
+        **hyperparameters,
     ):
-        check_betas_eps_wd(lr, betas, eps, weight_decay)
+        group_defaults = adam_hyperparameters(**hyperparameters)
         for name, value in (
             ("var_freeze_step", var_freeze_step),
             ("var_update_scaler", var_update_scaler),
@@ -135,8 +141,7 @@ class ZeroOneAdam(CompressedOptimizer):
             ("local_step_clipper", local_step_clipper),
         ):
             _positive_int(name, value)
-        hyperparameters = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, hyperparameters, comm, bucket_numel)
+        super().__init__(params, group_defaults, comm, bucket_numel)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -151,18 +156,6 @@ class ZeroOneAdam(CompressedOptimizer):
         self._lrs = [0.0] * len(self.param_groups)
         self.stage = "variance"
         """What the last step did (:data:`STEP_KINDS`)."""
-
-    @classmethod
-    def from_deepspeed_config(
-        cls,
-        params: Iterable,
-        config: dict[str, Any],
-        comm: Communicator | None = None,
-        bucket_numel: int | None = None,
-    ) -> ZeroOneAdam:
-        """Build from the ``params`` of a DeepSpeed ``{"type": "ZeroOneAdam"}`` optimizer
-        (:func:`onebit_bert.optim.deepspeed.zero_one_adam_kwargs` says what is accepted)."""
-        return cls(params, comm=comm, bucket_numel=bucket_numel, **zero_one_adam_kwargs(config))
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -290,21 +283,14 @@ class ZeroOneAdam(CompressedOptimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        check_params_and_grads(self, NAME)
+        loss = begin_step(self, closure, NAME)
         kind = self.next_step_kind
         self._step += 1
         self.last_compression_error = None
         self.last_step_bytes = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and "exp_avg" not in self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
-                    self.state[p][ACCUMULATOR] = torch.zeros_like(p)
+        for _, params in groups_with_grads(self):
+            for p in params:
+                zero_moments(self.state[p], p, ACCUMULATOR)
         if kind == "variance":
             self._variance_step()
         elif kind == "compressed":
@@ -315,16 +301,11 @@ class ZeroOneAdam(CompressedOptimizer):
         return loss
 
     def _variance_step(self) -> None:
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_grads(self):
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             grads = [p.grad for p in params]
-            squares = [st["exp_avg_sq"] for st in states]
-            torch._foreach_mul_(squares, beta2)
-            torch._foreach_addcmul_(squares, grads, grads, value=1.0 - beta2)
+            fold_squares([st["exp_avg_sq"] for st in states], grads, beta2)
             fold_gradients([st["exp_avg"] for st in states], grads, beta1)
             adam_update(group, params, states)
         self.var_counter += 1
@@ -354,9 +335,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 continue
             states = [self.state[p] for p in params]
             if self.compresses:
-                averaged = [st[ACCUMULATOR] for st in states]
-                torch._foreach_div_(averaged, [st["scaling_coeff"] for st in states])
-                self._apply_masks(params, averaged)
+                averaged = unscale(self, params, ACCUMULATOR)
             else:
                 averaged = self._grads(params)
             fold_gradients([st["exp_avg"] for st in states], averaged, group["betas"][0])
@@ -431,8 +410,7 @@ class ZeroOneAdam(CompressedOptimizer):
             states = [self.state[p] for p in params]
             accumulators = [st[ACCUMULATOR] for st in states]
             if self.compresses:
-                torch._foreach_div_(accumulators, [st["scaling_coeff"] for st in states])
-                self._apply_masks(params, accumulators)
+                unscale(self, params, ACCUMULATOR)
             momenta = [st["exp_avg"] for st in states]
             if self._lrs[index] > 0:
                 torch._foreach_copy_(momenta, accumulators)

@@ -1,16 +1,15 @@
 """Sync strategies: how data-parallel ranks stay in agreement, behind one interface the
 training loop calls (:class:`Strategy`; its module docstring lists the hooks).
 
-Every strategy is an entry of the registry (:mod:`onebit_bert.strategies.registry`); the
-built-in entries are below. :func:`build_strategy` turns the ``strategy`` and ``optimizer``
-config sections into one.
+Every strategy is an entry of the registry (:mod:`onebit_bert.strategies.registry`),
+registered by the module of its class (importing this package imports them all).
+:func:`build_strategy` turns the ``strategy`` and ``optimizer`` config sections into one.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from functools import partial
 
 import torch
 from torch import nn
@@ -26,9 +25,10 @@ from onebit_bert.strategies.data_parallel import (
     OneBitLambStrategy,
 )
 from onebit_bert.strategies.decentralized import Decentralized
-from onebit_bert.strategies.local_steps import LocalSteps, check_local_step_config
+from onebit_bert.strategies.local_steps import LocalSteps
 from onebit_bert.strategies.registry import (
     STRATEGIES,
+    TRAFFIC_KINDS,
     BuildArgs,
     StrategySpec,
     check_fields,
@@ -37,7 +37,7 @@ from onebit_bert.strategies.registry import (
     register_strategy,
     strategy_spec,
 )
-from onebit_bert.strategies.streaming import StreamingDiLoCo, check_streaming_config
+from onebit_bert.strategies.streaming import StreamingDiLoCo
 from onebit_bert.strategies.zero_one_adam import ZeroOneAdamStrategy
 
 log = logging.getLogger(__name__)
@@ -63,192 +63,6 @@ __all__ = [
     "resolve_strategy_name",
     "strategy_spec",
 ]
-
-
-# ---------------------------------------------------------------------- builders
-def _grad_codec(args: BuildArgs):
-    """The codec of the gradient average (the plain fp32 all-reduce by default); None on
-    a world of one."""
-    return args.policy.codec("grad") if args.policy is not None else None
-
-
-def _averaging(cls: type[DataParallel]):
-    """Build function of a strategy that averages gradients (on every step, or on the
-    steps its optimizer asks for) and, for 1-bit LAMB and 1-bit Adam, lets the optimizer
-    all-reduce its momentum through the policy's codec."""
-
-    def build(args: BuildArgs) -> Strategy:
-        comm = args.comm
-        spec = strategy_spec(args.name)
-        if (
-            args.policy is not None
-            and "momentum" in spec.traffic
-            and (not comm.compression.is_default("momentum") or comm.hierarchy == "node")
-        ):
-            args.optimizer.set_codec(args.policy.codec("momentum"))
-        strategy = cls(
-            args.model,
-            args.loss_module,
-            args.optimizer,
-            args.ctx,
-            use_ddp=args.use_ddp,
-            grad_codec=_grad_codec(args),
-        )
-        if comm.overlap and spec.overlap and args.ctx.world_size > 1:
-            strategy.enable_overlap(comm.bucket_mb, args.clip_grad_norm)
-        return strategy
-
-    return build
-
-
-def _local_steps(args: BuildArgs) -> Strategy:
-    return LocalSteps(
-        args.model, args.loss_module, args.optimizer, args.ctx, args.cfg, args.name, args.policy
-    )
-
-
-def _streaming(args: BuildArgs) -> Strategy:
-    return StreamingDiLoCo(
-        args.model, args.loss_module, args.optimizer, args.ctx, args.cfg, args.policy
-    )
-
-
-def _check_streaming(name: str, cfg: StrategyConfig, optimizer_name: str) -> None:
-    check_local_step_config(name, cfg, optimizer_name)
-    check_streaming_config(cfg)
-
-
-def _decentralized(args: BuildArgs) -> Strategy:
-    bounds = (args.optimizer_cfg.min_coeff, args.optimizer_cfg.max_coeff)
-    return Decentralized(
-        args.model,
-        args.loss_module,
-        args.optimizer,
-        args.ctx,
-        args.cfg,
-        args.name,
-        bounds,
-        args.comm.compression.neighbour,
-    )
-
-
-# ---------------------------------------------------------------------- built-in entries
-_OUTER = ("outer_every", "outer_lr", "outer_momentum", "inner_state", "asynchronous")
-_DECENTRALIZED = ("topology", "layerwise", "consensus_every")
-_INNER_OPTIMIZERS = ("lamb", "adamw")
-_INNER_HINT = "it steps each rank with its own inner optimizer"
-_SGD_HINT = (
-    "it builds its own momentum-SGD update (momentum optimizer.betas[0], optimizer.lr, "
-    "optimizer.weight_decay); for LAMB-style per-layer scaling add strategy.layerwise=lamb"
-)
-
-
-_AUTO_HINT = "or strategy.name=auto"
-
-
-# Keys a family's entries share; each entry adds its name, summary and what differs.
-_self_syncing = partial(
-    StrategySpec, family="data_parallel", optimizer_hint=_AUTO_HINT, hierarchy=True
-)
-_local = partial(
-    StrategySpec,
-    build=_local_steps,
-    family="local_steps",
-    optimizers=_INNER_OPTIMIZERS,
-    optimizer_hint=_INNER_HINT,
-    traffic=("outer",),
-    hierarchy=True,
-    check=check_local_step_config,
-)
-_gossip = partial(
-    StrategySpec,
-    build=_decentralized,
-    family="decentralized",
-    optimizers=("sgd",),
-    optimizer_hint=_SGD_HINT,
-    fields=_DECENTRALIZED,
-    traffic=("neighbour",),
-)
-
-for _spec in (
-    StrategySpec(
-        "data_parallel",
-        _averaging(DataParallel),
-        "average full-precision gradients every step, then step the optimizer",
-        family="data_parallel",
-        traffic=("grad",),
-        hierarchy=True,
-    ),
-    _self_syncing(
-        name="onebit_lamb",
-        build=_averaging(OneBitLambStrategy),
-        summary="1-bit LAMB: averaged gradients in the warmup, then its compressed momentum",
-        optimizers=("onebit_lamb",),
-        traffic=("grad", "momentum"),
-        overlap=True,
-    ),
-    _self_syncing(
-        name="onebit_adam",
-        build=_averaging(OneBitAdamStrategy),
-        summary="1-bit Adam: averaged gradients in the warmup, then its compressed momentum",
-        optimizers=("onebit_adam",),
-        traffic=("grad", "momentum"),
-        overlap=True,
-    ),
-    _self_syncing(
-        name="zero_one_adam",
-        build=_averaging(ZeroOneAdamStrategy),
-        summary="0/1 Adam: averaged gradients on variance steps, 1-bit ones and local steps else",
-        optimizers=("zero_one_adam",),
-        traffic=("grad", "momentum"),
-        hierarchy=False,
-    ),
-    _local(
-        name="co2",
-        summary="local steps; the round's average enters one round late (CO2)",
-        fields=(*_OUTER, "gap_penalty", "clip_threshold", "clip_mode"),
-    ),
-    _local(
-        name="slowmo",
-        summary="local steps, a synchronous average and a slow momentum step (SlowMo)",
-        fields=_OUTER,
-    ),
-    _local(
-        name="local_sgd",
-        summary="local steps and a synchronous parameter average (slowmo without momentum)",
-        fields=_OUTER,
-    ),
-    _local(
-        name="diloco",
-        summary="local steps, then outer SGD with Nesterov momentum on the pseudo-gradient "
-        "(DiLoCo)",
-        fields=(*_OUTER, "nesterov", "outer_weight_decay"),
-    ),
-    _local(
-        name="streaming_diloco",
-        build=_streaming,
-        summary="DiLoCo synchronised one parameter fragment at a time, each average "
-        "overlapped with the next inner steps (Streaming DiLoCo)",
-        fields=(
-            *_OUTER,
-            "nesterov",
-            "outer_weight_decay",
-            "fragments",
-            "fragment_sync_delay",
-            "fragment_mix",
-        ),  # fmt: skip
-        check=_check_streaming,
-    ),
-    _gossip(
-        name="decentlam",
-        summary="decentralised: momentum on the gossip-induced gradient (DecentLaM)",
-    ),
-    _gossip(
-        name="dmsgd",
-        summary="decentralised: own momentum step, then the neighbour average (DmSGD)",
-    ),
-):
-    register_strategy(_spec)
 
 
 # ---------------------------------------------------------------------- checks
@@ -278,20 +92,12 @@ def resolve_strategy_name(cfg: StrategyConfig, optimizer: OptimizerConfig) -> st
     return name
 
 
-_TRAFFIC_WHY = {
-    "grad": "averages no full-precision gradients",
-    "momentum": "has no compressed momentum all-reduce",
-    "outer": "has no outer parameter average",
-    "neighbour": "exchanges nothing with neighbours",
-}
-
-
 def check_comm_config(comm: CommConfig, name: str) -> None:
     """A clear error for a ``comm`` setting that strategy ``name`` (resolved) would
     ignore."""
     spec = strategy_spec(name)
     c = comm.compression
-    for kind, why in _TRAFFIC_WHY.items():
+    for kind, why in TRAFFIC_KINDS.items():
         if not c.is_default(kind) and kind not in spec.traffic:
             users = names_with(lambda s, k=kind: k in s.traffic)
             raise ValueError(

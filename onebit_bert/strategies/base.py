@@ -165,6 +165,7 @@ class Strategy:
     name = "none"
 
     def __init__(self, model: nn.Module, module: nn.Module, optimizer, ctx: DistContext):
+        """Subclasses take these four first, then their own ``options`` (:meth:`build`)."""
         self.model = model
         self.forward_module = module
         self.optimizer = optimizer
@@ -172,6 +173,13 @@ class Strategy:
         self.comm = ctx.comm
         self.params = [p for p in model.parameters() if p.requires_grad]
         """The trained parameters, in model order."""
+
+    @classmethod
+    def build(cls, args, **options) -> Strategy:
+        """This strategy over what every registry builder gets (``args``, a
+        :class:`~onebit_bert.strategies.registry.BuildArgs`), with the subclass's own
+        ``options``."""
+        return cls(args.model, args.loss_module, args.optimizer, args.ctx, **options)
 
     # ------------------------------------------------------------------ one step
     def gradient_sync(self) -> GradientSync:

@@ -9,14 +9,18 @@ import contextlib
 import math
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed.codecs import GRAD_BUCKET_BYTES, Codec, PlainCodec, bucketed
-from onebit_bert.distributed.env import DistContext
 from onebit_bert.optim.compressed import OverlapClip, gradient_norms
 from onebit_bert.optim.surface import OverlappingOptimizer
 from onebit_bert.strategies.base import GradientSync, Strategy
+from onebit_bert.strategies.registry import (
+    BuildArgs,
+    StrategySpec,
+    register_strategy,
+    strategy_spec,
+)
 
 
 class DataParallel(Strategy):
@@ -27,17 +31,9 @@ class DataParallel(Strategy):
 
     name = "data_parallel"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_module: nn.Module,
-        optimizer,
-        ctx: DistContext,
-        use_ddp: bool,
-        grad_codec: Codec | None = None,
-    ):
+    def __init__(self, model, loss_module, optimizer, ctx, use_ddp: bool, grad_codec=None):
         self.ddp = None
-        self.grad_codec = grad_codec
+        self.grad_codec: Codec | None = grad_codec
         """Averages the gradients (``comm.compression.grad``, ``comm.hierarchy``; None: the
         plain fp32 all-reduce, :class:`PlainCodec`); None on a world of one."""
         if ctx.world_size > 1 and grad_codec is None:
@@ -205,3 +201,63 @@ class OneBitAdamStrategy(SelfSyncingDataParallel):
     all-reduces its momentum in 1 bit (``momentum``)."""
 
     name = "onebit_adam"
+
+
+# ---------------------------------------------------------------------- registry entries
+def averaging(cls: type[DataParallel]):
+    """Build function of a strategy that averages gradients (on every step, or on the
+    steps its optimizer asks for) and, where its entry sends ``momentum`` traffic, lets the
+    optimizer all-reduce its momentum through the policy's codec."""
+
+    def build(args: BuildArgs) -> Strategy:
+        comm, policy = args.comm, args.policy
+        spec = strategy_spec(args.name)
+        if (
+            policy is not None
+            and "momentum" in spec.traffic
+            and (not comm.compression.is_default("momentum") or comm.hierarchy == "node")
+        ):
+            args.optimizer.set_codec(policy.codec("momentum"))
+        # the gradient average's codec (the plain fp32 all-reduce by default)
+        grad_codec = policy.codec("grad") if policy is not None else None
+        strategy = cls.build(args, use_ddp=args.use_ddp, grad_codec=grad_codec)
+        if comm.overlap and spec.overlap and args.ctx.world_size > 1:
+            strategy.enable_overlap(comm.bucket_mb, args.clip_grad_norm)
+        return strategy
+
+    return build
+
+
+SELF_SYNCING = dict(
+    family="data_parallel",
+    optimizer_hint="or strategy.name=auto",
+    traffic=("grad", "momentum"),
+    hierarchy=True,
+)
+"""The keys the entries of the self-syncing optimizers' strategies share (each runs only
+the optimizer of its own name)."""
+
+
+def _onebit(cls: type[SelfSyncingDataParallel], optimizer: str) -> StrategySpec:
+    return StrategySpec(
+        cls.name,
+        averaging(cls),
+        f"{optimizer}: averaged gradients in the warmup, then its compressed momentum",
+        optimizers=(cls.name,),
+        overlap=True,
+        **SELF_SYNCING,
+    )
+
+
+register_strategy(
+    StrategySpec(
+        "data_parallel",
+        averaging(DataParallel),
+        "average full-precision gradients every step, then step the optimizer",
+        family="data_parallel",
+        traffic=("grad",),
+        hierarchy=True,
+    )
+)
+register_strategy(_onebit(OneBitLambStrategy, "1-bit LAMB"))
+register_strategy(_onebit(OneBitAdamStrategy, "1-bit Adam"))

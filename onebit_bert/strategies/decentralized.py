@@ -53,11 +53,11 @@ parameters and momentum per rank; a resume on another number of ranks is refused
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.topology import (
     Mixing,
     check_decentlam,
@@ -68,15 +68,27 @@ from onebit_bert.optim import defaults
 from onebit_bert.optim.lamb import trust_ratios
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 from onebit_bert.strategies.flat import AverageModel, FlatParams
+from onebit_bert.strategies.registry import (
+    StrategySpec,
+    family,
+    register_strategy,
+    variant_of,
+)
 
 log = logging.getLogger(__name__)
 
-DECENTRALIZED_STRATEGIES = ("decentlam", "dmsgd")
-DEFAULT_TOPOLOGY = {"decentlam": "ring", "dmsgd": "exponential"}
-"""Per strategy, valid on any number of ranks: DecentLaM's momentum makes the ranks drift
-apart on the directed exponential graphs (:func:`~onebit_bert.distributed.topology.
-decentlam_growth`), so it defaults to the symmetric ring; DmSGD takes the exponential graph,
-which mixes in fewer steps (one_peer_exponential sends less but needs 2^p ranks)."""
+
+@dataclass(frozen=True)
+class Gossip:
+    """What makes one decentralised strategy its own (the ``variant`` of its registry
+    entry; the module docstring has the update rules)."""
+
+    topology: str
+    """The graph when ``strategy.topology`` is null (valid on any number of ranks)."""
+    decentlam: bool
+    """DecentLaM's update (momentum on the gossip-induced gradient; its momentum must not
+    diverge on the graph, :func:`~onebit_bert.distributed.topology.check_decentlam`);
+    else DmSGD's (adapt, then combine)."""
 
 
 class Decentralized(Strategy):
@@ -86,22 +98,22 @@ class Decentralized(Strategy):
 
     def __init__(
         self,
-        model: nn.Module,
-        loss_module: nn.Module,
+        model,
+        loss_module,
         optimizer,
-        ctx: DistContext,
+        ctx,
         cfg: StrategyConfig,
         name: str,
         trust_bounds: tuple[float, float] = (defaults.MIN_COEFF, defaults.MAX_COEFF),
         neighbour_codec: str = "none",
     ):
         super().__init__(model, loss_module, optimizer, ctx)
-        if name not in DECENTRALIZED_STRATEGIES:
-            raise ValueError(f"Decentralized runs {DECENTRALIZED_STRATEGIES}, not {name!r}")
+        rule = variant_of(name, Gossip)
         self.name = name
-        self.topology = cfg.topology or DEFAULT_TOPOLOGY[name]
+        self.decentlam = rule.decentlam
+        self.topology = cfg.topology or rule.topology
         check_topology(self.topology, ctx.world_size)
-        if name == "decentlam":
+        if self.decentlam:
             for beta in sorted({float(g.get("momentum", 0.0)) for g in optimizer.param_groups}):
                 check_decentlam(self.topology, ctx.world_size, beta)
         self.layerwise = cfg.layerwise == "lamb"
@@ -165,7 +177,7 @@ class Decentralized(Strategy):
     def step(self) -> None:
         lr, exchange_lr, beta = self._hyperparameters()
         x = self.flat.read(self._x)
-        if self.name == "decentlam":
+        if self.decentlam:
             self._decentlam(x, lr, exchange_lr, beta)
         else:
             self._dmsgd(x, lr, beta)
@@ -366,3 +378,49 @@ class Decentralized(Strategy):
             out["consensus_step"] = self.consensus_step
         out["momentum_norm"] = float(self.momentum.norm())
         return out
+
+
+# ---------------------------------------------------------------------- registry entries
+def _build(args) -> Strategy:
+    bounds = (args.optimizer_cfg.min_coeff, args.optimizer_cfg.max_coeff)
+    neighbour = args.comm.compression.neighbour
+    return Decentralized.build(
+        args, cfg=args.cfg, name=args.name, trust_bounds=bounds, neighbour_codec=neighbour
+    )
+
+
+def _entry(name: str, summary: str, variant: Gossip) -> StrategySpec:
+    return StrategySpec(
+        name,
+        _build,
+        summary,
+        family="decentralized",
+        optimizers=("sgd",),
+        optimizer_hint="it builds its own momentum-SGD update (momentum optimizer.betas[0], "
+        "optimizer.lr, optimizer.weight_decay); for LAMB-style per-layer scaling add "
+        "strategy.layerwise=lamb",
+        fields=("topology", "layerwise", "consensus_every"),
+        traffic=("neighbour",),
+        variant=variant,
+    )
+
+
+# DecentLaM's momentum makes the ranks drift apart on the directed exponential graphs
+# (decentlam_growth), so it takes the symmetric ring; DmSGD the exponential graph, which
+# mixes in fewer steps (one_peer_exponential sends less but needs 2^p ranks).
+register_strategy(
+    _entry(
+        "decentlam",
+        "decentralised: momentum on the gossip-induced gradient (DecentLaM)",
+        Gossip("ring", decentlam=True),
+    )
+)
+register_strategy(
+    _entry(
+        "dmsgd",
+        "decentralised: own momentum step, then the neighbour average (DmSGD)",
+        Gossip("exponential", decentlam=False),
+    )
+)
+DEFAULT_TOPOLOGY = {name: variant_of(name, Gossip).topology for name in family("decentralized")}
+"""The graph of each built-in decentralised strategy when ``strategy.topology`` is null."""

@@ -85,22 +85,25 @@ step modulo ``outer_every``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from onebit_bert.distributed.codecs import AsyncCodecAllReduce, Codec, PlainCodec
 from onebit_bert.distributed.comm import AsyncAllReduce
-from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 from onebit_bert.strategies.flat import AverageModel
 from onebit_bert.strategies.flat import FlatParams as _FlatParams
+from onebit_bert.strategies.registry import (
+    STRATEGIES,
+    StrategySpec,
+    register_strategy,
+    variant_of,
+)
 
 log = logging.getLogger(__name__)
 
-LOCAL_STEP_STRATEGIES = ("co2", "slowmo", "local_sgd", "diloco", "streaming_diloco")
-DILOCO_FAMILY = ("diloco", "streaming_diloco")
-"""The strategies whose outer step is DiLoCo's Nesterov SGD."""
 PENALTY_EPS = 1e-12
 GAP_AVERAGE_RATE = 0.9
 """Rate of the moving average of the anchor's move per round (CO2's penalty)."""
@@ -110,6 +113,30 @@ CO2_GAP_PENALTY = 1.0
 DILOCO_OUTER_LR = 0.7
 DILOCO_OUTER_MOMENTUM = 0.9
 """DiLoCo's outer SGD (arXiv 2311.08105, Table 5; OpenDiLoCo's defaults)."""
+
+
+@dataclass(frozen=True)
+class OuterStep:
+    """What makes one local-step strategy's outer step its own (the ``variant`` of its
+    registry entry; the module docstring has the rules)."""
+
+    outer_sgd: bool = False
+    """DiLoCo's: SGD with (Nesterov) momentum on the pseudo-gradient; else SlowMo's and
+    CO2's update."""
+    lr: float = 1.0
+    """alpha when ``strategy.outer_lr`` is null."""
+    momentum: float | None = None
+    """beta when ``strategy.outer_momentum`` is null; None: fairseq's rule by world size
+    (:func:`default_outer_momentum`)."""
+    normalise_by_lr: bool = False
+    """Divide the round's progress by the last inner learning rate (SlowMo)."""
+    plain_average: bool = False
+    """alpha 1 and beta 0 whatever the config: every round ends at the average (local
+    SGD); ``strategy.outer_lr`` and ``outer_momentum`` are refused."""
+    stale: bool = False
+    """CO2: the average may enter one round late (``strategy.asynchronous``, on by
+    default), with the staleness-gap penalty and outer-momentum clipping; the others are
+    synchronous and refuse ``asynchronous``."""
 
 
 def staleness_penalty(
@@ -150,8 +177,10 @@ def outer_codec(comm, policy, in_background: bool) -> Codec:
 
 
 def default_outer_lr(name: str) -> float:
-    """``strategy.outer_lr`` when null: DiLoCo's 0.7, else 1 (SlowMo's and CO2's)."""
-    return DILOCO_OUTER_LR if name in DILOCO_FAMILY else 1.0
+    """``strategy.outer_lr`` when null: DiLoCo's 0.7, else 1 (SlowMo's and CO2's, and any
+    strategy without an outer step)."""
+    spec = STRATEGIES.get(name, None)
+    return spec.variant.lr if spec is not None and isinstance(spec.variant, OuterStep) else 1.0
 
 
 def default_outer_momentum(world_size: int) -> float:
@@ -167,13 +196,14 @@ def default_outer_momentum(world_size: int) -> float:
 
 def check_local_step_config(name: str, cfg: StrategyConfig, optimizer_name: str) -> None:
     """Value rules of the local-step strategies the registry's field lists cannot say."""
-    if name == "co2":
+    rule = variant_of(name, OuterStep)
+    if rule.stale:
         return
     if cfg.asynchronous:
         raise ValueError(
             f"strategy.name {name} is synchronous; the asynchronous outer step is strategy.name=co2"
         )
-    if name == "local_sgd" and (cfg.outer_momentum or cfg.outer_lr not in (None, 1.0)):
+    if rule.plain_average and (cfg.outer_momentum or cfg.outer_lr not in (None, 1.0)):
         raise ValueError(
             "strategy.name local_sgd is slowmo with outer_momentum 0 and outer_lr 1; "
             "use strategy.name=slowmo for other values"
@@ -183,38 +213,28 @@ def check_local_step_config(name: str, cfg: StrategyConfig, optimizer_name: str)
 class LocalSteps(Strategy):
     """co2, slowmo, local_sgd and diloco (the module docstring has the update rules)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_module: nn.Module,
-        optimizer,
-        ctx: DistContext,
-        cfg: StrategyConfig,
-        name: str,
-        policy=None,
-    ):
+    def __init__(self, model, loss_module, optimizer, ctx, cfg: StrategyConfig, name, policy=None):
         super().__init__(model, loss_module, optimizer, ctx)
-        if name not in LOCAL_STEP_STRATEGIES:
-            raise ValueError(f"LocalSteps runs {LOCAL_STEP_STRATEGIES}, not {name!r}")
+        rule = variant_of(name, OuterStep)
         self.name = name
         self.every = cfg.outer_every
-        self.diloco = name in DILOCO_FAMILY
-        self.alpha = default_outer_lr(name) if cfg.outer_lr is None else cfg.outer_lr
+        self.diloco = rule.outer_sgd
+        self.alpha = rule.lr if cfg.outer_lr is None else cfg.outer_lr
         self.beta = cfg.outer_momentum
         if self.beta is None:
-            self.beta = (
-                DILOCO_OUTER_MOMENTUM if self.diloco else default_outer_momentum(ctx.world_size)
-            )
+            self.beta = rule.momentum
+            if self.beta is None:
+                self.beta = default_outer_momentum(ctx.world_size)
         self.nesterov = cfg.nesterov
         self.outer_weight_decay = cfg.outer_weight_decay
-        if name == "local_sgd":
+        if rule.plain_average:
             self.alpha, self.beta = 1.0, 0.0
-        self.asynchronous = name == "co2" and cfg.asynchronous is not False
-        self.normalise_by_lr = name in ("slowmo", "local_sgd")
+        self.asynchronous = rule.stale and cfg.asynchronous is not False
+        self.normalise_by_lr = rule.normalise_by_lr
         self.penalty = 0.0
-        if name == "co2":
+        if rule.stale:
             self.penalty = CO2_GAP_PENALTY if cfg.gap_penalty is None else cfg.gap_penalty
-        self.clip_threshold = cfg.clip_threshold if name == "co2" else None
+        self.clip_threshold = cfg.clip_threshold if rule.stale else None
         self.clip_mode = cfg.clip_mode
         self.reset_inner = cfg.inner_state == "reset"
         self.outer_codec = outer_codec(self.comm, policy, in_background=self.asynchronous)
@@ -474,3 +494,55 @@ class LocalSteps(Strategy):
             out["outer_clip_scale"] = float(self.last_clip_scale)
         out["outer_momentum_norm"] = float(self.momentum.norm())
         return out
+
+
+# ---------------------------------------------------------------------- registry entries
+OUTER_FIELDS = ("outer_every", "outer_lr", "outer_momentum", "inner_state", "asynchronous")
+"""The ``strategy.*`` fields every local-step strategy reads."""
+DILOCO_FIELDS = (*OUTER_FIELDS, "nesterov", "outer_weight_decay")
+
+
+def local_steps_entry(name: str, summary: str, variant: OuterStep, **keys) -> StrategySpec:
+    """The registry entry of a local-step strategy: the keys the family shares, then
+    ``keys`` (its own ``fields``, or another ``build`` and ``check``)."""
+    shared = dict(
+        build=lambda args: LocalSteps.build(args, cfg=args.cfg, name=args.name, policy=args.policy),
+        family="local_steps",
+        optimizers=("lamb", "adamw"),
+        optimizer_hint="it steps each rank with its own inner optimizer",
+        fields=OUTER_FIELDS,
+        traffic=("outer",),
+        hierarchy=True,
+        check=check_local_step_config,
+    )
+    return StrategySpec(name, summary=summary, variant=variant, **{**shared, **keys})
+
+
+DILOCO = OuterStep(outer_sgd=True, lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM)
+"""DiLoCo's outer step (also Streaming DiLoCo's)."""
+
+for _spec in (
+    local_steps_entry(
+        "co2",
+        "local steps; the round's average enters one round late (CO2)",
+        OuterStep(stale=True),
+        fields=(*OUTER_FIELDS, "gap_penalty", "clip_threshold", "clip_mode"),
+    ),
+    local_steps_entry(
+        "slowmo",
+        "local steps, a synchronous average and a slow momentum step (SlowMo)",
+        OuterStep(normalise_by_lr=True),
+    ),
+    local_steps_entry(
+        "local_sgd",
+        "local steps and a synchronous parameter average (slowmo without momentum)",
+        OuterStep(normalise_by_lr=True, plain_average=True),
+    ),
+    local_steps_entry(
+        "diloco",
+        "local steps, then outer SGD with Nesterov momentum on the pseudo-gradient (DiLoCo)",
+        DILOCO,
+        fields=DILOCO_FIELDS,
+    ),
+):
+    register_strategy(_spec)

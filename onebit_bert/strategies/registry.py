@@ -7,9 +7,9 @@ which kinds of traffic it sends (the ``comm.compression.*`` keys that apply to i
 gets the same :class:`BuildArgs`. Config checks, :func:`~onebit_bert.strategies.build_strategy`,
 the benchmarks and the reports read this table instead of keeping name lists of their own.
 
-Adding a strategy: a module with a :class:`~onebit_bert.strategies.base.Strategy` subclass,
-and one :func:`register_strategy` call (the built-in entries are in
-``onebit_bert/strategies/__init__.py``); docs/guide/development.md has the checklist.
+Adding a strategy: a module with a :class:`~onebit_bert.strategies.base.Strategy` subclass
+that registers its entry with one :func:`register_strategy` call (each built-in module
+registers its own); docs/guide/development.md has the checklist.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from onebit_bert.registry import Registry
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 
 if TYPE_CHECKING:
@@ -28,8 +29,14 @@ if TYPE_CHECKING:
     from onebit_bert.distributed.policy import CommConfig, CommPolicy
     from onebit_bert.optim.build import OptimizerConfig
 
-TRAFFIC_KINDS = ("grad", "momentum", "outer", "neighbour")
-"""The kinds of traffic a strategy may send, as named by ``comm.compression.*``."""
+TRAFFIC_KINDS = {
+    "grad": "averages no full-precision gradients",
+    "momentum": "has no compressed momentum all-reduce",
+    "outer": "has no outer parameter average",
+    "neighbour": "exchanges nothing with neighbours",
+}
+"""The kinds of traffic a strategy may send, as named by ``comm.compression.*``, each with
+what a strategy that does not send it lacks (for the error that refuses its codec)."""
 
 COMMON_FIELDS = ("name", "grad_sync", "force_compression")
 """``strategy.*`` fields every strategy accepts."""
@@ -86,6 +93,10 @@ class StrategySpec:
     check: Callable[[str, StrategyConfig, str], None] | None = None
     """Further checks of (name, strategy config, optimizer name): value rules the field
     list cannot say."""
+    variant: Any = None
+    """What the strategy's class makes of this entry, where one class serves several
+    (the outer step of a local-step strategy, the update rule of a decentralised one);
+    the class documents its type."""
 
     def __post_init__(self):
         unknown = sorted(set(self.traffic) - set(TRAFFIC_KINDS))
@@ -103,44 +114,49 @@ class StrategySpec:
             )
 
 
-STRATEGIES: dict[str, StrategySpec] = {}
+STRATEGIES: Registry[StrategySpec] = Registry(
+    "strategy",
+    reserved={"auto": "it picks a strategy by optimizer"},
+    extra_choices=("auto",),
+)
 """Every registered strategy by name, in registration order."""
 
 
 def register_strategy(spec: StrategySpec, replace: bool = False) -> StrategySpec:
     """Add ``spec`` to :data:`STRATEGIES` (``replace``: over an entry of the same name)."""
-    if spec.name == "auto":
-        raise ValueError("strategy name auto is reserved (it picks a strategy by optimizer)")
-    if spec.name in STRATEGIES and not replace:
-        raise ValueError(f"strategy {spec.name} is already registered")
-    STRATEGIES[spec.name] = spec
-    return spec
+    return STRATEGIES.register(spec, replace)
 
 
 def unregister_strategy(name: str) -> None:
     """Remove a registered strategy (tests that register a toy one)."""
-    STRATEGIES.pop(name, None)
+    STRATEGIES.unregister(name)
 
 
 def strategy_spec(name: str) -> StrategySpec:
     """The entry for ``name``; a clear error naming the registered strategies."""
-    try:
-        return STRATEGIES[name]
-    except KeyError:
-        raise ValueError(
-            f"strategy.name {name!r} is not a registered strategy; choose auto or one of "
-            f"{', '.join(STRATEGIES)}"
-        ) from None
+    return STRATEGIES.get(name)
 
 
 def names_with(predicate: Callable[[StrategySpec], bool]) -> tuple[str, ...]:
     """The registered strategy names whose entry satisfies ``predicate``."""
-    return tuple(name for name, spec in STRATEGIES.items() if predicate(spec))
+    return STRATEGIES.names(predicate)
 
 
 def family(name: str) -> tuple[str, ...]:
     """The registered strategies of family ``name``."""
     return names_with(lambda spec: spec.family == name)
+
+
+def variant_of(name: str, kind: type) -> Any:
+    """The ``variant`` of strategy ``name``, which must be a ``kind`` (the class that
+    serves it checks it was registered for it)."""
+    variant = strategy_spec(name).variant
+    if not isinstance(variant, kind):
+        raise ValueError(
+            f"strategy {name} is not registered with a {kind.__name__} variant, so this "
+            f"class cannot run it; register it with variant={kind.__name__}(...)"
+        )
+    return variant
 
 
 def check_fields(spec: StrategySpec, cfg: StrategyConfig) -> None:

@@ -41,14 +41,21 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from onebit_bert.distributed.codecs import AsyncCodecAllReduce
 from onebit_bert.distributed.comm import AsyncAllReduce
-from onebit_bert.distributed.env import DistContext
 from onebit_bert.strategies.base import StrategyConfig
 from onebit_bert.strategies.flat import FlatParams
-from onebit_bert.strategies.local_steps import LocalSteps, outer_codec, outer_sgd
+from onebit_bert.strategies.local_steps import (
+    DILOCO,
+    DILOCO_FIELDS,
+    LocalSteps,
+    check_local_step_config,
+    local_steps_entry,
+    outer_codec,
+    outer_sgd,
+)
+from onebit_bert.strategies.registry import register_strategy
 
 
 def split_fragments(sizes: list[int], count: int) -> list[tuple[int, int]]:
@@ -113,15 +120,7 @@ def check_streaming_config(cfg: StrategyConfig) -> None:
 class StreamingDiLoCo(LocalSteps):
     """``streaming_diloco`` (the module docstring has the update rule and the schedule)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_module: nn.Module,
-        optimizer,
-        ctx: DistContext,
-        cfg: StrategyConfig,
-        policy=None,
-    ):
+    def __init__(self, model, loss_module, optimizer, ctx, cfg: StrategyConfig, policy=None):
         super().__init__(model, loss_module, optimizer, ctx, cfg, "streaming_diloco", policy)
         check_streaming_config(cfg)
         self.count = cfg.fragments
@@ -237,3 +236,21 @@ class StreamingDiLoCo(LocalSteps):
         out = super().metrics()
         out["fragment_syncs"] = self.syncs
         return out
+
+
+def _check(name: str, cfg: StrategyConfig, optimizer_name: str) -> None:
+    check_local_step_config(name, cfg, optimizer_name)
+    check_streaming_config(cfg)
+
+
+register_strategy(
+    local_steps_entry(
+        "streaming_diloco",
+        "DiLoCo synchronised one parameter fragment at a time, each average overlapped "
+        "with the next inner steps (Streaming DiLoCo)",
+        DILOCO,
+        build=lambda args: StreamingDiLoCo.build(args, cfg=args.cfg, policy=args.policy),
+        fields=(*DILOCO_FIELDS, "fragments", "fragment_sync_delay", "fragment_mix"),
+        check=_check,
+    )
+)

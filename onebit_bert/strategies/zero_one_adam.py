@@ -11,12 +11,14 @@ stage, that is the model itself.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-from onebit_bert.distributed.env import DistContext
-from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
+from onebit_bert.strategies.data_parallel import SELF_SYNCING, SelfSyncingDataParallel, averaging
 from onebit_bert.strategies.flat import AverageModel, FlatParams
+from onebit_bert.strategies.registry import StrategySpec, register_strategy
 
 
 class ZeroOneAdamStrategy(SelfSyncingDataParallel):
@@ -25,18 +27,16 @@ class ZeroOneAdamStrategy(SelfSyncingDataParallel):
 
     name = "zero_one_adam"
 
-    def __init__(
-        self,
-        model: nn.Module,
-        loss_module: nn.Module,
-        optimizer,
-        ctx: DistContext,
-        use_ddp: bool,
-        grad_codec=None,
-    ):
-        super().__init__(model, loss_module, optimizer, ctx, use_ddp, grad_codec)
-        self.flat = FlatParams(self.params)
-        self.synced_model = AverageModel(model, self.flat)
+    @functools.cached_property
+    def flat(self) -> FlatParams:
+        """The trained parameters as one vector (this rank's, saved between two
+        synchronisations)."""
+        return FlatParams(self.params)
+
+    @functools.cached_property
+    def synced_model(self) -> AverageModel:
+        """The model at the last synchronisation, once it differs from the model."""
+        return AverageModel(self.model, self.flat)
 
     def eval_model(self) -> nn.Module:
         """The model at the last synchronisation (the model itself while the ranks agree)."""
@@ -68,3 +68,14 @@ class ZeroOneAdamStrategy(SelfSyncingDataParallel):
         out["var_interval"] = self.optimizer.var_interval
         out["local_step_interval"] = self.optimizer.local_step_interval
         return out
+
+
+register_strategy(
+    StrategySpec(
+        "zero_one_adam",
+        averaging(ZeroOneAdamStrategy),
+        "0/1 Adam: averaged gradients on variance steps, 1-bit ones and local steps else",
+        optimizers=("zero_one_adam",),
+        **{**SELF_SYNCING, "hierarchy": False},
+    )
+)
