@@ -15,7 +15,7 @@ from onebit_bert.ddp import merge_state_dict, register_compression_hook, split_s
 from onebit_bert.distributed import Communicator
 from onebit_bert.optim import OneBitLamb
 from onebit_bert.strategies.data_parallel import SelfSyncingDataParallel
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import dist_context
 from tests.helpers.tiny_bert import (
     FREEZE,

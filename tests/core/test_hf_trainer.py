@@ -15,7 +15,7 @@ import torch
 
 from onebit_bert.hf_trainer import PER_RANK_FILE, unwrap_optimizer
 from onebit_bert.optim import Lamb, OneBitLamb
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.tiny_bert import HYPER, example_rows, launch_environment, tiny_bert
 
 STEPS, SAVE_AT = 6, 4  # 1-bit LAMB's warmup ends at step 3: the checkpoint is compressing

@@ -33,7 +33,7 @@ from onebit_bert.strategies import (
 )
 from onebit_bert.strategies.registry import COMMON_FIELDS, unregister_strategy
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import tiny_config, train_in_process
 
 

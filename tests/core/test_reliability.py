@@ -159,7 +159,7 @@ def test_fine_tuning_refuses_non_finite_weights(tmp_path):
     from transformers import BertConfig, BertForPreTraining
 
     from finetune.run import check_checkpoint
-    from tests.corpus import write_vocab
+    from tests.helpers.corpus import write_vocab
 
     model = BertForPreTraining(
         BertConfig(

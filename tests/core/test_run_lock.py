@@ -184,7 +184,7 @@ def test_data_prep_takes_its_outputs_lock(tmp_path, live_pid, capsys):
     from data_prep.config import DataPrepConfig
     from data_prep.prepare import prepare
     from onebit_bert.config import from_dict, save_config
-    from tests.corpus import write_corpus
+    from tests.helpers.corpus import write_corpus
 
     corpus = write_corpus(tmp_path / "corpus", n_docs=40)
     out = tmp_path / "prepared"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from onebit_bert.distributed import Communicator
 from onebit_bert.metrics_log import LoggingConfig, MetricsLogger, read_metrics
 from onebit_bert.precision import LossScaler, resolve_precision
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.loss_scaling import overflow_on_rank_one
+from tests.helpers.paths import REPO
 
 # ----------------------------------------------------------------------------- checkpoints
 
@@ -258,8 +258,7 @@ def test_the_runs_of_an_experiment_get_distinct_wandb_ids(tmp_path, experiment):
     from onebit_bert.metrics_log import wandb_run_id
     from pipeline.experiment import load_experiment
 
-    root = Path(__file__).resolve().parents[1]
-    exp = load_experiment(root / "configs/experiments" / experiment, [f"workdir={tmp_path}"])
+    exp = load_experiment(REPO / "configs/experiments" / experiment, [f"workdir={tmp_path}"])
     stages = [s for s in exp.resolve(write=False) if s.kind == "pretrain"]
     ids = set()
     for stage in stages:

@@ -41,7 +41,7 @@ PRELOAD = [
     "onebit_bert.strategies",
     "pretrain.train",
     "tests.helpers.runs",
-    "tests.toy",
+    "tests.helpers.toy",
 ]
 """Imported once by the fork server, so that each rank starts as a fork of a process that
 has them (about 0.1 s) instead of importing them anew (several seconds per spawn)."""

@@ -1,7 +1,7 @@
 """Golden trajectories: short fixed pretraining runs whose losses and final weights must
 not change by a single bit when the training loop or the strategies are refactored.
 
-``python -m tests.golden --write`` records them (``tests/golden/trajectories.json``) from
+``python -m tests.helpers.golden --write`` records them (``tests/golden/trajectories.json``) from
 the code as it is; ``tests/test_golden.py`` reruns every run and compares. Record again
 only for a change that is meant to alter numerics (and say so in the commit), or on a
 platform whose floating-point kernels differ from the one that recorded them.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "trajectories.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "trajectories.json"
 KIND_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile")
 """The instruction-set flags that name a machine kind for the recordings."""
 
@@ -139,7 +139,7 @@ def record(name: str, corpus: Path, workdir: Path) -> dict:
     """Run ``name`` on 2 ranks; its per-step losses (exact, as hex floats), validation
     losses and the final weights' digest on each rank."""
     from onebit_bert.metrics_log import read_metrics
-    from tests.distributed_harness import run_ranks
+    from tests.helpers.distributed_harness import run_ranks
     from tests.helpers.runs import tiny_config
 
     overrides = {
@@ -172,7 +172,7 @@ def main() -> None:
         help="with --write: record into this machine kind's own file (trajectories-KIND.json)",
     )
     args = parser.parse_args()
-    from tests.corpus import prepare_corpus
+    from tests.helpers.corpus import prepare_corpus
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = prepare_corpus(Path(tmp) / "corpus")

@@ -19,8 +19,7 @@ from onebit_bert.distributed.env import DistContext, LaunchEnv
 from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig
 from pretrain.train import train
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 
 def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:

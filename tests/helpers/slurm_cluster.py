@@ -4,7 +4,7 @@ Slurm 22.05 from Debian (``slurmctld``, ``slurmd``, ``slurm-client``, ``munge``)
 ``slurmctld`` and two ``slurmd`` (``-N node1``, ``-N node2``) that both listen on loopback,
 started by hand (no systemd). Use the session fixture::
 
-    from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
+    from tests.helpers.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
     def test_job(slurm_cluster: SlurmCluster, tmp_path):
         job = slurm_cluster.sbatch(script, "--nodes=2", f"--output={tmp_path}/%j.out")
@@ -667,7 +667,7 @@ def _write_conf(
     )
     conf.write_text(
         f"""\
-# Written by tests/slurm_cluster.py for one test session; do not edit.
+# Written by tests/helpers/slurm_cluster.py for one test session; do not edit.
 ClusterName={name}
 SlurmctldHost=localhost
 SlurmctldPort={ports["slurmctld"]}
@@ -784,8 +784,9 @@ def start_cluster(workdir: Path, cpus_per_node: int = 4) -> SlurmCluster:
 def slurm_cluster_fixture(tmp_path_factory) -> Iterator[SlurmCluster]:
     """The ``slurm_cluster`` fixture: a running two-node cluster for the whole session.
 
-    Import it into a test module as ``from tests.slurm_cluster import slurm_cluster_fixture``
-    (``# noqa: F401``); tests then take a ``slurm_cluster`` argument (no F811 redefinition).
+    Import it into a test module as
+    ``from tests.helpers.slurm_cluster import slurm_cluster_fixture`` (``# noqa: F401``);
+    tests then take a ``slurm_cluster`` argument (no F811 redefinition).
 
     Skips (with the reason) when not root, not Linux, SLURM_TEST_FORCE_SKIP is set, or Slurm
     is missing and cannot be installed. A failure to start once installed is an error.

@@ -1,6 +1,6 @@
 """The tiny BERT, its per-rank batches and 1-bit LAMB settings that the tests of users'
-own scripts share (tests/test_ddp_recipe.py, tests/test_hf_trainer.py,
-tests/test_optimizer_guards.py)."""
+own scripts share (tests/core/test_ddp_recipe.py, tests/core/test_hf_trainer.py,
+tests/core/optim/test_optimizer_guards.py)."""
 
 from __future__ import annotations
 

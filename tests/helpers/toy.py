@@ -1,6 +1,6 @@
 """A small data-parallel problem on which LAMB and 1-bit LAMB are compared.
 
-``train_toy`` runs inside each rank (see tests/distributed_harness.py). The problem:
+``train_toy`` runs inside each rank (see tests/helpers/distributed_harness.py). The problem:
 regress a fixed random two-layer "teacher" network plus noise (so the loss has a floor of
 noise variance and the optimizers can be compared by their final loss); each rank draws
 its own batches, seeded by (rank, step), as data-parallel shards.

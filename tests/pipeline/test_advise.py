@@ -12,7 +12,7 @@ import os
 import pytest
 
 from pipeline import advise, crossover, linkmodel
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 
 REPORT = linkmodel.REPO / advise.REPORT
 

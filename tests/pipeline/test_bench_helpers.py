@@ -8,19 +8,13 @@ import random
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from bench.hf_mlm_baseline import run_hf_mlm_baseline
 from bench.rss import PeakRSS
+from tests.helpers.paths import REPO, SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-SHARED_DATA = Path(
-    os.environ.get("SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
-)
 VOCAB = SHARED_DATA / "bert_vocab" / "uncased" / "vocab.txt"
 
 _VOCABULARY = (
@@ -230,7 +224,7 @@ def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter
     half a minute per fused step of bert-tiny on 2 cores (1-bit LAMB's: several)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = (
         "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
         "--warmup-steps 2 --repeats 1 --batch-size 4 --vocab-size 6500 --seq-lengths 128 "
@@ -238,7 +232,7 @@ def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter
     )
     out = subprocess.run(
         [sys.executable, "-m", "bench.gpu", *shlex.split(command)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-5000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

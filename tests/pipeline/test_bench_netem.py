@@ -11,14 +11,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from bench import netem, netem_cluster
-
-REPO = Path(__file__).resolve().parents[1]
-
+from tests.helpers.paths import REPO
 
 REASON = netem.check_privileges() if sys.platform == "linux" else "not Linux"
 

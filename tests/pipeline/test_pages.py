@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
 from pipeline import pages
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TUNED = REPO / "docs" / "compare" / "tuned"
 
 

@@ -15,8 +15,8 @@ from pipeline.experiment import load_experiment
 from pipeline.report import write_report
 from pipeline.target import fix_target
 from pipeline.target import main as target_main
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH = 100
 STEPS = 50
 START = 1_790_000_000  # the runs' clock (Unix seconds): 2026-09-21
@@ -60,7 +60,7 @@ def _finetune(directory: Path, scores: dict[str, list[float]]) -> Path:
 
 
 def test_the_target_stage_comes_between_the_reference_and_every_other_arm(tmp_path):
-    exp = load_experiment(ROOT / "configs/experiments/parity.yaml", [f"workdir={tmp_path}"])
+    exp = load_experiment(REPO / "configs/experiments/parity.yaml", [f"workdir={tmp_path}"])
     stages = exp.resolve(write=False)
     names = [s.name for s in stages]
     target = names.index("target")
@@ -94,7 +94,7 @@ def test_the_target_stage_comes_between_the_reference_and_every_other_arm(tmp_pa
 
 def test_the_stretched_regime_keeps_every_dimensionless_quantity_of_the_parity_regime(tmp_path):
     def arms(name: str) -> dict:
-        exp = load_experiment(ROOT / "configs/experiments" / name, [f"workdir={tmp_path / name}"])
+        exp = load_experiment(REPO / "configs/experiments" / name, [f"workdir={tmp_path / name}"])
         return {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
 
     short, long = arms("parity.yaml"), arms("parity_long.yaml")
@@ -122,7 +122,7 @@ def test_the_stretched_regime_keeps_every_dimensionless_quantity_of_the_parity_r
 
 def test_the_target_stage_refuses_a_file_that_disagrees_with_the_config(tmp_path):
     exp = load_experiment(
-        ROOT / "configs/experiments/parity.yaml",
+        REPO / "configs/experiments/parity.yaml",
         [f"workdir={tmp_path}", "report.target_loss=3.5"],
     )
     exp.resolve(write=False)
@@ -310,7 +310,7 @@ def test_zero_one_adams_parity_config_keeps_the_deepspeed_recipes_shares():
     from onebit_bert.recipes import identify
     from pretrain.config import PretrainConfig
 
-    pretrain = ROOT / "configs/pretrain"
+    pretrain = REPO / "configs/pretrain"
     cfg = load_config(PretrainConfig, pretrain / "parity_zero_one_adam.yaml", [])
     ref = load_config(PretrainConfig, pretrain / "parity.yaml", [])
     ds = load_config(PretrainConfig, pretrain / "bert_large_seq128_4k_zero_one_adam.yaml", [])
@@ -366,10 +366,10 @@ def test_the_paired_report_checks_pairing_and_the_preregistration(tmp_path):
 
 
 def test_the_authors_regime_scales_their_recipe_onto_the_stretched_regime(tmp_path):
-    exp = load_experiment(ROOT / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}"])
+    exp = load_experiment(REPO / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}"])
     arms = {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
     stretched = load_experiment(
-        ROOT / "configs/experiments/parity_long.yaml", [f"workdir={tmp_path / 'long'}"]
+        REPO / "configs/experiments/parity_long.yaml", [f"workdir={tmp_path / 'long'}"]
     )
     long = {s.name: s.stage_config() for s in stretched.resolve(write=False)}
     reference = long["pretrain/lamb-seed1/phase1"]
@@ -417,13 +417,13 @@ def test_the_authors_regime_scales_their_recipe_onto_the_stretched_regime(tmp_pa
 def test_a_paired_gate_must_say_when_it_was_fixed(tmp_path, override, message):
     with pytest.raises(ValueError, match=message):
         load_experiment(
-            ROOT / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}", override]
+            REPO / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}", override]
         )
 
 
 def test_the_larger_batch_pair_keeps_the_authors_shares_and_the_samples(tmp_path):
     def pretrain_configs(name: str) -> dict:
-        exp = load_experiment(ROOT / "configs/experiments" / name, [f"workdir={tmp_path}"])
+        exp = load_experiment(REPO / "configs/experiments" / name, [f"workdir={tmp_path}"])
         return {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
 
     base = pretrain_configs("parity_authors.yaml")["pretrain/lamb-seed1/phase1"]

@@ -14,8 +14,8 @@ from onebit_bert.config import ConfigError
 from pipeline.__main__ import main
 from pipeline.experiment import load_experiment
 from pipeline.slurm import SlurmChain, render
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 
 

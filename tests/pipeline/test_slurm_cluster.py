@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import slurm_cluster as sc
-from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
+from tests.helpers import slurm_cluster as sc
+from tests.helpers.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
 PY = sys.executable  # the repository's venv Python: jobs share this filesystem
 

@@ -18,9 +18,9 @@ from onebit_bert.metrics_log import read_metrics
 from pipeline.experiment import Stage, load_experiment
 from pipeline.slurm import SlurmChain
 from pretrain.config import PretrainConfig
-from tests.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
+from tests.helpers.paths import REPO
+from tests.helpers.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 
 # A smaller smoke: fewer steps (1-bit LAMB compresses after step 10), two tasks, one epoch.

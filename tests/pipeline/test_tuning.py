@@ -21,6 +21,7 @@ from pipeline.tuning import (
     trials,
     tuning_lines,
 )
+from tests.helpers.paths import REPO
 
 TOY = Recipe("toy", "Toy", "lamb", search_space={"optimizer.lr": (0.1, 0.2, 0.3, 0.4),
                                                  "strategy.outer_every": (4, 8)})  # fmt: skip
@@ -77,7 +78,7 @@ def test_every_grid_point_of_every_recipe_loads_in_the_parity_regime():
     from onebit_bert.distributed.topology import check_decentlam, check_topology
     from pretrain.config import PretrainConfig
 
-    base = Path(__file__).resolve().parents[1] / "configs" / "pretrain" / "parity.yaml"
+    base = REPO / "configs" / "pretrain" / "parity.yaml"
     for name, recipe in RECIPES.items():
         for point in grid(recipe):
             overrides = [*recipe.overrides(), f"recipe={name}",

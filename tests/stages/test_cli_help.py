@@ -9,7 +9,6 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -19,8 +18,7 @@ from data_prep.config import DataPrepConfig
 from finetune.config import FinetuneConfig
 from onebit_bert.config import config_help, describe_config
 from pretrain.config import PretrainConfig, ScheduleConfig
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
 
 
 def leaf_keys(cls: type, prefix: str = "") -> list[str]:

@@ -19,7 +19,7 @@ from data_prep.prepare import prepare
 from onebit_bert.config import from_dict
 from onebit_bert.io import NoSpaceError, atomic_write_bytes, atomic_write_json, sha256_file
 from onebit_bert.shards import PretrainingShards, ShardFormatError, row_dtype, write_shard
-from tests.corpus import write_corpus
+from tests.helpers.corpus import write_corpus
 
 
 def config(output: Path, corpus: dict[str, Path], **overrides) -> DataPrepConfig:

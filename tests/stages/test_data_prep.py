@@ -21,10 +21,10 @@ from data_prep.sources import SourceError
 from data_prep.tokenizer import TokenizerError
 from onebit_bert.config import ConfigError, load_config
 from onebit_bert.shards import PretrainingShards
-from tests.corpus import WORDS, write_corpus
+from tests.helpers.corpus import WORDS, write_corpus
+from tests.helpers.paths import REPO, SHARED_DATA
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED = SHARED_DATA
 
 
 def config(tmp: Path, corpus: dict[str, Path], **overrides) -> DataPrepConfig:
@@ -168,7 +168,7 @@ def test_a_trained_vocabulary_is_the_same_in_every_process():
             capture_output=True,
             text=True,
             check=True,
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=REPO,
         ).stdout
         for _ in range(3)
     ]
@@ -470,7 +470,7 @@ def test_a_huge_document_without_punctuation_keeps_its_tokens(tmp_path, caplog):
 
     from data_prep.prepare import _warn_about_losses, kept_fraction
     from onebit_bert.config import from_dict
-    from tests.corpus import write_vocab
+    from tests.helpers.corpus import write_vocab
 
     rng = random.Random(3)
     corpus = tmp_path / "huge.txt"

@@ -8,7 +8,7 @@ import torch
 
 from onebit_bert.checkpoint import load_file
 from pretrain.__main__ import main
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import tiny_config, train_in_process
 
 

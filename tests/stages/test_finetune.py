@@ -20,11 +20,10 @@ from finetune.config import FinetuneConfig
 from finetune.run import run
 from onebit_bert.config import from_dict, to_dict
 from pipeline.report import write_report
-from tests.corpus import WORDS, sentence
+from tests.helpers.corpus import WORDS, sentence
+from tests.helpers.paths import SHARED_DATA
 
-SHARED = Path(
-    os.environ.get("SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
-)
+SHARED = SHARED_DATA
 
 
 def tiny_checkpoint(directory: Path, tokenizer_dir: Path) -> Path:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from finetune.glue_tasks import TASKS, Example, GlueTask, get_task
+from tests.helpers.paths import SHARED_DATA
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -515,9 +515,7 @@ def test_hub_unlabelled_rows_are_rejected(monkeypatch: pytest.MonkeyPatch):
 
 
 def _shared_glue() -> Path:
-    shared = os.environ.get("SHARED_DATA")
-    base = Path(shared) if shared else Path(__file__).resolve().parents[2] / "shared" / "data"
-    return base / "glue"
+    return SHARED_DATA / "glue"
 
 
 @pytest.fixture

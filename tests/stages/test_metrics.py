@@ -8,9 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from finetune.metrics import (
     compute_squad,
     load_metric,
 )
+from tests.helpers.paths import SHARED_DATA
 
 GLUE_KEYS = {
     "cola": {"matthews_correlation"},
@@ -343,13 +342,8 @@ def test_squad_duplicate_id_is_an_error(squad):
 # --------------------------------------------------------------------------------------------
 
 
-def _shared_data() -> Path:
-    default = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return Path(os.environ.get("SHARED_DATA", default))
-
-
 def test_squad_dev_first_gold_answer_is_100():
-    path = _shared_data() / "squad" / "dev-v1.1.json"
+    path = SHARED_DATA / "squad" / "dev-v1.1.json"
     if not path.is_file():
         pytest.skip(f"SQuAD v1.1 dev set not found at {path}")
     with path.open(encoding="utf-8") as f:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,8 @@ from data_prep import outputs as data_outputs
 from finetune import outputs as finetune_outputs
 from pipeline.__main__ import main as pipeline_main
 from pretrain.outputs import RunStatus, describe, pid_alive, read_status, status_path
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pretrain.config import CheckpointConfig
 from pretrain.train import lead_shortfall
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import tiny_config, train_in_process
 
 

@@ -19,7 +19,7 @@ from pretrain.config import PretrainConfig, ScheduleConfig
 from pretrain.data import BatchSchedule, TokenIds, mask_tokens
 from pretrain.schedule import lr_multiplier
 from pretrain.train import train
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import (
     REPO,
     dist_context,

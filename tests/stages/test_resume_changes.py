@@ -8,7 +8,7 @@ import pytest
 from onebit_bert.metrics_log import read_metrics
 from pretrain import outputs
 from pretrain.checkpointing import check_resume_changes, resume_changes
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import tiny_config, train_in_process
 
 RECORDED = {

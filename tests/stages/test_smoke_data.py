@@ -24,8 +24,8 @@ from smoke_data import (
     write_tasks,
 )
 from smoke_data.__main__ import main
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 HEADER_COLUMNS = {"SST-2": 2, "MRPC": 5, "STS-B": 10}
 LINE_BREAKS = re.compile("[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
 
@@ -86,7 +86,7 @@ def test_a_fresh_process_with_another_hash_seed_writes_the_same_files(out, tmp_p
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     result = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
-        cwd=ROOT,
+        cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,

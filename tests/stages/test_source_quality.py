@@ -14,7 +14,7 @@ from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
 from data_prep.sources import RawDocument, SourceError, TextQuality, read_source
 from onebit_bert.config import from_dict
-from tests.corpus import write_corpus, write_vocab
+from tests.helpers.corpus import write_corpus, write_vocab
 
 
 def _config(tmp: Path, source: dict, **overrides) -> DataPrepConfig:

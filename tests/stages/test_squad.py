@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -19,10 +18,8 @@ from finetune.squad import (
     read_squad_json,
     split_by_article,
 )
+from tests.helpers.paths import SHARED_DATA
 
-SHARED_DATA = Path(
-    os.environ.get("SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
-)
 BERT_VOCAB = SHARED_DATA / "bert_vocab" / "uncased" / "vocab.txt"
 SQUAD_DEV = SHARED_DATA / "squad" / "dev-v1.1.json"
 

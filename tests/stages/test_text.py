@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gzip
-import os
 import random
 import re
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from data_prep.text import document_sentences, split_paragraphs, split_sentences
+from tests.helpers.paths import SHARED_DATA
 
 
 def _no_loss(paragraph: str, sentences: list[str]) -> bool:
@@ -280,10 +280,7 @@ _JUNK_OR_SPACE = re.compile(r"[\s\x00-\x08\x0e-\x1b\x7f-\x84\x86-\x9f\u200b-\u20
 
 
 def _shared_file(relative: str) -> Path:
-    data = Path(__file__).resolve().parents[2] / "shared" / "data"
-    if not data.is_dir() and os.environ.get("SHARED_DATA"):
-        data = Path(os.environ["SHARED_DATA"])
-    path = data / relative
+    path = SHARED_DATA / relative
     if not path.is_file():
         pytest.skip(f"{path} not present")
     return path

@@ -18,8 +18,8 @@ from onebit_bert.distributed.codecs import (
     build_codec,
 )
 from onebit_bert.distributed.policy import CommConfig, CommPolicy, CompressionConfig
-from tests.distributed_harness import run_ranks
 from tests.helpers.compression import per_tensor_calls
+from tests.helpers.distributed_harness import run_ranks
 
 SHAPES = [(37, 5), (11,), (64, 3)]
 NUMEL = 37 * 5 + 11 + 64 * 3  # 388: padding in every codec

@@ -12,7 +12,7 @@ import torch
 from onebit_bert.config import from_dict
 from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import mlm_losses, tiny_config, train_in_process, train_on_nodes
 
 

@@ -7,8 +7,8 @@ import torch
 
 from onebit_bert.distributed import Communicator, ErrorFeedback, packing
 from onebit_bert.distributed.packing import pack_signs, unpack_signs
-from tests.distributed_harness import run_ranks
 from tests.helpers.compression import compressed_calls, rank_inputs, simulate
+from tests.helpers.distributed_harness import run_ranks
 
 # ----------------------------------------------------------------------------- packing
 

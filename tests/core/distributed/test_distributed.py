@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from onebit_bert.distributed import Communicator, resolve_launch_env
 from onebit_bert.distributed.env import expand_hostlist
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 
 # ----------------------------------------------------------------------------- environment
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,7 @@ from onebit_bert.distributed.comm import Communicator
 from onebit_bert.distributed.compression import SignOps, sign_ops
 from onebit_bert.kernels import triton_available, use_fused
 from tests.helpers.kernel_checks import CHECKS
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPO
 
 
 def test_the_reference_is_chosen_on_the_cpu_unless_fused_is_asked_for(monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.nccl import every_collective
 
 LOSSY = {

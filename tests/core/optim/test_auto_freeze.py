@@ -1,7 +1,7 @@
 """``freeze_step: auto``: the detector's rule and bounds, the same decision on every rank,
 an automatic freeze equal to the fixed freeze_step it chose (1-bit LAMB and 1-bit Adam),
 the decision restored on resume, and config checks. (A pretraining run with it, killed and
-resumed, is in tests/test_onebit_adam.py.)"""
+resumed, is in tests/core/optim/test_onebit_adam.py.)"""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from onebit_bert.config import ConfigError, from_dict
 from onebit_bert.optim import OneBitAdam, OneBitLamb
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig, FreezeDetector
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
 from tests.helpers.compression import init_params, local_grads, mean_grads, param_groups
+from tests.helpers.distributed_harness import run_ranks
 
 
 def _feed(detector, norms_by_step, steps, first=1):

@@ -16,7 +16,6 @@ from onebit_bert.distributed import Communicator
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim import OneBitAdam
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
 from tests.helpers.checkpoints import assert_equal, load_checkpoint
 from tests.helpers.compression import (
     FLAT_ORDER,
@@ -28,6 +27,7 @@ from tests.helpers.compression import (
     row_mask,
     simulate,
 )
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import run_killing_after_checkpoints, tiny_config, torchrun, write_cfg
 
 HP = dict(lr=0.05, freeze_step=3, weight_decay=0.0)

@@ -12,7 +12,6 @@ import torch
 
 from onebit_bert.distributed import Communicator
 from onebit_bert.optim import Lamb, OneBitLamb
-from tests.distributed_harness import run_ranks
 from tests.helpers.compression import (
     FLAT_ORDER,
     embedding_steps,
@@ -25,7 +24,8 @@ from tests.helpers.compression import (
     simulate,
 )
 from tests.helpers.compression import ONEBIT_LAMB_HP as HP
-from tests.toy import ToyConfig, train_toy
+from tests.helpers.distributed_harness import run_ranks
+from tests.helpers.toy import ToyConfig, train_toy
 
 # ----------------------------------------------------------------------------- simulation
 
@@ -185,7 +185,7 @@ def test_warmup_equals_lamb_bit_for_bit():
 
 def _toy_run(comm, ckpt_dir, steps, save_at, load, drop_errors):
     """Data-parallel toy training; optionally save at ``save_at`` or start from a save."""
-    from tests.toy import ToyConfig, _batch, _teacher, build_model
+    from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
 
     cfg = ToyConfig(seed=3)
     model = build_model(cfg)

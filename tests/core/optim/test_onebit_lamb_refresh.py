@@ -11,7 +11,7 @@ import torch
 from onebit_bert.optim import OneBitLamb
 from onebit_bert.optim.lamb import trust_ratios
 from onebit_bert.optim.onebit_lamb import refresh_due
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 
 FREEZE = 4
 
@@ -30,7 +30,7 @@ def test_refresh_schedule_doubles_up_to_its_longest_interval():
 def _run(comm, ckpt_dir, steps, refresh, save_at=None, load=False):
     """Data-parallel toy training with 1-bit LAMB (refresh every 2 then 4 steps after the
     freeze); returns parameters, per-step trust ratios, the rule's check and bytes."""
-    from tests.toy import ToyConfig, _batch, _teacher, build_model
+    from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
 
     cfg = ToyConfig(seed=5)
     model = build_model(cfg)

@@ -16,7 +16,7 @@ from onebit_bert.ddp import register_compression_hook
 from onebit_bert.distributed import Communicator
 from onebit_bert.optim import Lamb, OneBitLamb
 from onebit_bert.optim.health import HealthConfig, OptimizerHealthError, watch_health
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.tiny_bert import FREEZE, HYPER, STEPS, batch, tiny_bert
 
 HINT = "register_compression_hook"

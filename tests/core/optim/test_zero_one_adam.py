@@ -19,7 +19,6 @@ from onebit_bert.optim import ZeroOneAdam
 from onebit_bert.optim.build import OptimizerConfig
 from onebit_bert.strategies import StrategyConfig, build_strategy, resolve_strategy_name
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
 from tests.helpers.checkpoints import assert_equal, load_checkpoint
 from tests.helpers.compression import (
     FLAT_ORDER,
@@ -30,6 +29,7 @@ from tests.helpers.compression import (
     row_mask,
     simulate,
 )
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
@@ -37,7 +37,7 @@ from tests.helpers.runs import (
     torchrun,
     write_cfg,
 )
-from tests.toy import ToyConfig, build_model
+from tests.helpers.toy import ToyConfig, build_model
 
 DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as param_groups sets it
 MASKED = 2  # the layer whose row 1 is masked

@@ -30,8 +30,8 @@ from onebit_bert.optim import MomentumSGD
 from onebit_bert.optim.build import weight_decay_groups
 from onebit_bert.strategies import Decentralized, StrategyConfig
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
-from tests.toy import ToyConfig, _batch, _teacher, build_model
+from tests.helpers.distributed_harness import run_ranks
+from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
 
 TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
 LR = 0.05

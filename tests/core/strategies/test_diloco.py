@@ -13,8 +13,8 @@ from onebit_bert.metrics_log import read_metrics
 from onebit_bert.recipes import get_recipe
 from onebit_bert.strategies import LocalSteps, StrategyConfig
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
 from tests.helpers.checkpoints import assert_same_local_step_runs, load_checkpoint
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
@@ -24,7 +24,7 @@ from tests.helpers.runs import (
     train_on_nodes,
     write_cfg,
 )
-from tests.toy import ToyConfig, _batch, _teacher, build_model
+from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
 
 TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
 INNER_LR = 1e-2

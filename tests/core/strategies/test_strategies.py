@@ -12,7 +12,7 @@ from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim.build import OptimizerConfig
 from onebit_bert.strategies import StrategyConfig, resolve_strategy_name
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import tiny_config, train_in_process
 
 

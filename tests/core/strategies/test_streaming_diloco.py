@@ -13,8 +13,8 @@ from onebit_bert.config import from_dict
 from onebit_bert.strategies import LocalSteps, StrategyConfig, StreamingDiLoCo
 from onebit_bert.strategies.streaming import fragments_due, split_fragments
 from pretrain.config import PretrainConfig
-from tests.distributed_harness import run_ranks
 from tests.helpers.checkpoints import assert_same_local_step_runs, load_checkpoint
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
@@ -22,7 +22,7 @@ from tests.helpers.runs import (
     torchrun,
     write_cfg,
 )
-from tests.toy import ToyConfig, _batch, _teacher, build_model
+from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
 
 TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
 
