@@ -21,10 +21,11 @@ from tests.helpers.tiny_bert import (
     FREEZE,
     HYPER,
     STEPS,
+    ExampleRows,
     batch,
-    example_rows,
     launch_environment,
     tiny_bert,
+    trainer_arguments,
 )
 
 
@@ -143,49 +144,24 @@ def test_a_ddp_script_with_the_hook_trains_as_the_harness_does_and_sends_no_grad
 def hf_trainer_run(comm, out_dir):
     """The same training under HF Trainer with the mixin (Accelerate wraps the model in
     DDP on the process group this harness made)."""
-    from torch.utils.data import Dataset, SequentialSampler
-    from transformers import Trainer, TrainingArguments
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer
 
     from onebit_bert.hf_trainer import OneBitTrainerMixin
 
     torch.set_num_threads(1)
     launch_environment(comm)
 
-    class Examples(Dataset):
-        """Global batch i of 4 rows goes to rank i % 2 (Accelerate's sharding of a
-        sequential sampler): row order step by step, rank by rank."""
-
-        def __init__(self):
-            self.rows = example_rows(comm.world_size, STEPS)
-
-        def __len__(self):
-            return len(self.rows)
-
-        def __getitem__(self, i):
-            return self.rows[i]
-
     class OneBitTrainer(OneBitTrainerMixin, Trainer):
         def _get_train_sampler(self, *args, **kwargs):
             return SequentialSampler(self.train_dataset)
 
-    args = TrainingArguments(
-        output_dir=str(out_dir),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        max_steps=STEPS,
-        learning_rate=HYPER["lr"],
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        save_strategy="no",
-        report_to=[],
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
     trainer = OneBitTrainer(
         model=tiny_bert(),
-        args=args,
-        train_dataset=Examples(),
+        args=trainer_arguments(out_dir, STEPS, save_strategy="no"),
+        # global batch i of 4 rows goes to rank i % 2 (Accelerate's sharding of a
+        # sequential sampler): row order step by step, rank by rank
+        train_dataset=ExampleRows(comm.world_size, STEPS),
         make_optimizer=lambda model, c: OneBitLamb(model.parameters(), comm=c, **HYPER),
     )
     # the model's own mean loss, as the script takes it (not Trainer's token-count one)

@@ -16,7 +16,13 @@ import torch
 from onebit_bert.hf_trainer import PER_RANK_FILE, unwrap_optimizer
 from onebit_bert.optim import Lamb, OneBitLamb
 from tests.helpers.distributed_harness import run_ranks
-from tests.helpers.tiny_bert import HYPER, example_rows, launch_environment, tiny_bert
+from tests.helpers.tiny_bert import (
+    HYPER,
+    ExampleRows,
+    launch_environment,
+    tiny_bert,
+    trainer_arguments,
+)
 
 STEPS, SAVE_AT = 6, 4  # 1-bit LAMB's warmup ends at step 3: the checkpoint is compressing
 
@@ -33,20 +39,9 @@ def _same(a, b) -> bool:
 
 
 def _trainer(comm, out_dir, optimizer: str, saved: dict):
-    from torch.utils.data import Dataset
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     from onebit_bert.hf_trainer import OneBitTrainerMixin
-
-    class Examples(Dataset):
-        def __init__(self):
-            self.rows = example_rows(comm.world_size, STEPS)
-
-        def __len__(self):
-            return len(self.rows)
-
-        def __getitem__(self, i):
-            return self.rows[i]
 
     class Recorder(TrainerCallback):
         """The optimizer state (deep copy) each time a checkpoint is written."""
@@ -67,25 +62,10 @@ def _trainer(comm, out_dir, optimizer: str, saved: dict):
             return OneBitLamb(model.parameters(), comm=c, **HYPER)
         return Lamb(model.parameters(), lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
 
-    args = TrainingArguments(
-        output_dir=str(out_dir),
-        use_cpu=True,
-        per_device_train_batch_size=4,
-        max_steps=STEPS,
-        learning_rate=HYPER["lr"],
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        save_strategy="steps",
-        save_steps=SAVE_AT,
-        report_to=[],
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
     trainer = RecordingTrainer(
         model=tiny_bert(),
-        args=args,
-        train_dataset=Examples(),
+        args=trainer_arguments(out_dir, STEPS, save_strategy="steps", save_steps=SAVE_AT),
+        train_dataset=ExampleRows(comm.world_size, STEPS),
         make_optimizer=make,
         callbacks=[Recorder()],
     )

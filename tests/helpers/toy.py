@@ -49,6 +49,26 @@ def build_model(cfg: ToyConfig) -> nn.Module:
     return nn.Sequential(nn.Linear(cfg.inputs, cfg.width), nn.Tanh(), nn.Linear(cfg.width, 1))
 
 
+STRATEGY_TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
+"""The sync strategies' problem: small, so that a test runs dozens of local steps on 4 ranks."""
+
+
+def toy_loss(model: nn.Module, rank: int, step: int, cfg: ToyConfig = STRATEGY_TOY):
+    """The mean squared error of ``model`` on rank ``rank``'s batch of step ``step``."""
+    x, y = _batch(cfg, _teacher(cfg), rank, step, cfg.batch_per_rank)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """``model``'s parameters, detached, as one flat vector."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def diloco_inner(model: nn.Module) -> torch.optim.Optimizer:
+    """The inner optimizer the (Streaming) DiLoCo tests run: AdamW."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
 def train_toy(comm: Communicator, optimizer: str, cfg: ToyConfig) -> dict:
     """Train with ``optimizer`` ("lamb" or "onebit_lamb"); returns losses and traffic."""
     model = build_model(cfg)

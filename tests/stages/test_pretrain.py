@@ -24,9 +24,11 @@ from tests.helpers.runs import (
     REPO,
     dist_context,
     kill_all,
+    launch_and_kill_at,
     mlm_losses,
     tiny_config,
     torchrun,
+    torchrun_to_end,
     torchrun_workers,
     train_in_process,
     write_cfg,
@@ -172,24 +174,12 @@ def _final_state(run_dir: Path) -> dict:
 def test_killed_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path, optimizer):
     overrides = {"optimizer.name": optimizer, "schedule.max_steps": 12}
     straight = write_cfg(tiny_config(tiny_corpus, tmp_path / "a", **overrides), tmp_path / "a.yaml")
-    proc = torchrun(straight)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(straight)
 
     killed = write_cfg(tiny_config(tiny_corpus, tmp_path / "b", **overrides), tmp_path / "b.yaml")
-    proc = torchrun(killed)
-    step_dir = tmp_path / "b" / "checkpoints" / "step_00000008"  # past freeze_step=4
-    deadline = time.time() + 240
-    try:
-        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        kill_all(proc)  # no chance to save anything more
+    launch_and_kill_at(killed, tmp_path / "b", 8)  # past freeze_step=4
     assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "the run was not cut short"
-    assert step_dir.is_dir(), "the run never reached step 8"
-    proc = torchrun(killed)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(killed)
 
     a, b = _final_state(tmp_path / "a"), _final_state(tmp_path / "b")
     for name, tensor in a["model"].items():

@@ -5,8 +5,6 @@ resumed, is in tests/core/optim/test_onebit_adam.py.)"""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from onebit_bert.config import ConfigError, from_dict
 from onebit_bert.optim import OneBitAdam, OneBitLamb
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig, FreezeDetector
 from pretrain.config import PretrainConfig
-from tests.helpers.compression import init_params, local_grads, mean_grads, param_groups
+from tests.helpers.compression import init_params, load_toy_state, param_groups, toy_steps
 from tests.helpers.distributed_harness import run_ranks
 
 
@@ -109,22 +107,8 @@ def _train(comm, cls, freeze_step, saves=(), state=None, start=0):
         kwargs.update(auto_freeze=AUTO, total_steps=STEPS)
     opt = cls(param_groups(params), **kwargs)
     if state is not None:
-        saved = torch.load(io.BytesIO(state), weights_only=True)
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"], strict=True):
-                p.copy_(value)
-        opt.load_state_dict(saved["opt"])
-    blobs = {}
-    for step in range(start + 1, STEPS + 1):
-        local = opt.syncs_internally
-        grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-        if step in saves:
-            buffer = io.BytesIO()
-            torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
-            blobs[step] = buffer.getvalue()
+        load_toy_state(params, opt, state)
+    blobs = toy_steps(comm, params, opt, start, STEPS, saves)
     return [p.detach().clone() for p in params], opt, blobs
 
 

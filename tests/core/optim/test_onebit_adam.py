@@ -6,8 +6,6 @@ that resumes bit for bit."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -16,19 +14,26 @@ from onebit_bert.distributed import Communicator
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim import OneBitAdam
 from pretrain.config import PretrainConfig
-from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.checkpoints import assert_same_checkpoints
 from tests.helpers.compression import (
     FLAT_ORDER,
+    SimulatedMomentumExchange,
     embedding_steps,
     init_params,
+    layer_scales,
     local_grads,
     mean_grads,
     param_groups,
+    resumed_toy_runs,
     row_mask,
-    simulate,
 )
 from tests.helpers.distributed_harness import run_ranks
-from tests.helpers.runs import run_killing_after_checkpoints, tiny_config, torchrun, write_cfg
+from tests.helpers.runs import (
+    run_killing_after_checkpoints,
+    tiny_config,
+    torchrun_to_end,
+    write_cfg,
+)
 
 HP = dict(lr=0.05, freeze_step=3, weight_decay=0.0)
 DECAY = [0.01, 0.0, 0.01, 0.0]  # per layer, as param_groups sets it
@@ -45,11 +50,7 @@ class AdamSimulation:
         self.w = [t.clone() for t in init_params()]
         self.m = [torch.zeros_like(t) for t in self.w]
         self.v = [torch.zeros_like(t) for t in self.w]
-        self.numel = sum(t.numel() for t in self.w)
-        quantum = 8 * world_size
-        self.padded = -(-self.numel // quantum) * quantum
-        self.ew = [torch.zeros(self.padded) for _ in range(world_size)]
-        self.es = [torch.zeros(self.padded // world_size) for _ in range(world_size)]
+        self.exchange = SimulatedMomentumExchange(world_size, bucket)
 
     def _update(self, i):
         u = self.m[i] / (self.v[i].sqrt() + self.eps) + DECAY[i] * self.w[i]
@@ -69,23 +70,9 @@ class AdamSimulation:
                 self._update(i)
             return
         if self.t == self.freeze + 1:
-            rms = [m.norm().item() / math.sqrt(m.numel()) for m in self.m]
-            self.scale = [sum(rms) / len(rms) / r for r in rms]
-        inputs = []
-        for rank in range(self.p):
-            local = [
-                (self.b1 * m + (1 - self.b1) * g) * s
-                for m, g, s in zip(self.m, local_grads(rank, self.t), self.scale, strict=True)
-            ]
-            flat = torch.zeros(self.padded)
-            flat[: self.numel] = torch.cat([local[i].reshape(-1) for i in FLAT_ORDER])
-            inputs.append(flat)
-        out = simulate(inputs, self.ew, self.es, self.numel, self.bucket)
-        offset = 0
+            self.scale = layer_scales(self.m)
+        self.m = self.exchange(self.m, self.b1, self.t, self.scale)
         for i in FLAT_ORDER:
-            n = self.w[i].numel()
-            self.m[i] = out[offset : offset + n].view_as(self.w[i]) / self.scale[i]
-            offset += n
             if i == MASKED:
                 self.m[i] = self.m[i] * row_mask()
             self._update(i)
@@ -212,7 +199,6 @@ def test_bias_correction_gives_adamw_steps_then_keeps_the_frozen_correction():
 def _resume_run(comm, steps, save_points):
     """The uninterrupted trajectory, then for each save point a fresh optimizer that loads
     the state saved there (through torch.save) and continues; all final parameters."""
-    import io
 
     def make():
         params = [torch.nn.Parameter(t) for t in init_params()]
@@ -220,35 +206,7 @@ def _resume_run(comm, steps, save_points):
         opt.set_momentum_mask(params[MASKED], row_mask())
         return params, opt
 
-    def run(params, opt, start, stop, saves):
-        for step in range(start + 1, stop + 1):
-            local = opt.syncs_internally
-            grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            opt.step()
-            if step in saves:
-                buffer = io.BytesIO()
-                torch.save(
-                    {"params": [p.detach().clone() for p in params], "opt": opt.state_dict()},
-                    buffer,
-                )
-                saves[step] = buffer.getvalue()
-
-    params, opt = make()
-    saves = dict.fromkeys(save_points)
-    run(params, opt, 0, steps, saves)
-    out = {"straight": [p.detach().clone() for p in params], "resumed": {}}
-    for step, blob in saves.items():
-        saved = torch.load(io.BytesIO(blob), weights_only=True)
-        params, opt = make()
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"], strict=True):
-                p.copy_(value)
-        opt.load_state_dict(saved["opt"])
-        run(params, opt, step, steps, {})
-        out["resumed"][step] = [p.detach().clone() for p in params]
-    return out
+    return resumed_toy_runs(comm, make, steps, save_points)
 
 
 def test_resume_from_either_stage_continues_bit_for_bit():
@@ -395,9 +353,7 @@ def _adam_config(corpus, run_dir):
 @pytest.mark.slow
 def test_killed_onebit_adam_run_resumes_bit_for_bit(tiny_corpus, tmp_path):
     straight = write_cfg(_adam_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
-    proc = torchrun(straight)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(straight)
 
     records = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
     freeze = records[-1]["freeze_step"]
@@ -416,15 +372,9 @@ def test_killed_onebit_adam_run_resumes_bit_for_bit(tiny_corpus, tmp_path):
     killed = write_cfg(_adam_config(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
     run_killing_after_checkpoints(killed, tmp_path / "b", (4, 8), 12)
 
-    for step in (4, 8, 12):
-        (shared_a, ranks_a), (shared_b, ranks_b) = (
-            load_checkpoint(tmp_path / "a", step),
-            load_checkpoint(tmp_path / "b", step),
-        )
-        assert_equal(shared_a["model"], shared_b["model"], "model")
-        assert_equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
-        for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            assert_equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
+    assert_same_checkpoints(
+        tmp_path / "a", tmp_path / "b", (4, 8, 12), ("model", "optimizer"), ("optimizer",)
+    )
     by_step = {r["step"]: r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if "loss" in r}
     for record in records:
         assert by_step[record["step"]]["loss"] == record["loss"], record["step"]

@@ -4,7 +4,6 @@ resume, momentum masks, degenerate layers, convergence, and argument checking.""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 
 import pytest
@@ -14,14 +13,14 @@ from onebit_bert.distributed import Communicator
 from onebit_bert.optim import Lamb, OneBitLamb
 from tests.helpers.compression import (
     FLAT_ORDER,
+    SimulatedMomentumExchange,
     embedding_steps,
     init_params,
-    local_grads,
+    layer_scales,
     mean_grads,
     param_groups,
     row_mask,
     run_onebit_lamb,
-    simulate,
 )
 from tests.helpers.compression import ONEBIT_LAMB_HP as HP
 from tests.helpers.distributed_harness import run_ranks
@@ -68,11 +67,7 @@ class Simulation:
         self.c = [0.0] * len(self.w)
         self.last_f = [1.0] * len(self.w)
         self.mask_index, self.bucket, self.t = mask_index, bucket, 0
-        self.numel = sum(t.numel() for t in self.w)
-        quantum = 8 * world_size
-        self.padded = -(-self.numel // quantum) * quantum
-        self.ew = [torch.zeros(self.padded) for _ in range(world_size)]
-        self.es = [torch.zeros(self.padded // world_size) for _ in range(world_size)]
+        self.exchange = SimulatedMomentumExchange(world_size, bucket)
 
     def step(self):
         self.t += 1
@@ -90,25 +85,11 @@ class Simulation:
                 self.vf = [v.clone() for v in self.v]
             return
         if self.t == self.freeze + 1:
-            rms = [m.norm().item() / math.sqrt(m.numel()) for m in self.m]
-            mean = sum(rms) / len(rms)
-            self.scale = [mean / r if r > 0 else 1.0 for r in rms]
+            self.scale = layer_scales(self.m)
         prev = [m.clone() for m in self.m]
-        inputs = []
-        for rank in range(self.p):
-            local = [
-                (self.b1 * m + (1 - self.b1) * g) * s
-                for m, g, s in zip(self.m, local_grads(rank, self.t), self.scale, strict=True)
-            ]
-            flat = torch.zeros(self.padded)
-            flat[: self.numel] = torch.cat([local[i].reshape(-1) for i in FLAT_ORDER])
-            inputs.append(flat)
-        out = simulate(inputs, self.ew, self.es, self.numel, self.bucket)
-        offset = 0
+        averaged = self.exchange(self.m, self.b1, self.t, self.scale)
         for i in FLAT_ORDER:
-            w = self.w[i]
-            m = out[offset : offset + w.numel()].view_as(w) / self.scale[i]
-            offset += w.numel()
+            w, m = self.w[i], averaged[i]
             if i == self.mask_index:
                 m = m * row_mask()
             self.m[i] = m

@@ -6,7 +6,6 @@ variance stage and again between two synchronisations that resumes bit for bit."
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -19,13 +18,14 @@ from onebit_bert.optim import ZeroOneAdam
 from onebit_bert.optim.build import OptimizerConfig
 from onebit_bert.strategies import StrategyConfig, build_strategy, resolve_strategy_name
 from pretrain.config import PretrainConfig
-from tests.helpers.checkpoints import assert_equal, load_checkpoint
+from tests.helpers.checkpoints import assert_same_checkpoints, load_checkpoint
 from tests.helpers.compression import (
     FLAT_ORDER,
     init_params,
     local_grads,
     mean_grads,
     param_groups,
+    resumed_toy_runs,
     row_mask,
     simulate,
 )
@@ -34,7 +34,7 @@ from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
     tiny_config,
-    torchrun,
+    torchrun_to_end,
     write_cfg,
 )
 from tests.helpers.toy import ToyConfig, build_model
@@ -282,33 +282,7 @@ def _resume_run(comm, save_points):
         opt.set_momentum_mask(params[MASKED], row_mask())
         return params, opt
 
-    def run(params, opt, start, saves):
-        for step in range(start + 1, STEPS + 1):
-            local = opt.syncs_internally
-            grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
-            for p, g in zip(params, grads, strict=True):
-                p.grad = g
-            opt.step()
-            if step in saves:
-                buffer = io.BytesIO()
-                state = {"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}
-                torch.save(state, buffer)
-                saves[step] = buffer.getvalue()
-
-    params, opt = make()
-    saves = dict.fromkeys(save_points)
-    run(params, opt, 0, saves)
-    out = {"straight": [p.detach().clone() for p in params], "resumed": {}}
-    for step, blob in saves.items():
-        saved = torch.load(io.BytesIO(blob), weights_only=True)
-        params, opt = make()
-        with torch.no_grad():
-            for p, value in zip(params, saved["params"], strict=True):
-                p.copy_(value)
-        opt.load_state_dict(saved["opt"])
-        run(params, opt, step, {})
-        out["resumed"][step] = [p.detach().clone() for p in params]
-    return out
+    return resumed_toy_runs(comm, make, STEPS, save_points)
 
 
 def test_resume_from_every_kind_of_step_continues_bit_for_bit():
@@ -450,9 +424,7 @@ def _zero_one_config(corpus, run_dir):
 @pytest.mark.slow
 def test_killed_zero_one_adam_run_resumes_in_each_stage(tiny_corpus, tmp_path):
     straight = write_cfg(_zero_one_config(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml")
-    proc = torchrun(straight)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(straight)
 
     records = [r for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if "loss" in r]
     assert [r["stage"] for r in records] == [KIND[c] for c in PRETRAIN_SCHEDULE]
@@ -480,16 +452,14 @@ def test_killed_zero_one_adam_run_resumes_in_each_stage(tiny_corpus, tmp_path):
 
     shared, ranks = load_checkpoint(tmp_path / "a", 9)
     assert not torch.equal(ranks[0]["params"], ranks[1]["params"])  # between two syncs
-    for step in (3, 6, 9, 12):
-        (shared_a, ranks_a), (shared_b, ranks_b) = (
-            load_checkpoint(tmp_path / "a", step),
-            load_checkpoint(tmp_path / "b", step),
-        )
-        assert_equal(shared_a["model"], shared_b["model"], "model")
-        assert_equal(shared_a["optimizer"], shared_b["optimizer"], "optimizer")
-        for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            assert_equal(ra.get("params"), rb.get("params"), "params")
-            assert_equal(ra["optimizer"], rb["optimizer"], "per-rank optimizer")
+    assert_same_checkpoints(
+        tmp_path / "a",
+        tmp_path / "b",
+        (3, 6, 9, 12),
+        ("model", "optimizer"),
+        ("optimizer",),
+        optional_rank_keys=("params",),
+    )
 
     def by_step(run, key):
         records = read_metrics(tmp_path / run / "metrics.jsonl")

@@ -7,7 +7,6 @@ pretraining run killed after a checkpoint."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -31,9 +30,9 @@ from onebit_bert.optim.build import weight_decay_groups
 from onebit_bert.strategies import Decentralized, StrategyConfig
 from pretrain.config import PretrainConfig
 from tests.helpers.distributed_harness import run_ranks
-from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
+from tests.helpers.toy import STRATEGY_TOY as TOY
+from tests.helpers.toy import build_model, flat_params, toy_loss
 
-TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
 LR = 0.05
 STEPS = 6
 WORLD = 4
@@ -45,6 +44,13 @@ ATOL = 2e-5
 def _context(comm: Communicator) -> DistContext:
     launch = LaunchEnv(comm.rank, comm.world_size, comm.rank, "127.0.0.1", 0, "test")
     return DistContext(launch, "gloo" if comm.world_size > 1 else None, torch.device("cpu"), comm)
+
+
+def _build_time_context(world_size: int) -> DistContext:
+    """Rank 0 of ``world_size`` without a process group: enough for the checks a strategy
+    makes when it is built."""
+    launch = LaunchEnv(0, world_size, 0, "127.0.0.1", 0, "test")
+    return DistContext(launch, None, torch.device("cpu"), Communicator(None))
 
 
 # ----------------------------------------------------------------------------- topologies
@@ -91,8 +97,7 @@ def test_topologies_that_cannot_run_are_refused():
     with pytest.raises(ValueError, match="not doubly stochastic"):
         check_doubly_stochastic(row_stochastic.double(), "a test graph")
     # at strategy build, where the world size is known
-    launch = LaunchEnv(0, 6, 0, "127.0.0.1", 0, "test")
-    ctx = DistContext(launch, None, torch.device("cpu"), Communicator(None))
+    ctx = _build_time_context(6)
     model = build_model(TOY)
     cfg = StrategyConfig(name="decentlam", topology="one_peer_exponential")
     with pytest.raises(ValueError, match="use strategy.topology exponential"):
@@ -148,8 +153,7 @@ def test_unstable_decentlam_graphs_are_refused_with_the_fix():
     assert "grows 1.080x per step" in message and "optimizer.betas[0] <= 0.76" in message
     assert "strategy.topology ring" in message and "strategy.name dmsgd" in message
     # at strategy build, with the optimizer's momentum; DmSGD takes the same graph
-    launch = LaunchEnv(0, 4, 0, "127.0.0.1", 0, "test")
-    ctx = DistContext(launch, None, torch.device("cpu"), Communicator(None))
+    ctx = _build_time_context(4)
     model = build_model(TOY)
     cfg = StrategyConfig(name="decentlam", topology="exponential")
     with pytest.raises(ValueError, match="strategy decentlam on strategy.topology exponential"):
@@ -170,11 +174,6 @@ def _sgd(model: nn.Module, beta: float, wd: float) -> MomentumSGD:
     return MomentumSGD(weight_decay_groups(model.named_parameters(), wd), lr=LR, momentum=beta)
 
 
-def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = _batch(TOY, _teacher(TOY), rank, step, TOY.batch_per_rank)
-    return nn.functional.mse_loss(model(x), y)
-
-
 def _one_run(comm, name, topology, beta=0.9, wd=0.0, layerwise="none", lrs=None) -> dict:
     """Train the toy model; per step this rank's parameters before and after, gradient,
     momentum after, and bytes by kind; at the end the metrics and the evaluation model."""
@@ -187,7 +186,7 @@ def _one_run(comm, name, topology, beta=0.9, wd=0.0, layerwise="none", lrs=None)
         for group in opt.param_groups:
             group["lr"] = LR if lrs is None else lrs[step]
         out["before"].append(strategy.flat.read())
-        _loss(model, comm.rank, step).backward()
+        toy_loss(model, comm.rank, step).backward()
         out["grad"].append(strategy.flat.read_grads())
         before = comm.snapshot()
         strategy.after_backward()
@@ -198,13 +197,9 @@ def _one_run(comm, name, topology, beta=0.9, wd=0.0, layerwise="none", lrs=None)
         strategy.after_step(step + 1)
         out["bytes"].append({k: v[0] for k, v in (comm.snapshot() - before).by_kind.items()})
     out["metrics"] = strategy.metrics()
-    out["eval"] = _flat(strategy.eval_model())
+    out["eval"] = flat_params(strategy.eval_model())
     out["local_after_eval"] = strategy.flat.read()
     return out
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 RUNS = {
@@ -240,7 +235,7 @@ def _resumed_run(comm) -> dict:
             strategy = Decentralized(model, model, opt, _context(comm), cfg, "decentlam")
             model.load_state_dict(average)
             strategy.load_state_dict(shared, per_rank)
-        _loss(model, comm.rank, step).backward()
+        toy_loss(model, comm.rank, step).backward()
         strategy.step()
         opt.zero_grad(set_to_none=True)
         strategy.after_step(step + 1)
@@ -266,7 +261,7 @@ def runs() -> dict:
 def _grad(point: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     model = build_model(TOY)
     torch.nn.utils.vector_to_parameters(point, model.parameters())
-    _loss(model, rank, step).backward()
+    toy_loss(model, rank, step).backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
@@ -281,7 +276,7 @@ def _decay_mask(wd: float) -> torch.Tensor:
 def _simulate(method: str, topology: str, beta: float, wd: float) -> list[torch.Tensor]:
     """The textbook updates with the matrices W in one process: rows are ranks."""
     n, decay = WORLD, _decay_mask(wd)
-    x = _flat(build_model(TOY)).repeat(n, 1)
+    x = flat_params(build_model(TOY)).repeat(n, 1)
     m = torch.zeros_like(x)
     out = []
     for step in range(STEPS):
@@ -301,7 +296,7 @@ def _simulate(method: str, topology: str, beta: float, wd: float) -> list[torch.
 
 
 def _parallel_momentum_sgd(beta: float) -> list[torch.Tensor]:
-    x = _flat(build_model(TOY))
+    x = flat_params(build_model(TOY))
     m, out = torch.zeros_like(x), []
     for step in range(STEPS):
         m = beta * m + torch.stack([_grad(x, r, step) for r in range(WORLD)]).mean(0)
@@ -419,15 +414,15 @@ def test_layerwise_trust_ratio_scales_decentlam_within_its_bounds(runs):
 def test_momentum_sgd_optimizer_is_heavy_ball_with_decoupled_decay():
     model = build_model(TOY)
     opt = _sgd(model, 0.8, 0.1)
-    x, m, decay = _flat(model), None, _decay_mask(0.1)
+    x, m, decay = flat_params(model), None, _decay_mask(0.1)
     for step in range(3):
         g = _grad(x, 0, step)
         m = g if m is None else 0.8 * m + g
         x = x - LR * (m + decay * x)
-        _loss(model, 0, step).backward()
+        toy_loss(model, 0, step).backward()
         opt.step()
         opt.zero_grad()
-    torch.testing.assert_close(_flat(model), x, rtol=0, atol=1e-6)
+    torch.testing.assert_close(flat_params(model), x, rtol=0, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -488,19 +483,6 @@ def _pretrain_cfg(corpus, run_dir) -> dict:
     )
 
 
-def _run_killed_after(cfg_path, step_dir) -> None:
-    from tests.helpers.runs import kill_all, torchrun
-
-    proc = torchrun(cfg_path)
-    deadline = time.time() + 240
-    try:
-        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        kill_all(proc)
-    assert step_dir.is_dir(), "the run never reached the checkpoint"
-
-
 @pytest.mark.slow
 def test_killed_dmsgd_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path):
     """DmSGD with trust ratios on two ranks on a ring (the left and right neighbour are
@@ -510,29 +492,18 @@ def test_killed_dmsgd_run_resumes_to_the_same_trajectory(tiny_corpus, tmp_path):
     uninterrupted run. Also: bytes per step, the exported average, and a resume on one
     rank refused. (Ranks that drift apart: the 4-rank round trip above.)"""
     from pretrain.train import train
-    from tests.helpers.checkpoints import assert_equal, load_checkpoint
-    from tests.helpers.runs import torchrun, write_cfg
+    from tests.helpers.checkpoints import assert_same_checkpoints, load_checkpoint
+    from tests.helpers.runs import launch_and_kill_at, torchrun_to_end, write_cfg
 
-    proc = torchrun(write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
     path_b = write_cfg(_pretrain_cfg(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
-    _run_killed_after(path_b, tmp_path / "b" / "checkpoints" / "step_00000008")
+    launch_and_kill_at(path_b, tmp_path / "b", 8)
     assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) < 12, "not cut short"
-    proc = torchrun(path_b)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(path_b)
 
-    for step in (8, 12):
-        (shared_a, ranks_a), (shared_b, ranks_b) = (
-            load_checkpoint(tmp_path / "a", step),
-            load_checkpoint(tmp_path / "b", step),
-        )
-        assert_equal(shared_a["model"], shared_b["model"], "model")
-        assert_equal(shared_a["decentralized"], shared_b["decentralized"], "decentralized")
-        for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            assert_equal(ra["params"], rb["params"], "params")
-            assert_equal(ra["momentum"], rb["momentum"], "momentum")
+    assert_same_checkpoints(
+        tmp_path / "a", tmp_path / "b", (8, 12), ("model", "decentralized"), ("params", "momentum")
+    )
     logs_a, logs_b = (
         {(r["step"], "loss" in r): r for r in read_metrics(tmp_path / run / "metrics.jsonl")}
         for run in "ab"

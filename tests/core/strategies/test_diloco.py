@@ -19,39 +19,24 @@ from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
     tiny_config,
-    torchrun,
+    torchrun_to_end,
     train_in_process,
     train_on_nodes,
     write_cfg,
 )
-from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
-
-TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
-INNER_LR = 1e-2
-
-
-def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = _batch(TOY, _teacher(TOY), rank, step, TOY.batch_per_rank)
-    return nn.functional.mse_loss(model(x), y)
-
-
-def _inner(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=0.01)
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+from tests.helpers.toy import STRATEGY_TOY as TOY
+from tests.helpers.toy import build_model, diloco_inner, flat_params, toy_loss
 
 
 def _diloco_run(comm, cfg: StrategyConfig, steps: int) -> dict:
     """The toy model under DiLoCo with inner AdamW: the anchor at each round's end."""
     torch.set_num_threads(1)
     model = build_model(TOY)
-    opt = _inner(model)
+    opt = diloco_inner(model)
     strategy = LocalSteps(model, model, opt, dist_context(comm), cfg, "diloco")
     anchors = []
     for step in range(steps):
-        _loss(model, comm.rank, step).backward()
+        toy_loss(model, comm.rank, step).backward()
         strategy.after_backward()
         strategy.step()
         opt.zero_grad(set_to_none=True)
@@ -67,18 +52,18 @@ def _reference(world: int, steps: int, every: int, lr: float, momentum: float,
     """One process: ``world`` models with their own AdamW, averaged every ``every`` steps,
     and torch.optim.SGD on the pseudo-gradient (anchor - average)."""
     workers = [build_model(TOY) for _ in range(world)]
-    inner = [_inner(m) for m in workers]
-    anchor = nn.Parameter(_flat(workers[0]).clone())
+    inner = [diloco_inner(m) for m in workers]
+    anchor = nn.Parameter(flat_params(workers[0]).clone())
     outer = torch.optim.SGD([anchor], lr=lr, momentum=momentum, nesterov=nesterov,
                             weight_decay=wd)  # fmt: skip
     anchors = []
     for step in range(steps):
         for rank, (model, opt) in enumerate(zip(workers, inner, strict=True)):
-            _loss(model, rank, step).backward()
+            toy_loss(model, rank, step).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         if (step + 1) % every == 0:
-            average = torch.stack([_flat(m) for m in workers]).mean(0)
+            average = torch.stack([flat_params(m) for m in workers]).mean(0)
             anchor.grad = anchor.detach() - average
             outer.step()
             for model in workers:
@@ -180,9 +165,7 @@ def test_killed_diloco_run_resumes_mid_round_bit_exact(tiny_corpus, tmp_path):
     """Rounds end at steps 3, 6, 9, 12; kill -9 after the checkpoint at step 8 (mid-round),
     resume: the same weights, anchor, outer momentum, inner AdamW state and losses as the
     uninterrupted run."""
-    proc = torchrun(write_cfg(_pretrain(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(write_cfg(_pretrain(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
     path_b = write_cfg(_pretrain(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
     run_killing_after_checkpoints(path_b, tmp_path / "b", [8], 12)
     assert_same_local_step_runs(

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 from onebit_bert.config import ConfigError, from_dict
 from onebit_bert.metrics_log import read_metrics
@@ -22,20 +21,15 @@ from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
     tiny_config,
-    torchrun,
+    torchrun_to_end,
     train_in_process,
     train_on_nodes,
     write_cfg,
 )
-from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
+from tests.helpers.toy import STRATEGY_TOY as TOY
+from tests.helpers.toy import build_model, flat_params, toy_loss
 
-TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
 LR = 0.05
-
-
-def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = _batch(TOY, _teacher(TOY), rank, step, TOY.batch_per_rank)
-    return nn.functional.mse_loss(model(x), y)
 
 
 def _local_run(comm, name: str, cfg: StrategyConfig, steps: int, inner: str = "sgd") -> dict:
@@ -50,7 +44,7 @@ def _local_run(comm, name: str, cfg: StrategyConfig, steps: int, inner: str = "s
     strategy = LocalSteps(model, model, opt, dist_context(comm), cfg, name)
     out = {"anchor": [], "momentum": [], "params": [], "inner": [], "metrics": None}
     for step in range(steps):
-        _loss(model, comm.rank, step).backward()
+        toy_loss(model, comm.rank, step).backward()
         strategy.after_backward()
         strategy.step()
         opt.zero_grad(set_to_none=True)
@@ -64,10 +58,6 @@ def _local_run(comm, name: str, cfg: StrategyConfig, steps: int, inner: str = "s
     return out
 
 
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def _mean_grad(point: torch.Tensor, step: int, world: int) -> torch.Tensor:
     """The gradient at ``point`` averaged over ``world`` ranks' batches of ``step``."""
     model = build_model(TOY)
@@ -75,14 +65,14 @@ def _mean_grad(point: torch.Tensor, step: int, world: int) -> torch.Tensor:
     for rank in range(world):
         torch.nn.utils.vector_to_parameters(point, model.parameters())
         model.zero_grad()
-        _loss(model, rank, step).backward()
+        toy_loss(model, rank, step).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     return torch.stack(grads).mean(0)
 
 
 def _dp_sgd(steps: int, world: int, momentum: float = 0.0) -> list[torch.Tensor]:
     """Synchronous data-parallel (heavy-ball) SGD on the averaged gradient."""
-    x = _flat(build_model(TOY))
+    x = flat_params(build_model(TOY))
     buf, out = torch.zeros_like(x), []
     for step in range(steps):
         buf = momentum * buf + _mean_grad(x, step, world)
@@ -128,7 +118,7 @@ def test_stale_co2_with_one_step_rounds_is_delayed_sgd():
     steps, world = 7, 2
     cfg = _cfg(outer_every=1, outer_momentum=0.0, gap_penalty=0.0)
     ranks = run_ranks(_local_run, world, "co2", cfg, steps)
-    anchors = [_flat(build_model(TOY))] * 2
+    anchors = [flat_params(build_model(TOY))] * 2
     for t in range(1, steps):
         anchors.append(anchors[t] - LR * _mean_grad(anchors[t - 1], t - 1, world))
     for t, got in enumerate(ranks[0]["anchor"]):
@@ -158,7 +148,7 @@ def test_slowmo_on_one_rank_is_lookahead():
         _local_run, 1, "slowmo", _cfg(outer_every=every, outer_lr=alpha, outer_momentum=0.0),
         steps,
     )[0]  # fmt: skip
-    slow = fast = _flat(build_model(TOY))
+    slow = fast = flat_params(build_model(TOY))
     for step in range(steps):
         fast = fast - LR * _mean_grad(fast, step, 1)
         if (step + 1) % every == 0:
@@ -361,9 +351,7 @@ def test_killed_co2_run_resumes_mid_round_with_an_average_in_flight(tiny_corpus,
     round 2's average (started at step 6) is in flight. Kill -9 after it, resume: the same
     weights, anchors, momentum, per-rank state and losses as the uninterrupted run."""
     cfg_a = _pretrain_cfg(tiny_corpus, tmp_path / "a")
-    proc = torchrun(write_cfg(cfg_a, tmp_path / "a.yaml"))
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(write_cfg(cfg_a, tmp_path / "a.yaml"))
 
     cfg_b = _pretrain_cfg(tiny_corpus, tmp_path / "b")
     path_b = write_cfg(cfg_b, tmp_path / "b.yaml")
@@ -445,12 +433,12 @@ def _eval_mid_round(comm) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     strategy = LocalSteps(model, model, opt, dist_context(comm), _cfg(outer_every=4), "co2")
     for step in range(6):  # a round's end at 4, then two local steps
-        _loss(model, comm.rank, step).backward()
+        toy_loss(model, comm.rank, step).backward()
         strategy.step()
         opt.zero_grad(set_to_none=True)
         strategy.after_step(step + 1)
     local = strategy.flat.read()
-    evaluated = _flat(strategy.eval_model())
+    evaluated = flat_params(strategy.eval_model())
     return {"local": local, "eval": evaluated, "after": strategy.flat.read()}
 
 

@@ -19,12 +19,11 @@ from tests.helpers.runs import (
     dist_context,
     run_killing_after_checkpoints,
     tiny_config,
-    torchrun,
+    torchrun_to_end,
     write_cfg,
 )
-from tests.helpers.toy import ToyConfig, _batch, _teacher, build_model
-
-TOY = ToyConfig(width=16, inputs=8, batch_per_rank=8)
+from tests.helpers.toy import STRATEGY_TOY as TOY
+from tests.helpers.toy import build_model, diloco_inner, flat_params, toy_loss
 
 
 def test_fragments_are_contiguous_runs_of_whole_tensors_cut_by_size():
@@ -54,23 +53,10 @@ def test_every_fragment_is_synchronised_once_per_round(every, count):
     assert fragments_due(0, every, count) == []
 
 
-def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    x, y = _batch(TOY, _teacher(TOY), rank, step, TOY.batch_per_rank)
-    return nn.functional.mse_loss(model(x), y)
-
-
-def _inner(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def _train(comm, cfg: StrategyConfig, steps: int) -> dict:
     torch.set_num_threads(1)
     model = build_model(TOY)
-    opt = _inner(model)
+    opt = diloco_inner(model)
     ctx = dist_context(comm)
     if cfg.name == "streaming_diloco":
         strategy = StreamingDiLoCo(model, model, opt, ctx, cfg)
@@ -78,11 +64,11 @@ def _train(comm, cfg: StrategyConfig, steps: int) -> dict:
         strategy = LocalSteps(model, model, opt, ctx, cfg, cfg.name)
     params, anchors = [], []
     for step in range(steps):
-        _loss(model, comm.rank, step).backward()
+        toy_loss(model, comm.rank, step).backward()
         strategy.step()
         opt.zero_grad(set_to_none=True)
         strategy.after_step(step + 1)
-        params.append(_flat(model).clone())
+        params.append(flat_params(model).clone())
         anchors.append(strategy.anchor.clone())
     return {"params": params, "anchors": anchors}
 
@@ -114,7 +100,7 @@ def _simulate(world: int, steps: int, every: int, count: int, delay: int, mix: f
     its due steps and, ``delay`` steps later, torch.optim.SGD (Nesterov, lr 0.7, momentum
     0.9) on (anchor - that average), then the merge. The parameters after every step."""
     workers = [build_model(TOY) for _ in range(world)]
-    inner = [_inner(m) for m in workers]
+    inner = [diloco_inner(m) for m in workers]
     tensors = [list(m.parameters()) for m in workers]
     bounds = split_fragments([p.numel() for p in tensors[0]], count)
     anchors = [[nn.Parameter(p.detach().clone()) for p in tensors[0][a:b]] for a, b in bounds]
@@ -123,7 +109,7 @@ def _simulate(world: int, steps: int, every: int, count: int, delay: int, mix: f
     out = []
     for step in range(1, steps + 1):
         for rank, (model, opt) in enumerate(zip(workers, inner, strict=True)):
-            _loss(model, rank, step - 1).backward()
+            toy_loss(model, rank, step - 1).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         landing = [k for k, (at, _) in pending.items() if at == step]
@@ -142,7 +128,7 @@ def _simulate(world: int, steps: int, every: int, count: int, delay: int, mix: f
                 for t in tensors:
                     for anchor, p in zip(anchors[k], t[a:b], strict=True):
                         p.mul_(mix).add_(anchor, alpha=1 - mix)
-        out.append(_flat(workers[0]).clone())
+        out.append(flat_params(workers[0]).clone())
     return out
 
 
@@ -195,9 +181,7 @@ def test_killed_run_resumes_with_a_fragment_in_flight_bit_exact(tiny_corpus, tmp
     """Fragments sync at steps 2, 4, 6, ..., each landing a step later; the checkpoint at
     step 8 holds fragment 1's average, started at step 8. Kill -9 after it, resume: the
     same weights, anchors, momentum, inner state and losses as the uninterrupted run."""
-    proc = torchrun(write_cfg(_pretrain(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(write_cfg(_pretrain(tiny_corpus, tmp_path / "a"), tmp_path / "a.yaml"))
     path_b = write_cfg(_pretrain(tiny_corpus, tmp_path / "b"), tmp_path / "b.yaml")
     run_killing_after_checkpoints(path_b, tmp_path / "b", [8], 12)
     shared, _ = load_checkpoint(tmp_path / "a", 8)
