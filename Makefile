@@ -82,7 +82,7 @@ parity: setup
 
 # The comparison: every strategy pretrained in the learning regime on 4 workers (LAMB x3
 # seeds, 1-bit LAMB x2, the others x1), fine-tuned, and the comparison report with
-# time-to-accuracy from docs/compare/netem.json (docs/results/2026-11-25-comparison.md); resumable.
+# time-to-accuracy from docs/results/compare/netem.json (docs/results/2026-11-25-comparison.md); resumable.
 # QUICK=1: the same chain with short runs and two tasks, to try it out.
 COMPARE_CONFIG = configs/experiments/$(if $(QUICK),compare_quick,compare).yaml
 compare: setup

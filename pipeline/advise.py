@@ -2,7 +2,7 @@
 for your link and your number of nodes.
 
 ``python -m pipeline.advise --nodes 16 --gpus-per-node 8 --link-gbps 10`` models every
-recipe of the equal-budget comparison (``docs/compare/tuned/report.json``) on that cluster
+recipe of the equal-budget comparison (``docs/results/compare/tuned/report.json``) on that cluster
 with :mod:`pipeline.linkmodel`'s step model: each recipe's compute per step, its bytes per
 step through each node's link for that many ranks, and its overlap. It answers with the
 groups of :mod:`pipeline.ranking` (the leaders the seeds cannot tell apart, the recipes
@@ -28,7 +28,7 @@ import time
 
 from pipeline import crossover, linkmodel, ranking
 
-REPORT = "docs/compare/tuned/report.json"
+REPORT = "docs/results/compare/tuned/report.json"
 PRESETS = {
     "benchmark": (None, None),
     "bert-large-h200": (0.0984, 335_000_000),

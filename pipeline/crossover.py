@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m pipeline.crossover", description=__doc__)
-    parser.add_argument("--report", default="docs/compare/tuned/report.json")
+    parser.add_argument("--report", default="docs/results/compare/tuned/report.json")
     parser.add_argument("--out", type=Path, help="folder for crossover.json and crossover.png")
     args = parser.parse_args(argv)
     report = json.loads(Path(args.report).read_text())

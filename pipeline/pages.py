@@ -4,7 +4,7 @@ A comparison's ``report.json`` renders its own headline (:func:`headline`: per b
 the leading group, the recipes clearly behind, LAMB's time). A page quotes it between two
 markers naming the report::
 
-    <!-- headline: docs/compare/tuned/report.json -->
+    <!-- headline: docs/results/compare/tuned/report.json -->
     ...generated text...
     <!-- /headline -->
 

@@ -1,6 +1,6 @@
 """The documentation says what the code does: every command in README.md and docs/guide/
 names a make target, a module and files that exist, every Python example compiles, and every
-relative link in README.md, docs/guide/ and docs/results/ resolves.
+relative link in README.md and in any markdown page under docs/ resolves.
 
 Fast and offline: nothing is run, imported past its package, or fetched.
 """
@@ -16,9 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDES = sorted((REPO / "docs" / "guide").glob("*.md"))
-RESULTS = sorted((REPO / "docs" / "results").glob("*.md"))
 COMMAND_DOCS = [REPO / "README.md", *GUIDES]
-LINK_DOCS = [REPO / "README.md", *GUIDES, *RESULTS]
+LINK_DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 SHELL_TAGS = {"bash", "sh", "shell", "console"}
 COMMAND_STARTS = ("make ", "python -m", "torchrun")
@@ -156,6 +155,29 @@ def test_readme_starts_with_make_smoke_then_make_test():
     assert firsts[:2] == [["make", "smoke"], ["make", "test"]], firsts[:2]
 
 
+def section(path: Path, title: str) -> str:
+    """The text of one ``## title`` section of a markdown page, up to the next heading."""
+    text = path.read_text(encoding="utf-8")
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^#|\Z)", text, re.M | re.S)
+    assert m, f"{rel(path)} has no '## {title}' section"
+    return m.group(1)
+
+
+def test_readme_is_short_and_answers_at_a_glance():
+    readme = REPO / "README.md"
+    lines = readme.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; keep it to 200"
+    rows = [r for r in section(readme, "Results at a glance").splitlines() if r.startswith("| ")]
+    header, *answers = rows
+    assert header.startswith("| question |"), header
+    assert 1 <= len(answers) <= 8, f"{len(answers)} rows at a glance; at most 8"
+    for row in answers:
+        question, answer, number, page = (c.strip() for c in row.strip("|").split("|"))
+        assert question.endswith("?") and answer and number, row
+        (target,) = LINK.findall(page)  # one link per answer
+        assert (REPO / target).is_file() and target.startswith("docs/results/"), row
+
+
 @pytest.mark.parametrize(("path", "line", "text"), command_cases())
 def test_commands_name_what_exists(path, line, text):
     targets = make_targets()
@@ -195,8 +217,8 @@ def test_python_examples_compile(path, line, text):
     compile(text, f"{rel(path)}:{line}", "exec")
 
 
-@pytest.mark.parametrize("path", LINK_DOCS, ids=rel)
-def test_relative_links_resolve(path):
+def broken_links(path: Path) -> list[str]:
+    """Relative links of ``path`` (outside code) whose file does not exist."""
     broken = []
     text = INLINE_CODE.sub("", prose(path))
     for target in LINK.findall(text):
@@ -205,4 +227,22 @@ def test_relative_links_resolve(path):
         file = target.split("#", 1)[0]
         if not (path.parent / file).exists():
             broken.append(target)
+    return broken
+
+
+def test_the_link_check_covers_every_page_and_finds_a_broken_link(tmp_path):
+    assert REPO / "docs/results/parity_authors/README.md" in LINK_DOCS  # nested pages too
+    assert REPO / "docs/results/compare/tuned/report.md" in LINK_DOCS
+    (tmp_path / "there.md").write_text("x\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](there.md#a) [gone](missing.md) ![img](gone.png) [web](https://x.org/y)\n"
+        "`[code](not-a-link.md)`\n```\n[fenced](neither.md)\n```\n"
+    )
+    assert broken_links(page) == ["missing.md", "gone.png"]
+
+
+@pytest.mark.parametrize("path", LINK_DOCS, ids=rel)
+def test_relative_links_resolve(path):
+    broken = broken_links(path)
     assert not broken, f"{rel(path)} has links that do not resolve: {broken}"

@@ -11,7 +11,7 @@ import pytest
 from pipeline import pages
 from tests.helpers.paths import REPO
 
-TUNED = REPO / "docs" / "compare" / "tuned"
+TUNED = REPO / "docs" / "results" / "compare" / "tuned"
 
 
 def test_every_quoted_headline_matches_its_report():
