@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.corpus import prepare_corpus
+from tests.helpers.corpus import prepare_corpus
 
 # The CPU tier runs the same on a machine with a GPU: neither its tests nor the worker
 # processes they start see the GPU (so they pick gloo and the CPU, as everywhere else), while

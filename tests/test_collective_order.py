@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_harness import run_ranks
 from tests.helpers.collective_trace import CollectiveTrace
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import tiny_config, train_in_process
 
 SGD = {"optimizer.name": "sgd", "optimizer.lr": 0.05}

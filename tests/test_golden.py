@@ -1,5 +1,5 @@
 """Bit-identity of the training trajectories recorded in tests/golden/trajectories.json
-(see tests/golden.py): every loss, gradient norm, validation loss, byte count and the
+(see tests/helpers/golden.py): every loss, gradient norm, validation loss, byte count and the
 final weights of each rank must match the recorded run exactly."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.golden import RUNS, cpu_kind, data_digest, golden_path, isa_supported, record
+from tests.helpers.golden import RUNS, cpu_kind, data_digest, golden_path, isa_supported, record
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_machine_kinds_are_named_by_their_instruction_sets():
 def test_golden_data_is_the_recorded_data(golden, tiny_corpus):
     assert data_digest(tiny_corpus) == golden["data"], (
         "the prepared test corpus changed; the trajectories below cannot match. If the data "
-        "change is intended, record again: python -m tests.golden --write"
+        "change is intended, record again: python -m tests.helpers.golden --write"
     )
 
 

@@ -26,8 +26,8 @@ from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim import Lamb
 from pretrain.config import ModelConfig
 from pretrain.model import PretrainingLoss, build_model
-from tests.distributed_harness import run_ranks
 from tests.helpers.compression import compressed_calls, per_tensor_calls, run_onebit_lamb
+from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.kernel_checks import CHECKS
 from tests.helpers.loss_scaling import OverflowOnce, fit_overflow_once, overflow_on_rank_one
 from tests.helpers.nccl import every_collective
@@ -151,7 +151,7 @@ def test_onebit_lamb_steps_on_cuda_match_the_cpu(world_size):
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_fused_kernels_on_cuda_match_the_reference_on_the_cpu(check):
-    # The interpreter runs the same checks in make test (tests/test_kernels.py).
+    # The interpreter runs the same checks in make test (tests/core/distributed/test_kernels.py).
     if not triton_available():
         pytest.fail("Triton is missing: torch's CUDA builds ship it (pip install '.[gpu]')")
     CHECKS[check](GPU)
@@ -326,7 +326,7 @@ def test_optimizer_steps_make_no_host_sync_on_cuda(name):
 
 
 def test_a_training_step_on_cuda_syncs_as_often_at_any_depth(tiny_corpus, tmp_path):
-    """As on the CPU (tests/test_host_syncs.py): a few waits per micro-batch and per
+    """As on the CPU (tests/core/optim/test_host_syncs.py): a few waits per micro-batch and per
     step (there, also the statistics' copy to the host), the same for 2 and 4 layers,
     none per parameter."""
     tiny = training_step_syncs(tiny_corpus, tmp_path / "tiny", "bert-tiny", GPU)

@@ -3,8 +3,8 @@ core, and nothing below the orchestrator and the benchmarks imports them.
 
     onebit_bert  <  data_prep, pretrain, finetune, smoke_data  <  pipeline, bench
 
-In tests/, no file imports a test module (``tests.test_*``): what several test modules
-share lives in tests/helpers/.
+In tests/, no file imports a test module (a ``test_*`` module in any folder below tests/):
+what several test modules share lives in tests/helpers/.
 
 Every import of every module counts, including the ones inside functions.
 """
@@ -127,14 +127,20 @@ def test_the_cycle_check_sees_a_cycle():
 
 
 def imported_test_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
-    """(line, module) of every import in ``path`` of a test module (``tests.test_*``), at
-    any depth in the file: ``import tests.test_x``, ``from tests.test_x import f``,
-    ``from tests import test_x`` and their relative forms, resolved from the package that
-    ``path`` is in below ``root``."""
+    """(line, module) of every import in ``path`` of a test module (``tests.test_*``, also in
+    a folder: ``tests.core.optim.test_*``), at any depth in the file: ``import tests.test_x``,
+    ``from tests.test_x import f``, ``from tests import test_x`` and their relative forms,
+    resolved from the package that ``path`` is in below ``root``."""
     package = path.relative_to(root).parent.parts
 
-    def is_test_module(parts: list[str]) -> bool:
-        return len(parts) >= 2 and parts[0] == "tests" and parts[1].startswith("test_")
+    def test_module_of(parts: list[str]) -> str | None:
+        """``tests[.<folder>...].test_x`` of a module path below tests/, else None."""
+        if parts[:1] != ["tests"]:
+            return None
+        for depth, part in enumerate(parts[1:], start=2):
+            if part.startswith("test_"):
+                return ".".join(parts[:depth])
+        return None
 
     found = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -143,13 +149,13 @@ def imported_test_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]
         elif isinstance(node, ast.ImportFrom):
             base = list(package[: len(package) - node.level + 1]) if node.level else []
             module = base + (node.module.split(".") if node.module else [])
-            if is_test_module(module):
+            if test_module_of(module):
                 modules = [module]
             else:  # from tests import test_x
                 modules = [[*module, alias.name] for alias in node.names]
         else:
             continue
-        found += [(node.lineno, ".".join(m[:2])) for m in modules if is_test_module(m)]
+        found += [(node.lineno, test_module_of(m)) for m in modules if test_module_of(m)]
     return found
 
 
@@ -189,3 +195,17 @@ def test_the_test_import_check_sees_a_violation(tmp_path):
     beside = tmp_path / "tests" / "test_m.py"
     beside.write_text("from .test_pretrain import tiny_config\nfrom .toy import build_model\n")
     assert imported_test_modules(beside, root=tmp_path) == [(1, "tests.test_pretrain")]
+    nested = tmp_path / "tests" / "core" / "optim" / "test_m.py"
+    nested.parent.mkdir(parents=True)
+    nested.write_text(
+        "from tests.core.optim.test_lamb import f\n"
+        "from ..strategies import test_diloco\n"
+        "import tests.stages.test_pretrain.sub\n"
+        "from tests.helpers.toy import build_model\n"
+        "from . import toy_helpers\n"
+    )
+    assert imported_test_modules(nested, root=tmp_path) == [
+        (1, "tests.core.optim.test_lamb"),
+        (2, "tests.core.strategies.test_diloco"),
+        (3, "tests.stages.test_pretrain"),
+    ]

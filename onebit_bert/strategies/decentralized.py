@@ -24,7 +24,7 @@ division by gamma (at a tiny learning rate, (x_i - y~_i) / gamma times gamma wou
 the division's amplified rounding into x; only the momentum holds it). With W the exact
 average both methods are parallel momentum SGD; with beta 0 both are decentralised SGD;
 for any doubly stochastic W the ranks' average follows momentum SGD on the averaged
-gradient (tests/test_decentralized.py checks all three).
+gradient (tests/core/strategies/test_decentralized.py checks all three).
 
 The project's decisions where the sources are silent:
 

@@ -33,6 +33,26 @@ def assert_equal(a, b, path="") -> None:
         assert a == b, path
 
 
+def assert_same_checkpoints(
+    run_a, run_b, steps, shared_keys, rank_keys, optional_rank_keys=()
+) -> None:
+    """The checkpoints of two runs at ``steps`` agree to the bit: ``shared_keys`` of the
+    shared state and ``rank_keys`` of every rank's; ``optional_rank_keys`` may be missing
+    from a rank's state, where they must be missing from the other run's too."""
+    for step in steps:
+        (shared_a, ranks_a), (shared_b, ranks_b) = (
+            load_checkpoint(run_a, step),
+            load_checkpoint(run_b, step),
+        )
+        for key in shared_keys:
+            assert_equal(shared_a[key], shared_b[key], f"step {step}: {key}")
+        for rank, (ra, rb) in enumerate(zip(ranks_a, ranks_b, strict=True)):
+            for key in rank_keys:
+                assert_equal(ra[key], rb[key], f"step {step}, rank {rank}: {key}")
+            for key in optional_rank_keys:
+                assert_equal(ra.get(key), rb.get(key), f"step {step}, rank {rank}: {key}")
+
+
 def assert_same_local_step_runs(
     run_a,
     run_b,
@@ -45,16 +65,7 @@ def assert_same_local_step_runs(
     they logged and the ``logged`` figures at each."""
     from onebit_bert.metrics_log import read_metrics
 
-    for step in steps:
-        (shared_a, ranks_a), (shared_b, ranks_b) = (
-            load_checkpoint(run_a, step),
-            load_checkpoint(run_b, step),
-        )
-        for key in shared_keys:
-            assert_equal(shared_a[key], shared_b[key], key)
-        for ra, rb in zip(ranks_a, ranks_b, strict=True):
-            assert_equal(ra["params"], rb["params"], "params")
-            assert_equal(ra["optimizer"], rb["optimizer"], "optimizer")
+    assert_same_checkpoints(run_a, run_b, steps, shared_keys, ("params", "optimizer"))
     logs_a, logs_b = ({r["step"]: r for r in read_metrics(run / "metrics.jsonl")}
                       for run in (run_a, run_b))  # fmt: skip
     assert sorted(logs_a) == sorted(logs_b)

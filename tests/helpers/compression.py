@@ -1,10 +1,13 @@
 """The compressed all-reduce written out plainly (:func:`simulate`) and run on real ranks
 (:func:`compressed_calls`), and the toy problem the 1-bit optimizers are checked on: four
 layers of fixed shapes in two BERT-style groups, per-rank and averaged gradients, a row
-mask, the optimizers' flat momentum order, and 1-bit LAMB run on it."""
+mask, the optimizers' flat momentum order, the compression stage's momentum exchange
+simulated (:class:`SimulatedMomentumExchange`), optimizer steps with saves and resumes
+(:func:`toy_steps`, :func:`resumed_toy_runs`), and 1-bit LAMB run on it."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import torch
@@ -120,6 +123,89 @@ def param_groups(params):
         {"params": [params[0], params[2]], "weight_decay": 0.01},
         {"params": [params[1], params[3]], "weight_decay": 0.0},
     ]
+
+
+def layer_scales(momenta) -> list[float]:
+    """The per-layer scales a 1-bit optimizer fixes when compression starts: the mean of the
+    layers' RMS over each layer's own (1.0 for a layer that is all zeros)."""
+    rms = [m.norm().item() / math.sqrt(m.numel()) for m in momenta]
+    mean = sum(rms) / len(rms)
+    return [mean / r if r > 0 else 1.0 for r in rms]
+
+
+class SimulatedMomentumExchange:
+    """The compression stage's momentum exchange for ``world_size`` workers in one process:
+    each rank's momentum step on its own gradients, scaled per layer, laid out in
+    :data:`FLAT_ORDER` and averaged by :func:`simulate` (whose error buffers this keeps
+    across calls); returns the averaged momenta, unscaled, in layer order."""
+
+    def __init__(self, world_size: int, bucket=None):
+        self.p, self.bucket = world_size, bucket
+        self.numel = sum(math.prod(s) for s in SHAPES)
+        quantum = 8 * world_size
+        self.padded = -(-self.numel // quantum) * quantum
+        self.ew = [torch.zeros(self.padded) for _ in range(world_size)]
+        self.es = [torch.zeros(self.padded // world_size) for _ in range(world_size)]
+
+    def __call__(self, momenta, b1: float, step: int, scales) -> list[torch.Tensor]:
+        inputs = []
+        for rank in range(self.p):
+            local = [
+                (b1 * m + (1 - b1) * g) * s
+                for m, g, s in zip(momenta, local_grads(rank, step), scales, strict=True)
+            ]
+            flat = torch.zeros(self.padded)
+            flat[: self.numel] = torch.cat([local[i].reshape(-1) for i in FLAT_ORDER])
+            inputs.append(flat)
+        out = simulate(inputs, self.ew, self.es, self.numel, self.bucket)
+        averaged, offset = [None] * len(momenta), 0
+        for i in FLAT_ORDER:
+            n = momenta[i].numel()
+            averaged[i] = out[offset : offset + n].view_as(momenta[i]) / scales[i]
+            offset += n
+        return averaged
+
+
+def toy_steps(comm, params, opt, start: int, stop: int, saves=()) -> dict[int, bytes]:
+    """Steps ``start + 1`` to ``stop`` of ``opt`` on the toy problem: this rank's own
+    gradients when the optimizer averages them itself, their average otherwise. Returns
+    the parameters and optimizer state after each step in ``saves``, through torch.save."""
+    blobs = {}
+    for step in range(start + 1, stop + 1):
+        local = opt.syncs_internally
+        grads = local_grads(comm.rank, step) if local else mean_grads(comm.world_size, step)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+        if step in saves:
+            buffer = io.BytesIO()
+            torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buffer)
+            blobs[step] = buffer.getvalue()
+    return blobs
+
+
+def load_toy_state(params, opt, blob: bytes) -> None:
+    """Parameters and optimizer state as :func:`toy_steps` saved them."""
+    saved = torch.load(io.BytesIO(blob), weights_only=True)
+    with torch.no_grad():
+        for p, value in zip(params, saved["params"], strict=True):
+            p.copy_(value)
+    opt.load_state_dict(saved["opt"])
+
+
+def resumed_toy_runs(comm, make, stop: int, save_points) -> dict:
+    """``make() -> (params, optimizer)`` run uninterrupted to ``stop``; then, for each save
+    point, a fresh pair that loads this rank's parameters and state saved there and
+    continues. ``{"straight": final parameters, "resumed": {save point: final parameters}}``."""
+    params, opt = make()
+    blobs = toy_steps(comm, params, opt, 0, stop, save_points)
+    out = {"straight": [p.detach().clone() for p in params], "resumed": {}}
+    for step, blob in blobs.items():
+        params, opt = make()
+        load_toy_state(params, opt, blob)
+        toy_steps(comm, params, opt, step, stop)
+        out["resumed"][step] = [p.detach().clone() for p in params]
+    return out
 
 
 def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):

@@ -1,5 +1,5 @@
 """The fused kernels (onebit_bert.kernels) against the reference: checks that run in a
-process whose Triton interprets (tests/test_kernels.py starts it with
+process whose Triton interprets (tests/core/distributed/test_kernels.py starts it with
 ``TRITON_INTERPRET=1``) or on a GPU (tests/test_gpu.py, ``device="cuda:0"``).
 
 Where the arithmetic is exact (signs, packing, the server's sum of ±scales, unpacking)

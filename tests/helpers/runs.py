@@ -19,8 +19,7 @@ from onebit_bert.distributed.env import DistContext, LaunchEnv
 from onebit_bert.metrics_log import read_metrics
 from pretrain.config import PretrainConfig
 from pretrain.train import train
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers.paths import REPO
 
 
 def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
@@ -132,22 +131,35 @@ def write_cfg(cfg: dict, path: Path) -> Path:
     return path
 
 
+def torchrun_to_end(cfg_path, nproc: int = 2, timeout_s: float = 300) -> str:
+    """Launch the run and wait for it to finish; its output, or a failure that shows it
+    unless it exits 0."""
+    proc = torchrun(cfg_path, nproc)
+    out, _ = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out
+    return out
+
+
+def launch_and_kill_at(cfg_path, run_dir, step: int, timeout_s: float = 240) -> None:
+    """Launch the run and SIGKILL every process as soon as the checkpoint of ``step``
+    exists (no chance to save anything more); fails if it never appears."""
+    proc = torchrun(cfg_path)
+    step_dir = run_dir / "checkpoints" / f"step_{step:08d}"
+    deadline = time.time() + timeout_s
+    try:
+        while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+    finally:
+        kill_all(proc)
+    assert step_dir.is_dir(), f"the run never reached step {step}"
+
+
 def run_killing_after_checkpoints(cfg_path, run_dir, steps, max_steps):
     """Launch the run; SIGKILL every process as soon as the checkpoint of ``steps[0]``
     exists, launch again (it resumes) and kill after ``steps[1]``, ...; then let the last
     launch finish."""
     for step in steps:
-        proc = torchrun(cfg_path)
-        step_dir = run_dir / "checkpoints" / f"step_{step:08d}"
-        deadline = time.time() + 240
-        try:
-            while not step_dir.is_dir() and time.time() < deadline and proc.poll() is None:
-                time.sleep(0.05)
-        finally:
-            kill_all(proc)  # no chance to save anything more
-        assert step_dir.is_dir(), f"the run never reached step {step}"
+        launch_and_kill_at(cfg_path, run_dir, step)
         logged = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r]
         assert max(logged) < max_steps, "the run was not cut short"
-    proc = torchrun(cfg_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
+    torchrun_to_end(cfg_path)

@@ -1,5 +1,5 @@
 """Host syncs counted for the optimizers' steps and for the first training steps, on
-either device (tests/test_host_syncs.py on the CPU, tests/test_gpu.py on CUDA)."""
+either device (tests/core/optim/test_host_syncs.py on the CPU, tests/test_gpu.py on CUDA)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The tiny BERT, its per-rank batches and 1-bit LAMB settings that the tests of users'
-own scripts share (tests/test_ddp_recipe.py, tests/test_hf_trainer.py,
-tests/test_optimizer_guards.py)."""
+own scripts share (tests/core/test_ddp_recipe.py, tests/core/test_hf_trainer.py,
+tests/core/optim/test_optimizer_guards.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 STEPS, FREEZE = 6, 3
 HYPER = {"lr": 0.02, "freeze_step": FREEZE, "max_coeff": 0.3, "weight_decay": 0.01}
@@ -47,6 +48,41 @@ def example_rows(world_size: int, steps: int) -> list[dict]:
         for rank in range(world_size)
         for i in range(4)
     ]
+
+
+class ExampleRows(Dataset):
+    """:func:`example_rows` as a dataset for HF ``Trainer``."""
+
+    def __init__(self, world_size: int, steps: int):
+        self.rows = example_rows(world_size, steps)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def trainer_arguments(out_dir, steps: int, **save):
+    """HF ``TrainingArguments`` for the tiny BERT on the CPU: ``steps`` steps of 4 rows per
+    rank at a constant learning rate, no clipping, logging or workers; ``save`` sets the
+    checkpoint policy (``save_strategy`` and its settings)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out_dir),
+        use_cpu=True,
+        per_device_train_batch_size=4,
+        max_steps=steps,
+        learning_rate=HYPER["lr"],
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **save,
+    )
 
 
 def launch_environment(comm) -> None:

@@ -1,0 +1,286 @@
+"""Tests for the benchmark helpers in bench/: rss.PeakRSS and hf_mlm_baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from bench.hf_mlm_baseline import run_hf_mlm_baseline
+from bench.rss import PeakRSS
+from tests.helpers.paths import REPO, SHARED_DATA
+
+VOCAB = SHARED_DATA / "bert_vocab" / "uncased" / "vocab.txt"
+
+_VOCABULARY = (
+    "the a of and to in is was for on with as by at from that this it river mountain city "
+    "house garden winter summer music history school library bridge market village quickly "
+    "slowly green old new small large ancient famous built wrote played discovered"
+)
+WORDS = _VOCABULARY.split()
+
+# A grandchild (child of a child) that touches ~200 MB, reports, and holds it for a while.
+_ALLOC = "import sys, time; b = b'x' * (200 << 20); print('ready', flush=True); time.sleep(0.6)"
+_PARENT = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_ALLOC!r}], check=True)"
+
+
+def test_peak_rss_sees_descendant_allocation():
+    with PeakRSS(interval=0.05) as rss:
+        out = subprocess.run(
+            [sys.executable, "-c", _PARENT], check=True, capture_output=True, text=True
+        ).stdout
+    assert "ready" in out
+    assert rss.samples >= 3
+    assert rss.peak_mb - rss.start_mb >= 150, (rss.start_mb, rss.peak_mb)
+
+
+def test_peak_rss_counts_this_process():
+    with PeakRSS() as rss:
+        pass
+    assert rss.samples >= 2
+    assert 0 < rss.start_mb <= rss.peak_mb
+
+
+def _expected_blocks(lengths: list[int], block_size: int, num_proc: int, batch: int = 1000):
+    """Blocks run_mlm's group_texts yields: contiguous shards per worker, batches of `batch`
+    rows within a shard, each batch's remainder dropped (mirrors Dataset.shard/map)."""
+    n, blocks = len(lengths), 0
+    div, mod = divmod(n, num_proc)
+    for i in range(num_proc):
+        start = div * i + min(i, mod)
+        shard = lengths[start : start + div + (1 if i < mod else 0)]
+        for j in range(0, len(shard), batch):
+            blocks += sum(shard[j : j + batch]) // block_size
+    return blocks
+
+
+def test_hf_mlm_baseline_counts(tmp_path):
+    if not VOCAB.is_file():
+        pytest.skip(f"shared BERT vocab not found at {VOCAB} (set SHARED_DATA)")
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    tok_dir = tmp_path / "tokenizer"
+    # transformers 5 ignores a vocab_file argument; build from the tokenizers object.
+    wordpiece = BertWordPieceTokenizer(str(VOCAB), lowercase=True)
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=True)
+    assert len(tokenizer) == 30522
+    tokenizer.save_pretrained(str(tok_dir))
+
+    # Seed picked so that the per-batch remainder drop costs a block (see the blocks check).
+    rng = random.Random(3)
+    lines = []
+    for _ in range(400):  # some empty lines too: run_mlm keeps them ([CLS] [SEP] each)
+        words = rng.choices(WORDS, k=0 if rng.random() < 0.1 else rng.randint(1, 40))
+        line = " ".join(words)
+        lines.append(line[:1].upper() + line[1:] + ("." if line else ""))
+    text_file = tmp_path / "corpus.txt"
+    text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    block_size, num_proc = 64, 2
+    result = run_hf_mlm_baseline(
+        str(text_file), str(tok_dir), block_size=block_size, num_proc=num_proc
+    )
+    assert set(result) == {"tokens", "blocks", "seconds", "tokens_per_s", "peak_rss_mb"}
+
+    lengths = [len(ids) for ids in tokenizer(lines)["input_ids"]]
+    assert lengths.count(2) == sum(not line for line in lines) > 0
+    assert result["tokens"] == sum(lengths)
+    # Remainders are dropped per map batch (one batch per worker here), as in run_mlm.py.
+    assert result["blocks"] == _expected_blocks(lengths, block_size, num_proc)
+    assert 0 <= result["tokens"] // block_size - result["blocks"] < num_proc
+    assert result["blocks"] == sum(lengths) // block_size - 1  # holds for this seed's data
+    assert result["seconds"] > 0
+    assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"], rel=0.02)
+    assert result["peak_rss_mb"] > 0
+
+
+def test_giant_document_benchmark_runs_small():
+    from bench.giant_document import main
+
+    result = main(["--mb", "0.3"])
+    assert result["megabytes"] == 0.3 and result["train_rows"] > 0
+    assert result["peak_rss_main_mb"] > 0 and result["seconds"] >= 0
+
+
+def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
+    """bench/gpu.py's loops, timing, host-sync count, HF Trainer baseline, MFU and the
+    optimizer's floor, on the CPU (its --device cpu dry run): every configuration yields
+    its figures, 1-bit LAMB in its compression stage. A GPU is needed for the benchmark's
+    real figures."""
+    from bench import gpu
+
+    parser = gpu.build_parser()
+    args = parser.parse_args(
+        shlex.split(
+            "--device cpu --model bert-tiny --precisions fp32 --compile off --impl reference "
+            "--steps 1 --repeats 2 --warmup-steps 2 --batch-size 8 --vocab-size 2000 "
+            "--peak-tflops 1 --bandwidth-gbs 10"
+        )
+    )
+    gpu.check_arguments(parser, args)
+    runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
+    assert [(r["loop"], r["optimizer"], r.get("impl")) for r in runs] == [
+        ("hf_trainer", "adamw", None),
+        ("ours", "lamb", "reference"),
+        ("ours", "onebit_lamb", "reference"),
+        ("ours", "adamw", "torch"),
+    ]
+    for run in runs:
+        assert "error" not in run, run
+        timed = 1 if run["loop"] == "hf_trainer" else 2
+        assert run["samples_per_s"] > 0 and run["steps_timed"] == timed, run
+        assert run["precision"] == "fp32" and run["compile"] is False
+        assert run["seq_length"] == 128 and run["batch_size"] == 8
+        assert run["clock"] == "perf_counter"
+        assert run["peak_memory_gib"] is None  # no device memory counter on the CPU
+    ours = {r["optimizer"]: r for r in runs if r["loop"] == "ours"}
+    assert ours["onebit_lamb"]["stage"] == "compression"
+    for run in ours.values():
+        assert run["ratio_vs_hf_trainer"] > 0
+        assert run["host_syncs_per_step"] > 0  # the gradient norm, at least
+        assert run["mfu"] == run["model_tflops_per_s"] > 0 and run["peak_tflops"] == 1
+        assert run["flop_formula"].startswith("6*N*T + 12*L*d*S*T")
+        assert run["optimizer_step_ms"] > 0 and run["optimizer_floor_ms"] > 0
+    params = ours["lamb"]["optimizer_params"]
+    assert ours["lamb"]["optimizer_bytes_floor"] == 28 * params
+    assert ours["onebit_lamb"]["optimizer_bytes_floor"] == int(56.5 * params)
+    assert ours["lamb"]["optimizer_floor_ms"] == round(28 * params / 10e9 * 1000, 3)
+    with pytest.raises(SystemExit):  # half precision is the GPU's
+        gpu.check_arguments(parser, parser.parse_args(["--device", "cpu"]))
+    with pytest.raises(SystemExit):  # the fused kernels need CUDA or the interpreter
+        gpu.check_arguments(
+            parser, parser.parse_args(shlex.split("--device cpu --precisions fp32"))
+        )
+
+
+def test_gpu_benchmark_comparisons_are_ratios_of_one_invocation():
+    from bench.yardstick import comparisons, model_flops
+
+    def row(optimizer, impl, samples, ms):
+        return dict(loop="ours", optimizer=optimizer, impl=impl, seq_length=128,
+                    precision="bf16", compile=True, samples_per_s=samples,
+                    optimizer_step_ms=ms)  # fmt: skip
+
+    runs = [
+        row("lamb", "reference", 100, 8),
+        row("lamb", "fused", 110, 4),
+        row("onebit_lamb", "reference", 60, 40),
+        row("onebit_lamb", "fused", 99, 10),
+    ]
+    alone = [{"optimizer": "onebit_lamb", "impl": "reference", "optimizer_step_ms": 30},
+             {"optimizer": "onebit_lamb", "impl": "fused", "optimizer_step_ms": 6}]  # fmt: skip
+    (config, step) = comparisons(runs, alone)
+    assert config["lamb_fused_over_reference_samples"] == 1.1
+    assert config["onebit_lamb_optimizer_step_speedup"] == 4.0
+    assert config["onebit_over_lamb_samples_reference"] == 0.6
+    assert config["onebit_over_lamb_samples_fused"] == 0.9
+    assert step == {"optimizer_alone": "onebit_lamb", "step_speedup_fused": 5.0}
+
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    model = build_model(ModelConfig(preset="bert-tiny"), 64)
+    flops = model_flops(model, batch=4, seq_length=32)
+    n = sum(p.numel() for p in model.bert.encoder.parameters())
+    assert flops["model_flops_per_step"] == 6 * n * 128 + 12 * 2 * 128 * 32 * 128
+
+
+def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
+    """bench-gpu's default corpus is generated, prepared at both sequence lengths, and the
+    model padded to BERT's vocabulary whatever the tokenizer learned (CPU dry run)."""
+    from bench import gpu
+
+    status = gpu.main(
+        shlex.split(
+            "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
+            "--warmup-steps 2 --batch-size 8 --optimizers lamb --no-hf-baseline "
+            "--impl reference --repeats 1"
+        )
+    )
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status == 0 and summary["failures"] == 0
+    assert summary["corpus"] == "generated" and summary["seq_lengths"] == [128, 512]
+    assert summary["tokenizer_vocab_size"] < summary["model_vocab_size"] == 30522
+    assert [(r["seq_length"], r["batch_size"]) for r in summary["runs"]] == [(128, 8), (512, 2)]
+    assert all(r["samples_per_s"] > 0 for r in summary["runs"])
+    assert summary["reference"]["sequences_per_s_per_gpu"] == {"128": 580, "512": 210}
+    assert summary["bandwidth_gbs"] > 0 and summary["impls"] == ["reference"]
+    (alone,) = summary["optimizer_steps"]  # LAMB's step alone, on the preset's parameters
+    assert alone["optimizer"] == "lamb" and alone["optimizer_step_ms"] > 0
+    assert alone["optimizer_vs_floor"] > 0 and alone["steps_timed"] == 1
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_alternates_reference_and_fused_kernels_in_the_interpreter():
+    """bench/gpu.py with --impl reference,fused on the CPU, the fused kernels in Triton's
+    interpreter (a child process: Triton fixes its mode at import): both implementations
+    alternate on one trainer and are compared. LAMB only: the interpreter takes about
+    half a minute per fused step of bert-tiny on 2 cores (1-bit LAMB's: several)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = (
+        "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
+        "--warmup-steps 2 --repeats 1 --batch-size 4 --vocab-size 6500 --seq-lengths 128 "
+        "--optimizers lamb --no-hf-baseline --no-optimizer-steps --impl reference,fused"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", *shlex.split(command)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-5000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["optimizer"], r["impl"]) for r in summary["runs"]] == [
+        ("lamb", "reference"),
+        ("lamb", "fused"),
+    ]
+    assert all(r["samples_per_s"] > 0 and r["optimizer_step_ms"] > 0 for r in summary["runs"])
+    (config,) = summary["comparisons"]
+    assert config["lamb_fused_over_reference_samples"] > 0
+
+
+def test_checkpoint_io_bench_saves_loads_and_reports_rates(tmp_path):
+    from bench import checkpoint_io
+
+    result = checkpoint_io.measure(tmp_path / "ckpt", scale=0.001, repeats=2)
+    params = int(checkpoint_io.BERT_LARGE_PARAMS * 0.001)
+    assert result["bytes"]["shared"] == 3 * 4 * params
+    assert result["bytes"]["per_rank"] == int(checkpoint_io.ERROR_FEEDBACK_BYTES * 0.001) // 4 * 4
+    assert len(result["save_seconds"]) == len(result["load_seconds"]) == 2
+    assert result["save_gb_per_s"] > 0 and result["load_gb_per_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002"]
+
+
+def test_finetune_loop_benchmark_times_both_loops():
+    from bench import finetune_loop
+
+    result = finetune_loop.main(
+        ["--model", "bert-tiny", "--examples", "32", "--length", "16", "--batch", "16"]
+        + ["--repeats", "1"]
+    )
+    assert set(result["seconds"]) == {"ours", "hf_trainer"}
+    assert all(len(v) == 1 and v[0] > 0 for v in result["seconds"].values())
+    assert result["hf_trainer_over_ours"] > 0
+
+
+@pytest.mark.slow
+def test_onebit_tensor_bench_times_three_ways_with_the_same_numbers():
+    from bench.onebit_tensor import main, tensor_sizes
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    model = build_model(ModelConfig(preset="bert-tiny"), 64)
+    assert tensor_sizes("bert-tiny", 64) == [p.numel() for p in model.parameters()]
+    out = main(["--model", "bert-tiny", "--vocab-size", "64", "--world-size", "2",
+                "--iters", "1", "--warmup", "0"])  # fmt: skip
+    assert out["identical"] is True
+    assert out["collectives_fused"] == out["collectives_per_tensor"] == 2
+    assert out["collectives_one_by_one"] == 2 * out["tensors"]
+    assert out["bytes_per_rank_per_tensor"] == out["bytes_per_rank_one_by_one"]
+    assert out["bytes_per_rank_fused"] <= out["bytes_per_rank_per_tensor"]

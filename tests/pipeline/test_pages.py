@@ -1,0 +1,57 @@
+"""Pages that quote the comparison report agree with its report.json: the headline blocks
+of README.md and docs/guide/, and report.md's own tables, rendered again from the JSON."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pipeline import pages
+from tests.helpers.paths import REPO
+
+TUNED = REPO / "docs" / "results" / "compare" / "tuned"
+
+
+def test_every_quoted_headline_matches_its_report():
+    quoted = pages.pages()
+    assert REPO / "README.md" in quoted and REPO / "docs/guide/strategies.md" in quoted
+    stale = [str(p.relative_to(REPO)) for p in quoted if pages.refresh(p.read_text(), p)
+             != p.read_text()]  # fmt: skip
+    assert not stale, f"run python -m pipeline.pages: {stale} differ from their reports"
+
+
+def test_the_tuned_reports_tables_are_its_json():
+    drift = pages.report_md_drift(TUNED)
+    assert not drift, f"report.md lines its report.json does not give: {drift[:3]}"
+
+
+def test_a_changed_number_is_caught(tmp_path):
+    shutil.copy(TUNED / "report.json", tmp_path / "report.json")
+    text = (TUNED / "report.md").read_text()
+    # one time in the strategies table, one in the groups' answer
+    (tmp_path / "report.md").write_text(text.replace("9.40 h", "9.41 h", 1))
+    assert len(pages.report_md_drift(tmp_path)) >= 1
+    report = json.loads((TUNED / "report.json").read_text())
+    page = tmp_path / "page.md"
+    block = f"<!-- headline: {TUNED.relative_to(REPO)}/report.json -->\n"
+    page.write_text(f"x\n{block}stale\n<!-- /headline -->\ny\n")
+    fresh = pages.refresh(page.read_text(), page)
+    assert "stale" not in fresh and fresh.startswith("x\n") and fresh.endswith("y\n")
+    first = report["groups"][0]["ranking"][0]
+    assert f"{first['mean'] / 3600:.2f} h" in fresh
+    assert pages.refresh(fresh, page) == fresh
+    page.write_text("<!-- headline: docs/no/report.json -->\n<!-- /headline -->\n")
+    with pytest.raises(FileNotFoundError, match="docs/no/report.json.*fix the marker"):
+        pages.refresh(page.read_text(), page)
+
+
+def test_the_report_json_carries_each_records_data_and_the_groups():
+    report = json.loads((TUNED / "report.json").read_text())
+    assert all("data" in r for r in report["runs"])
+    assert report["data"]["mixed"] is True  # ranked together only as asked
+    for row in report["groups"]:
+        assert row["leaders"] and "Welch" in row["test"]
+        censored = [e for e in row["ranking"] if e["lower_bound"]]
+        assert all(any(e["censored"]) for e in censored)
