@@ -1,6 +1,6 @@
 """The 1-bit all-reduce's per-bucket work as Triton kernels (:class:`FusedSignOps`).
 
-Same contract as the reference :class:`~onebit_bert.distributed.compression.SignOps`,
+Same contract as the reference :class:`~onebit_bert.distributed.codecs.compression.SignOps`,
 whose passes over a bucket it replaces (elements: ``x`` the bucket, ``e`` an error):
 
 - worker, :meth:`FusedSignOps.compress`: one pass sums ``(x+e)²`` over the real
@@ -31,7 +31,7 @@ import torch
 
 from onebit_bert.kernels import triton_module
 
-SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.compression)
+SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.codecs.compression)
 BYTES_PER_PROGRAM = 256  # 2,048 elements: 8 KiB of fp32 read per program and operand
 
 

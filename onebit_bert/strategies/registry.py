@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from onebit_bert.distributed.traffic import COMPRESSIBLE_KEYS
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from onebit_bert.distributed.policy import CommConfig, CommPolicy
     from onebit_bert.optim.build import OptimizerConfig
 
-TRAFFIC_KINDS = ("grad", "momentum", "outer", "neighbour")
+TRAFFIC_KINDS = COMPRESSIBLE_KEYS
 """The kinds of traffic a strategy may send, as named by ``comm.compression.*``."""
 
 COMMON_FIELDS = ("name", "grad_sync", "force_compression")

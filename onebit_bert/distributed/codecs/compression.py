@@ -1,7 +1,7 @@
 """State and arithmetic of the error-compensated 1-bit all-reduce.
 
 The collective itself (which tensors go where) is
-:meth:`onebit_bert.distributed.comm.Communicator.compressed_all_reduce`; this module holds what
+:func:`onebit_bert.distributed.codecs.onebit.compressed_all_reduce`; this module holds what
 it needs between calls (:class:`ErrorFeedback`) and the per-bucket arithmetic, so the
 collective reads as "compress, exchange, combine, exchange, expand".
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onebit_bert.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.distributed.codecs.packing import pack_signs, unpack_signs
 from onebit_bert.kernels import use_fused
 
 # Bytes used to carry one fp32 scale next to the packed signs in the same message.
@@ -197,8 +197,8 @@ def frame(packed: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
 class SignOps:
     """The per-bucket work of the 1-bit all-reduce in plain torch: the reference, on every
     device. :class:`onebit_bert.kernels.signs.FusedSignOps` does the same in fewer passes
-    (:func:`sign_ops` chooses). ``table`` is :func:`~onebit_bert.distributed.packing.sign_table`
-    for the buffers' device."""
+    (:func:`sign_ops` chooses). ``table`` is
+    :func:`~onebit_bert.distributed.codecs.packing.sign_table` for the buffers' device."""
 
     name = "reference"
 
