@@ -327,11 +327,7 @@ class Communicator:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Average ``tensor`` (flat, ``world_size`` equal slices) over ranks; this rank's
         slice of the average lands in ``output``."""
-        if tensor.numel() != output.numel() * self.world_size:
-            raise ValueError(
-                f"reduce_scatter input has {tensor.numel()} elements; it needs "
-                f"{self.world_size} x {output.numel()}"
-            )
+        self._check_slices("reduce_scatter input", tensor, output)
         if self.alone:
             output.view(-1).copy_(tensor.reshape(-1))
             return output
@@ -446,11 +442,7 @@ class Communicator:
     def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
         """:meth:`all_gather`, started and returned at once (:class:`Issued`); the
         synchronous one waits on it."""
-        if output.numel() != tensor.numel() * self.world_size:
-            raise ValueError(
-                f"all_gather output has {output.numel()} elements; it needs "
-                f"{self.world_size} x {tensor.numel()}"
-            )
+        self._check_slices("all_gather output", output, tensor)
         if self.alone:
             output.view(-1).copy_(tensor.reshape(-1))
         return self._issue(
@@ -459,6 +451,13 @@ class Communicator:
                 output.view(-1), tensor.reshape(-1), group=self.group, async_op=True
             ),
         )
+
+    def _check_slices(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+        """Refuse a ``whole`` that is not ``world_size`` slices the size of ``part``."""
+        if whole.numel() != part.numel() * self.world_size:
+            raise ValueError(
+                f"{what} has {whole.numel()} elements; it needs {self.world_size} x {part.numel()}"
+            )
 
     def _issue(self, nbytes: int, launch) -> Issued:
         """Start a collective (``launch()``, which issues it with ``async_op=True``; nothing on

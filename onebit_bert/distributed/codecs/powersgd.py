@@ -9,6 +9,10 @@ import torch
 
 from onebit_bert.distributed.codecs.base import Codec
 
+HOOK_SETTINGS = {"use_error_feedback": True, "warm_start": True, "random_seed": 0}
+"""How every run sets up PyTorch's hook: error feedback and warm start on, one seed on
+every rank (the hook's random projections must agree)."""
+
 
 class _Bucket:
     """What PyTorch's PowerSGD hook reads from a DDP ``GradBucket``, for a list of
@@ -80,9 +84,7 @@ class PowerSGDCodec(Codec):
                 matrix_approximation_rank=rank,
                 start_powerSGD_iter=start_step,
                 min_compression_rate=min_compression_rate,
-                use_error_feedback=True,
-                warm_start=True,
-                random_seed=0,
+                **HOOK_SETTINGS,
             )
             if not comm.alone
             else None
