@@ -100,15 +100,13 @@ class ErrorFeedback:
         self.worker_error.zero_()
         self.server_error.zero_()
 
+    PLAN = ("numel", "world_size", "rank", "bucket_numel")
+    """What the errors were laid out for: saved with them, checked on load."""
+
     def state_dict(self) -> dict:
-        return {
-            "numel": self.numel,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "bucket_numel": self.bucket_numel,
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
-        }
+        state = {key: getattr(self, key) for key in self.PLAN}
+        state.update(worker_error=self.worker_error.clone(), server_error=self.server_error.clone())
+        return state
 
     def load_state_dict(self, state: dict) -> bool:
         """Restore saved errors. Returns False (and resets, with a warning) if they were
