@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from bench.common import init_gloo, run_gloo_ranks
 from onebit_bert.distributed import Communicator, ErrorFeedback
+from onebit_bert.distributed.codecs import compressed_all_reduce
+from onebit_bert.distributed.codecs.packing import pack_signs, sign_table, unpack_signs
 from onebit_bert.distributed.netdev import read_interfaces
-from onebit_bert.distributed.packing import pack_signs, sign_table, unpack_signs
 
 
 def loopback_tx_bytes() -> int:
@@ -74,7 +75,7 @@ def _rank_main(rank, world_size, store, out_path, numel, iters, warmup, bucket):
             comm.all_reduce(buffer)
 
         def compressed():
-            comm.compressed_all_reduce(buffer, feedback)
+            compressed_all_reduce(comm, buffer, feedback)
 
         for fn in (plain, compressed):  # warm up connections and allocator
             for _ in range(warmup):

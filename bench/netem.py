@@ -72,6 +72,7 @@ from bench.netem_runs import (  # noqa: F401 (re-exported: the benchmark's publi
     step_records,
     summarize,
 )
+from onebit_bert.distributed.codecs import CODECS, accepted_codecs
 from onebit_bert.recipes import RECIPES, get_recipe
 
 BERT_LARGE_PARAMS = 335_000_000  # BERT-Large with its MLM/NSP heads, about
@@ -91,6 +92,12 @@ WHY_COMM_BOUND = (
     "step spent in communication, and the runs where it is >= 0.75 are the "
     "communication-bound regime the paper targets."
 )
+
+
+def hybrid_codecs() -> tuple[str, ...]:
+    """The codecs ``--hybrid-codec`` accepts: every lossy codec gradients may travel with
+    (the codec registry's entries)."""
+    return tuple(name for name in accepted_codecs("grad") if CODECS[name].lossy)
 
 
 def whole_run_steps(config: Path) -> tuple[int, int]:
@@ -248,7 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hybrid-codec",
         default="int8",
-        help="hybrid_onebit_lamb: the codec of its warmup gradients (bf16, fp16, int8, onebit)",
+        help="hybrid_onebit_lamb: the codec of its warmup gradients (a lossy gradient codec: "
+        f"{', '.join(hybrid_codecs())})",
     )
     parser.add_argument(
         "--bucket-mb", type=float, default=4.0, help="onebit_lamb_overlap: momentum buckets"
@@ -346,8 +354,8 @@ def _strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> li
         parser.error(f"--strategies: each name once (got {args.strategies})")
     if any(RECIPES[n].node_hierarchy for n in names) and args.ranks_per_host < 2:
         parser.error("--strategies: the *_node strategies need --ranks-per-host 2 or more")
-    if args.hybrid_codec not in ("bf16", "fp16", "int8", "onebit"):
-        parser.error("--hybrid-codec: one of bf16, fp16, int8, onebit")
+    if args.hybrid_codec not in hybrid_codecs():
+        parser.error(f"--hybrid-codec: one of {', '.join(hybrid_codecs())}")
     try:
         args.outer_every, args.outer_every_by_recipe = parse_outer_every(args.outer_every)
     except ValueError as error:

@@ -34,7 +34,7 @@ SIZES = (4096, 512)
 
 def _run(comm, steps: int, small_scale: float, noise: float) -> dict:
     from onebit_bert.distributed.codecs import OneBitCodec
-    from onebit_bert.distributed.compression import padded_size
+    from onebit_bert.distributed.codecs.compression import padded_size
     from onebit_bert.optim.compressed import scaling_coefficients
 
     numel = sum(SIZES)

@@ -32,6 +32,7 @@ from transformers import BertForPreTraining
 
 from bench.common import init_gloo, run_gloo_ranks
 from onebit_bert.distributed import Communicator, ErrorFeedback
+from onebit_bert.distributed.codecs import compressed_all_reduce, compressed_all_reduce_many
 from pretrain.config import ModelConfig
 from pretrain.model import PRESET_SHAPES, bert_config
 
@@ -70,12 +71,12 @@ def _rank_main(rank, world_size, store, out_path, sizes, iters, warmup):
 
         calls = {
             "fused": (lambda: fill([fused], [sources]),
-                      lambda: comm.compressed_all_reduce(fused[0], fused[1])),
+                      lambda: compressed_all_reduce(comm, fused[0], fused[1])),
             "per_tensor": (lambda: fill(singles, [[t] for t in sources]),
-                           lambda: comm.compressed_all_reduce_many(
+                           lambda: compressed_all_reduce_many(comm,
                                [(b, fb) for b, fb, _ in singles])),
             "one_by_one": (lambda: fill(twins, [[t] for t in sources]),
-                           lambda: [comm.compressed_all_reduce(b, fb) for b, fb, _ in twins]),
+                           lambda: [compressed_all_reduce(comm, b, fb) for b, fb, _ in twins]),
         }  # fmt: skip
         issued = [0]
         for name in ("all_to_all_async", "all_gather_async"):

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from onebit_bert.distributed import packing
+from onebit_bert.distributed.codecs import OneBitCodec, packing
+from onebit_bert.distributed.codecs.packing import pack_signs, unpack_signs
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.distributed.packing import pack_signs, unpack_signs
 from onebit_bert.kernels import triton_available, use_fused
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim import Lamb
@@ -158,7 +158,7 @@ def test_fused_kernels_on_cuda_match_the_reference_on_the_cpu(check):
 
 
 def test_cuda_picks_the_fused_kernels_by_default():
-    assert Communicator(None, device=GPU).sign_ops.name == "fused"
+    assert OneBitCodec(Communicator(None, device=GPU)).sign_ops.name == "fused"
     params = [torch.nn.Parameter(torch.randn(4, device=GPU))]
     assert Lamb(params).kernels == "auto" and use_fused(GPU, "auto")
 

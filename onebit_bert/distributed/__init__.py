@@ -1,7 +1,7 @@
 """Distributed machinery shared by every stage: process-group setup and all collectives."""
 
+from onebit_bert.distributed.codecs.compression import ErrorFeedback
 from onebit_bert.distributed.comm import TRAFFIC_KINDS, AsyncAllReduce, CommStats, Communicator
-from onebit_bert.distributed.compression import ErrorFeedback
 from onebit_bert.distributed.env import (
     DistContext,
     LaunchEnv,

@@ -18,7 +18,8 @@ neighbour_exchange  tensor bytes × number of destinations (point-to-point)
 The benchmark ``bench/comm.py`` checks these counts against the kernel's interface
 counters.
 
-Every count is also filed under a *kind of traffic* (:data:`TRAFFIC_KINDS`): the caller
+Every count is also filed under a *kind of traffic* (:data:`TRAFFIC_KINDS`, defined in
+:mod:`onebit_bert.distributed.traffic`): the caller
 names it with ``with comm.traffic("momentum"): ...``; collectives outside any such block
 count as ``other``. Strategies use this to report bytes and seconds per kind, and a
 compression policy can choose a codec per kind.
@@ -35,14 +36,10 @@ import torch
 import torch.distributed as dist
 
 from onebit_bert.distributed.compat import all_gather_flat, reduce_scatter_flat
-from onebit_bert.distributed.compression import ErrorFeedback, SignOps, sign_ops
-from onebit_bert.distributed.packing import prepare, sign_table
+from onebit_bert.distributed.traffic import OTHER, TRAFFIC_KINDS
 from onebit_bert.timing import PENDING, DeviceClock
 
-TRAFFIC_KINDS = ("gradients", "momentum", "parameters", "neighbour", "statistics", "other")
-"""What a collective carries: averaged gradients, compressed optimizer momentum, model
-parameters (outer steps), a neighbour exchange, small statistics (losses, counters, stop
-flags), or anything else."""
+__all__ = ["TRAFFIC_KINDS", "AsyncAllReduce", "CommStats", "Communicator", "Issued"]
 
 
 @dataclass
@@ -178,13 +175,8 @@ class Communicator:
         self.alone = group is None
         """No process group: every collective returns at once (a copy where it has an
         output)."""
-        self.kind = "other"
-        self._tables: dict[torch.device, torch.Tensor] = {}
+        self.kind = OTHER
         self._clock = DeviceClock(self.device)
-        self.sign_ops: SignOps = sign_ops(self.device)
-        """The 1-bit all-reduce's per-bucket work: the fused kernels on CUDA where Triton
-        is there, the reference otherwise (:func:`~onebit_bert.distributed.compression.sign_ops`);
-        a caller may pass its own to :meth:`compressed_all_reduce`."""
 
     # ------------------------------------------------------------------ bookkeeping
     def snapshot(self) -> CommStats:
@@ -247,19 +239,6 @@ class Communicator:
         ``nbytes``."""
         with self._count(nbytes):
             yield
-
-    def _table(self, device: torch.device) -> torch.Tensor:
-        if device not in self._tables:
-            self._tables[device] = sign_table(device)
-        return self._tables[device]
-
-    def prepare_packing(self, device: torch.device | None = None) -> None:
-        """Do the 1-bit path's one-time set-up for buffers on ``device`` (default: this
-        communicator's) now, not in the first compressed step: the packer's check waits
-        for the device once."""
-        device = torch.device(device) if device is not None else self.device
-        prepare(device)
-        self._table(device)
 
     # ------------------------------------------------------------------ plain collectives
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -348,11 +327,7 @@ class Communicator:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
         """Average ``tensor`` (flat, ``world_size`` equal slices) over ranks; this rank's
         slice of the average lands in ``output``."""
-        if tensor.numel() != output.numel() * self.world_size:
-            raise ValueError(
-                f"reduce_scatter input has {tensor.numel()} elements; it needs "
-                f"{self.world_size} x {output.numel()}"
-            )
+        self._check_slices("reduce_scatter input", tensor, output)
         if self.alone:
             output.view(-1).copy_(tensor.reshape(-1))
             return output
@@ -440,7 +415,6 @@ class Communicator:
         else:
             ranks = dist.get_process_group_ranks(self.group)
             side = Communicator(dist.new_group(ranks), self.device, self.synchronize_timing)
-        side.sign_ops = self.sign_ops
         if shared_stats:
             side.stats = self.stats
         return side
@@ -448,83 +422,6 @@ class Communicator:
     def barrier(self) -> None:
         if not self.alone:
             dist.barrier(group=self.group)
-
-    # ------------------------------------------------------------------ 1-bit all-reduce
-    def compressed_all_reduce(
-        self, buffer: torch.Tensor, feedback: ErrorFeedback, ops: SignOps | None = None
-    ) -> torch.Tensor:
-        """Average ``buffer`` over ranks with error-compensated 1-bit compression, in place.
-
-        ``buffer`` is flat fp32 of ``feedback.padded_numel`` elements; its padding tail must
-        be zero and stays zero. Per bucket: worker compression, one all-to-all carrying
-        each chunk's signs with this rank's scale, the server step on this rank's chunk,
-        one all-gather carrying the server signs with their scale, then expansion. The
-        result is identical on every rank. ``ops``: the per-bucket implementation (default
-        :attr:`sign_ops`).
-        """
-        self._check_compressed(buffer, feedback)
-        for index in range(len(feedback.buckets)):
-            self.compressed_all_reduce_bucket(buffer, feedback, index, ops)
-        return buffer
-
-    def _check_compressed(self, buffer: torch.Tensor, feedback: ErrorFeedback) -> None:
-        """Refuse a buffer or errors that do not fit this communicator's 1-bit average."""
-        p = self.world_size
-        if feedback.world_size != p:
-            raise ValueError(
-                f"compression errors were built for world size {feedback.world_size} but this "
-                f"communicator has {p} ranks; build the ErrorFeedback with world_size={p}"
-            )
-        if buffer.dim() != 1 or buffer.numel() != feedback.padded_numel:
-            raise ValueError(
-                f"compressed_all_reduce needs a flat buffer of {feedback.padded_numel} elements "
-                f"(padded), got shape {tuple(buffer.shape)}"
-            )
-        if buffer.dtype != torch.float32:
-            raise ValueError(f"compressed_all_reduce needs fp32, got {buffer.dtype}")
-
-    def compressed_all_reduce_many(
-        self, pairs: Sequence[tuple[torch.Tensor, ErrorFeedback]], ops: SignOps | None = None
-    ) -> None:
-        """:meth:`compressed_all_reduce` on every ``(buffer, feedback)`` pair, each with its
-        own scales and errors, in one all-to-all and one all-gather for all of them: the
-        same numbers and bytes as one call per pair, in two collectives instead of two per
-        bucket (DeepSpeed's per-tensor compression, without a round trip per tensor)."""
-        for buffer, feedback in pairs:
-            self._check_compressed(buffer, feedback)
-        runs = [
-            CompressedBucket(self, buffer, feedback, index, ops)
-            for buffer, feedback in pairs
-            for index in range(len(feedback.buckets))
-        ]
-        if not runs:
-            return
-        outgoing = [run.compress() for run in runs]
-        widths = [message.shape[1] for message in outgoing]
-        sent = torch.cat(outgoing, dim=1)
-        received = torch.empty_like(sent)
-        self.all_to_all_async(received, sent).wait()
-        own = torch.cat(
-            [run.serve(part) for run, part in zip(runs, received.split(widths, dim=1), strict=True)]
-        )
-        gathered = torch.empty(self.world_size, own.numel(), dtype=torch.uint8, device=own.device)
-        self.all_gather_async(gathered, own).wait()
-        for run, part in zip(runs, gathered.split(widths, dim=1), strict=True):
-            run.expand(part)
-
-    def compressed_all_reduce_bucket(
-        self,
-        buffer: torch.Tensor,
-        feedback: ErrorFeedback,
-        index: int,
-        ops: SignOps | None = None,
-    ) -> None:
-        """:meth:`compressed_all_reduce` on bucket ``index`` of ``feedback``'s plan only
-        (the buckets are independent: one bucket at a time gives the same numbers)."""
-        run = CompressedBucket(self, buffer, feedback, index, ops)
-        run.start()
-        run.exchange(block=True)
-        run.finish()
 
     def all_to_all_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
         """:meth:`all_to_all`, started and returned at once (:class:`Issued`); the
@@ -545,11 +442,7 @@ class Communicator:
     def all_gather_async(self, output: torch.Tensor, tensor: torch.Tensor) -> Issued:
         """:meth:`all_gather`, started and returned at once (:class:`Issued`); the
         synchronous one waits on it."""
-        if output.numel() != tensor.numel() * self.world_size:
-            raise ValueError(
-                f"all_gather output has {output.numel()} elements; it needs "
-                f"{self.world_size} x {tensor.numel()}"
-            )
+        self._check_slices("all_gather output", output, tensor)
         if self.alone:
             output.view(-1).copy_(tensor.reshape(-1))
         return self._issue(
@@ -558,6 +451,13 @@ class Communicator:
                 output.view(-1), tensor.reshape(-1), group=self.group, async_op=True
             ),
         )
+
+    def _check_slices(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+        """Refuse a ``whole`` that is not ``world_size`` slices the size of ``part``."""
+        if whole.numel() != part.numel() * self.world_size:
+            raise ValueError(
+                f"{what} has {whole.numel()} elements; it needs {self.world_size} x {part.numel()}"
+            )
 
     def _issue(self, nbytes: int, launch) -> Issued:
         """Start a collective (``launch()``, which issues it with ``async_op=True``; nothing on
@@ -604,90 +504,3 @@ class Issued:
             torch.cuda.synchronize(comm.device)
         comm.stats.add_seconds(self.kind, time.perf_counter() - start)
         self.work = None
-
-
-class CompressedBucket:
-    """One bucket's error-compensated 1-bit average as two asynchronous collectives, all
-    issued from the caller's thread: :meth:`start` compresses this rank's slice and issues
-    the all-to-all of the workers' signs; :meth:`exchange` (once that is done) runs the
-    server step on this rank's chunk and issues the all-gather of the servers' signs;
-    :meth:`finish` waits for it and expands every server's chunk into the buffer.
-
-    A caller that runs several buckets at once must issue their collectives in one order
-    on every rank (NCCL and gloo match collectives by their order on a group)."""
-
-    def __init__(
-        self,
-        comm: Communicator,
-        buffer: torch.Tensor,
-        feedback: ErrorFeedback,
-        index: int,
-        ops: SignOps | None = None,
-    ):
-        bucket = feedback.buckets[index]
-        p = comm.world_size
-        self.comm = comm
-        self.x = buffer[bucket.start : bucket.start + bucket.size]
-        self.worker_error = feedback.worker_error[bucket.start : bucket.start + bucket.size]
-        self.server_error = feedback.server_error[
-            bucket.start // p : (bucket.start + bucket.size) // p
-        ]
-        self.real = bucket.real
-        self.my_real = bucket.chunk_real(comm.rank, p)
-        self.chunk = bucket.size // p
-        self.table = comm._table(buffer.device)
-        self.ops = ops if ops is not None else comm.sign_ops
-        self.pending: Issued | None = None
-        self.stage = "new"
-
-    def compress(self) -> torch.Tensor:
-        """Worker: compress the local slice into ``(p, chunk/8 + 4)`` bytes, row j (chunk
-        j's signs and this rank's scale) addressed to rank j. Nothing is sent."""
-        self.outgoing = self.ops.compress(
-            self.x, self.worker_error, self.real, self.table, self.comm.world_size
-        )
-        return self.outgoing
-
-    def start(self) -> None:
-        """Worker: :meth:`compress`, then issue the all-to-all of the signs."""
-        self.compress()
-        self.incoming = torch.empty_like(self.outgoing)
-        self.pending = self.comm.all_to_all_async(self.incoming, self.outgoing)
-        self.stage = "exchanging"
-
-    def serve(self, incoming: torch.Tensor) -> torch.Tensor:
-        """Server: average this rank's chunk over the rows of ``incoming`` (one per rank)
-        and compress it again into one message (signs and scale), which is returned."""
-        self.own = self.ops.serve(incoming, self.server_error, self.my_real, self.table)
-        return self.own  # alive until sent
-
-    def expand(self, gathered: torch.Tensor) -> None:
-        """Everyone: expand every server's message (row i of ``gathered`` from rank i) into
-        its chunk of the slice; the padding is zeroed again."""
-        self.ops.expand(gathered, self.x, self.real, self.table)
-
-    def exchange(self, block: bool = False) -> bool:
-        """Server: once the all-to-all is done (``block``: wait for it), average this
-        rank's chunk over all ranks, compress it again and issue the all-gather. Returns
-        whether it did (False: the all-to-all is still in flight)."""
-        if self.stage != "exchanging":
-            raise RuntimeError(f"exchange() on a bucket in stage {self.stage}")
-        if not block and not self.pending.ready():
-            return False
-        self.pending.wait()
-        own = self.serve(self.incoming)
-        self.gathered = torch.empty(
-            self.comm.world_size, own.numel(), dtype=torch.uint8, device=self.x.device
-        )
-        self.pending = self.comm.all_gather_async(self.gathered, own)
-        self.stage = "gathering"
-        return True
-
-    def finish(self) -> None:
-        """Everyone: wait for the all-gather and expand every server's chunk; the padding
-        is zeroed again."""
-        if self.stage != "gathering":
-            raise RuntimeError(f"finish() on a bucket in stage {self.stage}")
-        self.pending.wait()
-        self.expand(self.gathered)
-        self.stage = "done"

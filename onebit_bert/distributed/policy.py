@@ -41,32 +41,19 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from onebit_bert.distributed.codecs import CODECS, Codec, build_codec
+from onebit_bert.distributed.codecs import CODECS, Codec, accepted_codecs, build_codec
+from onebit_bert.distributed.traffic import POLICY_KINDS
 
-POLICY_KINDS = {
-    "grad": "gradients",
-    "momentum": "momentum",
-    "outer": "parameters",
-    "neighbour": "neighbour",
-    "stats": "statistics",
-}
-"""Config key -> the communicator's traffic kind."""
-
-ALLOWED = {
-    "grad": ("none", "bf16", "fp16", "int8", "int4", "onebit", "onebit_tensor", "powersgd"),
-    "momentum": ("onebit", "onebit_tensor", "int8", "bf16", "fp16", "none"),
-    "outer": ("none", "bf16", "fp16", "int8", "int4"),
-    "neighbour": ("none", "bf16", "fp16"),
-    "stats": ("none",),
-}
-"""Codecs each kind accepts: powersgd needs gradient matrices; a parameter average in 1 bit
-means nothing; neighbour exchanges send whole parameter vectors with no error memory, so
-only the 16-bit formats; statistics are a few numbers that decide control flow."""
+# Which kinds accept which codec is each codec's ``serves`` (:data:`CODECS`): powersgd needs
+# gradient matrices; a parameter average in 1 bit means nothing; neighbour exchanges send
+# whole parameter vectors with no error memory, so only the 16-bit formats; statistics are
+# a few numbers that decide control flow.
 
 
 @dataclass
 class CompressionConfig:
-    """The codec of each kind of traffic (:data:`~onebit_bert.distributed.codecs.CODECS`)."""
+    """The codec of each kind of traffic: any registered codec
+    (:data:`~onebit_bert.distributed.codecs.CODECS`) that serves the kind."""
 
     grad: str = "none"
     """Full-precision gradient averages (LAMB, AdamW, the warmup of 1-bit LAMB/Adam): none,
@@ -88,8 +75,9 @@ class CompressionConfig:
     """Losses, counters and flags: always none."""
 
     def __post_init__(self):
-        for key, allowed in ALLOWED.items():
+        for key in POLICY_KINDS:
             value = getattr(self, key)
+            allowed = accepted_codecs(key)
             if value not in CODECS:
                 raise ValueError(
                     f"comm.compression.{key}: unknown codec {value!r}; choose one of "
@@ -145,10 +133,14 @@ class CommConfig:
             )
         if not self.bucket_mb > 0:
             raise ValueError(f"comm.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.overlap and (self.hierarchy == "node" or self.compression.momentum != "onebit"):
+        overlapping = CODECS.names(lambda spec: spec.overlaps)
+        if self.overlap and (
+            self.hierarchy == "node" or self.compression.momentum not in overlapping
+        ):
             raise ValueError(
-                "comm.overlap overlaps the 1-bit momentum codec's buckets with the backward "
-                "pass: it needs comm.compression.momentum onebit and comm.hierarchy flat"
+                "comm.overlap overlaps the momentum codec's buckets with the backward pass: it "
+                f"needs comm.compression.momentum {' or '.join(overlapping)} and "
+                "comm.hierarchy flat"
             )
         if self.hierarchy == "node" and self.compression.grad == "powersgd":
             raise ValueError(
@@ -224,7 +216,12 @@ class HierarchicalCodec(Codec):
         self.groups = groups
         self.inner = inner
         self.name = f"{inner.name}/node"
-        self.lossy = inner.lossy
+
+    overlaps_fused = False
+
+    @property
+    def lossy(self) -> bool:
+        return self.inner.lossy
 
     def all_reduce(self, tensors, key: str, last: bool = True) -> None:
         if self.comm.alone or not tensors:

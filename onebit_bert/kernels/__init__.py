@@ -1,7 +1,7 @@
 """Fused kernels for the optimizer steps, and the choice between them and the reference.
 
 The reference is plain torch (the same code on every device): the 1-bit all-reduce's
-per-bucket arithmetic in :mod:`onebit_bert.distributed.compression`, LAMB's and 1-bit
+per-bucket arithmetic in :mod:`onebit_bert.distributed.codecs.compression`, LAMB's and 1-bit
 LAMB's updates as ``torch._foreach_*`` calls. It defines every result: the golden
 trajectories and the CPU tier run it, bit for bit as before. The fused kernels
 (:mod:`onebit_bert.kernels.signs`, :mod:`onebit_bert.kernels.multi_tensor`) are Triton

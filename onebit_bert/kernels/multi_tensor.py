@@ -43,6 +43,17 @@ def fits(*lists: list[torch.Tensor]) -> bool:
     return len(devices) == 1
 
 
+POINTER_ARGUMENTS = {
+    "params": "p_ptrs",
+    "grads": "g_ptrs",
+    "exp_avg": "m_ptrs",
+    "exp_avg_sq": "v_ptrs",
+    "exp_avg_sq_fresh": "fresh_ptrs",
+    "previous": "prev_ptrs",
+}
+"""Each operand's role (its pointer table is cached by role) -> the kernels' argument."""
+
+
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 tensor of ``values`` on ``device`` without making the host wait (through
     pinned memory on CUDA, which torch keeps alive until the copy is done)."""
@@ -104,9 +115,18 @@ class TensorTable:
         )
         return out
 
-    def scope(self):
-        return dict(
-            block_tensor=self.block_tensor, block_start=self.block_start, numels=self.numels
+    def launch(self, kernel: str, operands: dict[str, list[torch.Tensor]], **arguments) -> None:
+        """Kernel ``kernel`` of ``triton_src/multi_tensor.py`` over this table's blocks: the
+        block table, each operand's pointer table (keyed by role, :data:`POINTER_ARGUMENTS`)
+        and the kernel's other ``arguments``."""
+        pointers = {POINTER_ARGUMENTS[role]: self.pointers(role, t) for role, t in operands.items()}
+        getattr(triton_module("multi_tensor"), kernel)[self.grid()](
+            block_tensor=self.block_tensor,
+            block_start=self.block_start,
+            numels=self.numels,
+            BLOCK=self.block,
+            **pointers,
+            **arguments,
         )
 
 
@@ -130,6 +150,11 @@ def _bias(step: int, beta1: float, beta2: float, bias_correction: bool) -> tuple
     return 1.0 - beta1**step, (1.0 - beta2**step) ** 0.5
 
 
+def _decay(name: str, beta: float) -> dict[str, float]:
+    """A moment's decay ``β`` and ``1 - β`` under the kernels' names (``beta1``, ``beta2``)."""
+    return {name: beta, f"one_minus_{name}": 1.0 - beta}
+
+
 def lamb_step(
     table: TensorTable,
     params: list[torch.Tensor],
@@ -148,27 +173,21 @@ def lamb_step(
 ) -> torch.Tensor:
     """One LAMB step (:func:`onebit_bert.optim.lamb.lamb_update`'s arithmetic); returns the
     trust ratios, from ``ratios_from_norms(w_norm, u_norm)``."""
-    k = triton_module("multi_tensor")
     bc1, bc2_sqrt = _bias(step, beta1, beta2, bias_correction)
-    flags = dict(BIAS=bias_correction, WD=weight_decay != 0.0, BLOCK=table.block)
     part_w, part_u = table.partials(), table.partials()
-    k.lamb_measure[table.grid()](
-        **table.scope(),
-        p_ptrs=table.pointers("params", params),
-        g_ptrs=table.pointers("grads", grads),
-        m_ptrs=table.pointers("exp_avg", exp_avgs),
-        v_ptrs=table.pointers("exp_avg_sq", exp_avg_sqs),
+    table.launch(
+        "lamb_measure",
+        {"params": params, "grads": grads, "exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs},
         part_w=part_w,
         part_u=part_u,
-        beta1=beta1,
-        one_minus_beta1=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
+        **_decay("beta1", beta1),
+        **_decay("beta2", beta2),
         eps=eps,
         bc1=bc1,
         bc2_sqrt=bc2_sqrt,
         wd=weight_decay,
-        **flags,
+        BIAS=bias_correction,
+        WD=weight_decay != 0.0,
     )
     ratios = ratios_from_norms(table.reduce(part_w).sqrt(), table.reduce(part_u).sqrt())
     scaled_step(
@@ -190,11 +209,9 @@ def scaled_step(
 ) -> None:
     """``w += coef[t] · (m/(sqrt(v)+eps) + wd·w)`` for every tensor ``t`` (bias corrected
     unless both corrections are 1)."""
-    triton_module("multi_tensor").scaled_step[table.grid()](
-        **table.scope(),
-        p_ptrs=table.pointers("params", params),
-        m_ptrs=table.pointers("exp_avg", exp_avgs),
-        v_ptrs=table.pointers("exp_avg_sq", exp_avg_sqs),
+    table.launch(
+        "scaled_step",
+        {"params": params, "exp_avg": exp_avgs, "exp_avg_sq": exp_avg_sqs},
         coef=coef.float().contiguous(),
         eps=eps,
         bc1=bc1,
@@ -202,7 +219,6 @@ def scaled_step(
         wd=weight_decay,
         BIAS=(bc1, bc2_sqrt) != (1.0, 1.0),
         WD=weight_decay != 0.0,
-        BLOCK=table.block,
     )
 
 
@@ -216,17 +232,13 @@ def onebit_fold(
     grad_scale: torch.Tensor | None = None,
 ) -> None:
     """``previous = m``; ``m = (β1·m + (1-β1)·g·grad_scale) · coeffs[t]``."""
-    triton_module("multi_tensor").onebit_fold[table.grid()](
-        **table.scope(),
-        g_ptrs=table.pointers("grads", grads),
-        m_ptrs=table.pointers("exp_avg", momenta),
-        prev_ptrs=table.pointers("previous", previous),
+    table.launch(
+        "onebit_fold",
+        {"grads": grads, "exp_avg": momenta, "previous": previous},
         coeffs=coeffs,
         grad_scale=grad_scale if grad_scale is not None else coeffs,
-        beta1=beta1,
-        one_minus_beta1=1.0 - beta1,
+        **_decay("beta1", beta1),
         HAS_SCALE=grad_scale is not None,
-        BLOCK=table.block,
     )
 
 
@@ -250,26 +262,26 @@ def onebit_measure(
     updated."""
     drift, part_u, part_ud = table.partials(), table.partials(), table.partials()
     with_decay = weight_decay != 0.0
-    triton_module("multi_tensor").onebit_measure[table.grid()](
-        **table.scope(),
-        m_ptrs=table.pointers("exp_avg", momenta),
-        prev_ptrs=table.pointers("previous", previous),
-        fresh_ptrs=table.pointers("exp_avg_sq_fresh", fresh),
-        v_ptrs=table.pointers("exp_avg_sq", second),
-        p_ptrs=table.pointers("params", params),
+    table.launch(
+        "onebit_measure",
+        {
+            "exp_avg": momenta,
+            "previous": previous,
+            "exp_avg_sq_fresh": fresh,
+            "exp_avg_sq": second,
+            "params": params,
+        },
         coeffs=coeffs,
         part_drift=drift,
         part_u=part_u,
         part_ud=part_ud,
         neg_beta1=-beta1,
         one_minus_beta1=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
+        **_decay("beta2", beta2),
         eps=eps,
         wd=weight_decay,
         MASK_UNTRAINED=mask_untrained,
         WD=with_decay,
-        BLOCK=table.block,
     )
     largest = table.reduce(drift, maximum=True)
     if not with_decay:

@@ -1,6 +1,6 @@
 """The 1-bit all-reduce's per-bucket work as Triton kernels (:class:`FusedSignOps`).
 
-Same contract as the reference :class:`~onebit_bert.distributed.compression.SignOps`,
+Same contract as the reference :class:`~onebit_bert.distributed.codecs.compression.SignOps`,
 whose passes over a bucket it replaces (elements: ``x`` the bucket, ``e`` an error):
 
 - worker, :meth:`FusedSignOps.compress`: one pass sums ``(x+e)²`` over the real
@@ -31,7 +31,7 @@ import torch
 
 from onebit_bert.kernels import triton_module
 
-SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.compression)
+SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.codecs.compression)
 BYTES_PER_PROGRAM = 256  # 2,048 elements: 8 KiB of fp32 read per program and operand
 
 
@@ -94,38 +94,12 @@ class FusedSignOps:
         sums = torch.empty(2, grid[0], dtype=torch.float32, device=err.device) if measured else None
         input_sq, error_sq = (sums[0], sums[1]) if measured else (partial, partial)
         common = dict(SERVER=server, MEASURE=measured is not None, BLOCK=self.block)
-        k.sum_squares[grid](
-            x,
-            err,
-            partial,
-            input_sq,
-            n_bytes,
-            received,
-            scales,
-            ranks,
-            float(ranks),
-            stride,
-            real,
-            **common,
-        )
+        # both passes read the same sources: the received rows (a server) and the real count
+        sources = (received, scales, ranks, float(ranks), stride, real)
+        k.sum_squares[grid](x, err, partial, input_sq, n_bytes, *sources, **common)
         scale = self._scale(partial, real)
-        k.pack[grid](
-            x,
-            err,
-            scale,
-            message,
-            error_sq,
-            n_bytes,
-            body,
-            message.shape[-1] if message.dim() == 2 else message.numel(),
-            received,
-            scales,
-            ranks,
-            float(ranks),
-            stride,
-            real,
-            **common,
-        )
+        width = message.shape[-1] if message.dim() == 2 else message.numel()
+        k.pack[grid](x, err, scale, message, error_sq, n_bytes, body, width, *sources, **common)
         message.view(-1, body + SCALE_BYTES)[:, body:] = scale.reshape(1).view(torch.uint8)
         if measured is not None:
             totals = sums.sum(dim=1)

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_bert.distributed.codecs import Codec, OneBitCodec
-from onebit_bert.distributed.comm import Communicator, CompressedBucket
-from onebit_bert.distributed.compression import padded_size, sign_ops
+from onebit_bert.distributed.codecs import Codec, OneBitCodec, TwoPhaseRun
+from onebit_bert.distributed.codecs.compression import padded_size, sign_ops
+from onebit_bert.distributed.codecs.packing import prepare
+from onebit_bert.distributed.comm import Communicator
 from onebit_bert.kernels import check_kernels
 from onebit_bert.optim.auto_freeze import AUTO, AutoFreezeConfig, FreezeDetector
 from onebit_bert.optim.ddp_traffic import DdpGradientTraffic
@@ -84,7 +85,7 @@ class CompressedOptimizer(Optimizer):
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
             comm = Communicator(group=group, device=self._device)
         self.comm = comm
-        self.comm.prepare_packing(self._device)
+        prepare(self._device)
         self._step = 0
         # Masks describe this run (e.g. the phase's sequence length), not its history, so
         # they are kept out of the state dict: a phase-2 run loading phase-1 state sets its own.
@@ -492,10 +493,12 @@ class OverlappedCompression:
     a time); once every parameter overlapping a bucket of the fused buffer is folded, the
     bucket is ready. With ``clip`` (:class:`OverlapClip`) the fold waits for the bucket
     instead: when every parameter overlapping it has its gradient, they are folded with the
-    bucket's clipping coefficient. No thread of its own: the hooks (which run on the thread
-    running the backward pass) and :meth:`finish` issue the buckets' asynchronous
-    collectives (:class:`~onebit_bert.distributed.comm.CompressedBucket`) in one fixed
-    order, the same on every rank: for the last bucket first (the order the backward pass
+    bucket's clipping coefficient. The buckets are the codec's
+    (:meth:`~onebit_bert.distributed.codecs.Codec.fused_buckets`, any codec whose spec
+    ``overlaps``). No thread of its own: the hooks (which run on the thread running the
+    backward pass) and :meth:`finish` issue the buckets' asynchronous collectives (each a
+    :class:`~onebit_bert.distributed.codecs.TwoPhaseRun`) in one fixed order, the same on
+    every rank: for the last bucket first (the order the backward pass
     completes them), its all-to-all, then its all-gather once the all-to-all is done, then
     the next bucket's. Each hook issues what it can without blocking; :meth:`finish` folds
     what got no gradient and issues and waits for the rest. The buckets are independent,
@@ -514,8 +517,10 @@ class OverlappedCompression:
         self.clip = clip
         self.flat = flat
         self.comm = comm
-        self.feedback = opt.codec.fused_feedback(opt._codec_key("momentum"), opt._flat_numel)
-        buckets = self.feedback.buckets
+        self.fused = opt.codec.fused_buckets(
+            flat, opt._codec_key("momentum"), opt._flat_numel, comm
+        )
+        buckets = self.fused.buckets
         self.pending = [0] * len(buckets)
         self.where: dict[int, tuple[dict, torch.Tensor, list[int]]] = {}
         self.members: list[list[tuple[dict, torch.Tensor]]] = [[] for _ in buckets]
@@ -538,7 +543,7 @@ class OverlappedCompression:
         # The collectives in issue order: (bucket, "start" | "exchange"), last bucket first.
         self.order = [(k, op) for k in reversed(range(len(buckets))) for op in STAGES]
         self.next = 0
-        self.runs: dict[int, CompressedBucket] = {}
+        self.runs: dict[int, TwoPhaseRun] = {}
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=flat.device)
         self.before = comm.snapshot()
 
@@ -559,15 +564,12 @@ class OverlappedCompression:
                     if self.clip is not None:
                         self.clip.see([p for _, p in self.members[k]])
                         self._fold(self.members[k], self.clip.coefficient())
-                    b = self.feedback.buckets[k]
+                    b = self.fused.buckets[k]
                     self.norm_sq += (
                         torch.linalg.vector_norm(self.flat[b.start : b.start + b.size]).double()
                         ** 2
                     )
-                    ops = getattr(self.opt.codec, "sign_ops", None)
-                    run = CompressedBucket(self.comm, self.flat, self.feedback, k, ops)
-                    run.start()
-                    self.runs[k] = run
+                    self.runs[k] = self.fused.start(k)
                 elif not self.runs[k].exchange(block):
                     return
                 self.next += 1
@@ -590,12 +592,11 @@ class OverlappedCompression:
             self.grad_ready(param)
         self._progress(block=True)
         with self.comm.traffic("momentum"):
-            for k in reversed(range(len(self.feedback.buckets))):
+            for k in reversed(range(len(self.fused.buckets))):
                 self.runs[k].finish()
         opt = self.opt
-        opt.last_compression_error = torch.linalg.vector_norm(
-            self.feedback.worker_error
-        ) / self.norm_sq.sqrt().float().clamp_min(1e-30)
+        norm = self.norm_sq.sqrt().float()
+        opt.last_compression_error = self.fused.error_norm() / norm.clamp_min(1e-30)
         opt.last_step_bytes = (self.comm.snapshot() - self.before).bytes_sent
         opt.bytes_sent += opt.last_step_bytes
 

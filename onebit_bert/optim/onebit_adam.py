@@ -11,8 +11,8 @@ square root, decoupled weight decay ``wd``), as DeepSpeed's ``OnebitAdam`` compu
 
 * **compression**, later steps: ``v`` is frozen and the caller sends nothing; each rank
   folds its local gradient into the momentum, and the momenta are averaged with the
-  error-compensated 1-bit all-reduce (:meth:`Communicator.compressed_all_reduce
-  <onebit_bert.distributed.comm.Communicator.compressed_all_reduce>`)::
+  error-compensated 1-bit all-reduce
+  (:func:`onebit_bert.distributed.codecs.compressed_all_reduce`)::
 
       m = C(β1·m + (1-β1)·g_local) ⊙ mask;   x = x - lr·(m/(sqrt(v)+eps) + wd·x)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from onebit_bert.distributed.traffic import COMPRESSIBLE_KEYS
 from onebit_bert.registry import Registry
 from onebit_bert.strategies.base import Strategy, StrategyConfig
 
@@ -29,14 +30,17 @@ if TYPE_CHECKING:
     from onebit_bert.distributed.policy import CommConfig, CommPolicy
     from onebit_bert.optim.build import OptimizerConfig
 
-TRAFFIC_KINDS = {
+_LACKS = {
     "grad": "averages no full-precision gradients",
     "momentum": "has no compressed momentum all-reduce",
     "outer": "has no outer parameter average",
     "neighbour": "exchanges nothing with neighbours",
 }
-"""The kinds of traffic a strategy may send, as named by ``comm.compression.*``, each with
-what a strategy that does not send it lacks (for the error that refuses its codec)."""
+
+TRAFFIC_KINDS = {key: _LACKS.get(key, f"sends no {key} traffic") for key in COMPRESSIBLE_KEYS}
+"""The kinds of traffic a strategy may send, as named by ``comm.compression.*``
+(:data:`~onebit_bert.distributed.traffic.COMPRESSIBLE_KEYS`), each with what a strategy
+that does not send it lacks (for the error that refuses its codec)."""
 
 COMMON_FIELDS = ("name", "grad_sync", "force_compression")
 """``strategy.*`` fields every strategy accepts."""

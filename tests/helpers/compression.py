@@ -13,6 +13,7 @@ import math
 import torch
 
 from onebit_bert.distributed import ErrorFeedback
+from onebit_bert.distributed.codecs import compressed_all_reduce
 from onebit_bert.optim import OneBitLamb
 
 # ----------------------------------------------------------------------------- all-reduce
@@ -74,7 +75,7 @@ def compressed_calls(comm, numel, calls, bucket):
     outs = []
     for call in range(calls):
         x = rank_inputs(comm.rank, call, numel, feedback.padded_numel).to(comm.device)
-        comm.compressed_all_reduce(x, feedback)
+        compressed_all_reduce(comm, x, feedback)
         outs.append(x.cpu().clone())
     return {
         "outs": outs,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from onebit_bert.distributed.codecs import compressed_all_reduce
+from onebit_bert.distributed.codecs.compression import SCALE_BYTES, ErrorFeedback, SignOps
+from onebit_bert.distributed.codecs.packing import pack_signs, sign_table, unpack_signs
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.distributed.compression import SCALE_BYTES, ErrorFeedback, SignOps
-from onebit_bert.distributed.packing import pack_signs, sign_table, unpack_signs
 from onebit_bert.optim import Lamb
 from tests.helpers.compression import rank_inputs, run_onebit_lamb
 
@@ -131,7 +132,7 @@ def check_all_reduce(device: str = "cpu") -> None:
             outs = []
             for call in range(calls):
                 x = rank_inputs(0, call, numel, feedback.padded_numel).to(where)
-                comm.compressed_all_reduce(x, feedback, ops)
+                compressed_all_reduce(comm, x, feedback, ops)
                 outs.append(x.cpu())
             results[name] = outs, feedback.worker_error.cpu(), feedback.server_error.cpu()
         (want, w_ref, s_ref), (got, w_new, s_new) = results["reference"], results["fused"]

@@ -15,8 +15,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_bert.distributed import ErrorFeedback
-from onebit_bert.distributed.codecs import CODECS, AsyncCodecAllReduce, TwoPhaseCodec, build_codec
-from onebit_bert.distributed.comm import CompressedBucket
+from onebit_bert.distributed.codecs import (
+    CODECS,
+    AsyncCodecAllReduce,
+    TwoPhaseCodec,
+    TwoPhaseRun,
+    build_codec,
+)
+from onebit_bert.distributed.codecs.onebit import OneBitBucket, compressed_all_reduce
 from onebit_bert.timing import resolve_pending
 from tests.helpers.collective_trace import CollectiveTrace
 
@@ -93,11 +99,14 @@ def _onebit(comm, out: dict) -> None:
     whole = torch.zeros(feedback.padded_numel, device=comm.device)
     whole[:numel] = _inputs(90, (numel,), torch.float32, comm.device)
     by_bucket = whole.clone()
-    comm.compressed_all_reduce(whole, feedback)
+    compressed_all_reduce(comm, whole, feedback)
     second = ErrorFeedback(
         numel, comm.world_size, rank=comm.rank, device=comm.device, bucket_numel=1024
     )
-    runs = [CompressedBucket(comm, by_bucket, second, i) for i in range(len(second.buckets))]
+    runs = [
+        TwoPhaseRun(comm, OneBitBucket(comm, by_bucket, second, i))
+        for i in range(len(second.buckets))
+    ]
     for run in runs:  # every all-to-all in flight before the first all-gather
         run.start()
     for run in runs:

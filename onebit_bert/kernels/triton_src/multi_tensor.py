@@ -18,6 +18,16 @@ def _at(pointers, t):
 
 
 @triton.jit
+def _block(block_tensor, block_start, numels, BLOCK: tl.constexpr):
+    """This program's block: its index ``b``, its tensor ``t``, its elements' offsets in
+    that tensor and which of them are inside it."""
+    b = tl.program_id(0)
+    t = tl.load(block_tensor + b)
+    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
+    return b, t, offs, offs < tl.load(numels + t)
+
+
+@triton.jit
 def segment_reduce(first_block, block_count, partial, out, MAX: tl.constexpr,
                    BLOCK: tl.constexpr):  # fmt: skip
     """``out[t]``: the sum (or ``MAX``: the maximum) of tensor ``t``'s block partials."""
@@ -64,10 +74,7 @@ def lamb_measure(block_tensor, block_start, numels, p_ptrs, g_ptrs, m_ptrs, v_pt
                  BLOCK: tl.constexpr):  # fmt: skip
     """LAMB's moments (written), and per block the sums of ``p²`` and of the update's
     squares (the trust ratio's two norms)."""
-    b = tl.program_id(0)
-    t = tl.load(block_tensor + b)
-    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
-    inside = offs < tl.load(numels + t)
+    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
     p = tl.load(_at(p_ptrs, t) + offs, mask=inside, other=0.0)
     g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
     m_at = _at(m_ptrs, t) + offs
@@ -89,10 +96,7 @@ def scaled_step(block_tensor, block_start, numels, p_ptrs, m_ptrs, v_ptrs, coef,
                 bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """``p += coef[t] · u``, the update direction recomputed from the moments."""
-    b = tl.program_id(0)
-    t = tl.load(block_tensor + b)
-    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
-    inside = offs < tl.load(numels + t)
+    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
     p_at = _at(p_ptrs, t) + offs
     p = tl.load(p_at, mask=inside, other=0.0)
     m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
@@ -107,10 +111,7 @@ def onebit_fold(block_tensor, block_start, numels, g_ptrs, m_ptrs, prev_ptrs, co
                 grad_scale, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold: ``prev = m``, then ``m = (β1·m + (1-β1)·g) · coeff[t]``."""
-    b = tl.program_id(0)
-    t = tl.load(block_tensor + b)
-    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
-    inside = offs < tl.load(numels + t)
+    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
     m_at = _at(m_ptrs, t) + offs
     m = tl.load(m_at, mask=inside, other=0.0)
     tl.store(_at(prev_ptrs, t) + offs, m, mask=inside)
@@ -132,10 +133,7 @@ def onebit_measure(block_tensor, block_start, numels, m_ptrs, prev_ptrs, fresh_p
     ``(m - β1·prev)/(1-β1)`` (both written), and per block the largest drift
     ``(sqrt(v)+eps)/(sqrt(fresh)+eps)`` and, with ``WD``, the sums of squares of
     ``u = m/(sqrt(v)+eps)`` and of ``u + wd·p``."""
-    b = tl.program_id(0)
-    t = tl.load(block_tensor + b)
-    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
-    inside = offs < tl.load(numels + t)
+    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
     m_at = _at(m_ptrs, t) + offs
     v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
     m = tl.load(m_at, mask=inside, other=0.0)

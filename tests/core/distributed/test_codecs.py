@@ -16,6 +16,7 @@ from onebit_bert.distributed.codecs import (
     Int8Codec,
     bits_per_element,
     build_codec,
+    compressed_all_reduce,
 )
 from onebit_bert.distributed.policy import CommConfig, CommPolicy, CompressionConfig
 from tests.helpers.compression import per_tensor_calls
@@ -264,7 +265,7 @@ def _onebit_codec_vs_comm(comm):
         flat = torch.cat([t.reshape(-1) for t in tensors])
         buffer = torch.zeros(feedback.padded_numel)
         buffer[:NUMEL] = flat
-        comm.compressed_all_reduce(buffer, feedback)
+        compressed_all_reduce(comm, buffer, feedback)
         codec.all_reduce(tensors, "m")
         same &= torch.equal(torch.cat([t.reshape(-1) for t in tensors]), buffer[:NUMEL])
     return same
@@ -451,7 +452,7 @@ def _fused_vs_direct(comm):
     """The 1-bit codec on an optimizer's padded buffer (in place, and from an unpadded
     one) against the communicator's 1-bit all-reduce with an error feedback of its own."""
     from onebit_bert.distributed.codecs import OneBitCodec
-    from onebit_bert.distributed.compression import ErrorFeedback, padded_size
+    from onebit_bert.distributed.codecs.compression import ErrorFeedback, padded_size
 
     padded = padded_size(NUMEL, comm.world_size)
     inplace, copied = OneBitCodec(comm), OneBitCodec(comm)
@@ -466,7 +467,7 @@ def _fused_vs_direct(comm):
         error = inplace.all_reduce_fused(a, NUMEL, "fused")
         copied.all_reduce_fused(b, NUMEL, "fused")
         norm = torch.linalg.vector_norm(c)
-        comm.compressed_all_reduce(c, direct)
+        compressed_all_reduce(comm, c, direct)
         expected = torch.linalg.vector_norm(direct.worker_error) / norm
         out.append((a, b, c, error, expected))
     inplace.reset()
@@ -497,7 +498,7 @@ def _per_tensor_vs_separate(comm):
     the fused onebit codec on each tensor alone; and the per-step error of a low-noise
     layer beside a large one, fused (one chunk scale) and per tensor."""
     from onebit_bert.distributed.codecs import OneBitCodec, build_codec
-    from onebit_bert.distributed.compression import padded_size
+    from onebit_bert.distributed.codecs.compression import padded_size
 
     g = torch.Generator().manual_seed(7 + comm.rank)
     large = torch.randn(96, generator=g) * 100.0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from onebit_bert.distributed import Communicator, ErrorFeedback, packing
-from onebit_bert.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.distributed import Communicator, ErrorFeedback
+from onebit_bert.distributed.codecs import compressed_all_reduce, packing
+from onebit_bert.distributed.codecs.packing import pack_signs, unpack_signs
 from tests.helpers.compression import compressed_calls, rank_inputs, simulate
 from tests.helpers.distributed_harness import run_ranks
 
@@ -102,7 +103,7 @@ def _feedback_tracking(comm, numel, calls):
     errors = {}
     for call in range(1, calls + 1):
         x = fixed.clone()
-        comm.compressed_all_reduce(x, feedback)
+        compressed_all_reduce(comm, x, feedback)
         total += x
         if call in (1, 10, calls):
             errors[call] = total / call
@@ -128,16 +129,16 @@ def test_compressed_allreduce_rejects_mismatched_world_size():
     comm = Communicator(None)
     feedback = ErrorFeedback(100, 4, rank=0)
     with pytest.raises(ValueError, match="world size 4 but this communicator has 1"):
-        comm.compressed_all_reduce(torch.zeros(feedback.padded_numel), feedback)
+        compressed_all_reduce(comm, torch.zeros(feedback.padded_numel), feedback)
 
 
 def test_compressed_allreduce_rejects_wrong_buffer():
     comm = Communicator(None)
     feedback = ErrorFeedback(100, 1)
     with pytest.raises(ValueError, match="flat buffer of 104"):
-        comm.compressed_all_reduce(torch.zeros(100), feedback)
+        compressed_all_reduce(comm, torch.zeros(100), feedback)
     with pytest.raises(ValueError, match="fp32"):
-        comm.compressed_all_reduce(torch.zeros(104, dtype=torch.float64), feedback)
+        compressed_all_reduce(comm, torch.zeros(104, dtype=torch.float64), feedback)
 
 
 def test_error_feedback_bad_arguments():

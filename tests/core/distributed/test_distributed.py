@@ -251,7 +251,8 @@ def _gather_and_scatter(comm, hide_new_names: bool):
     removed, as on an older torch."""
     import torch.distributed as dist
 
-    from onebit_bert.distributed.compression import ErrorFeedback
+    from onebit_bert.distributed.codecs import compressed_all_reduce
+    from onebit_bert.distributed.codecs.compression import ErrorFeedback
 
     if hide_new_names:
         for name in ("all_gather_single", "reduce_scatter_single"):
@@ -267,7 +268,7 @@ def _gather_and_scatter(comm, hide_new_names: bool):
     feedback = ErrorFeedback(4096, p, rank=rank, bucket_numel=1024)
     onebit = torch.zeros(feedback.padded_numel)
     onebit[:4096] = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
-    comm.compressed_all_reduce(onebit, feedback)
+    compressed_all_reduce(comm, onebit, feedback)
     return gathered, averaged, hasattr(dist, "all_gather_single"), later, onebit
 
 

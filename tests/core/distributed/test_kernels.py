@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
+from onebit_bert.distributed.codecs import OneBitCodec
+from onebit_bert.distributed.codecs.compression import SignOps, sign_ops
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.distributed.compression import SignOps, sign_ops
 from onebit_bert.kernels import triton_available, use_fused
 from tests.helpers.kernel_checks import CHECKS
 from tests.helpers.paths import REPO
@@ -27,7 +28,7 @@ def test_the_reference_is_chosen_on_the_cpu_unless_fused_is_asked_for(monkeypatc
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not use_fused("cpu", "auto") and not use_fused("cpu", "reference")
     assert isinstance(sign_ops("cpu"), SignOps)
-    assert Communicator(None).sign_ops.name == "reference"
+    assert OneBitCodec(Communicator(None)).sign_ops.name == "reference"
     with pytest.raises(RuntimeError, match="kernels=fused"):
         use_fused("cpu", "fused")
     with pytest.raises(ValueError, match="kernels must be one of"):

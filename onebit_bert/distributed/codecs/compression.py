@@ -1,7 +1,7 @@
 """State and arithmetic of the error-compensated 1-bit all-reduce.
 
 The collective itself (which tensors go where) is
-:meth:`onebit_bert.distributed.comm.Communicator.compressed_all_reduce`; this module holds what
+:func:`onebit_bert.distributed.codecs.onebit.compressed_all_reduce`; this module holds what
 it needs between calls (:class:`ErrorFeedback`) and the per-bucket arithmetic, so the
 collective reads as "compress, exchange, combine, exchange, expand".
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onebit_bert.distributed.packing import pack_signs, unpack_signs
+from onebit_bert.distributed.codecs.packing import pack_signs, unpack_signs
 from onebit_bert.kernels import use_fused
 
 # Bytes used to carry one fp32 scale next to the packed signs in the same message.
@@ -100,15 +100,13 @@ class ErrorFeedback:
         self.worker_error.zero_()
         self.server_error.zero_()
 
+    PLAN = ("numel", "world_size", "rank", "bucket_numel")
+    """What the errors were laid out for: saved with them, checked on load."""
+
     def state_dict(self) -> dict:
-        return {
-            "numel": self.numel,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "bucket_numel": self.bucket_numel,
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
-        }
+        state = {key: getattr(self, key) for key in self.PLAN}
+        state.update(worker_error=self.worker_error.clone(), server_error=self.server_error.clone())
+        return state
 
     def load_state_dict(self, state: dict) -> bool:
         """Restore saved errors. Returns False (and resets, with a warning) if they were
@@ -197,8 +195,8 @@ def frame(packed: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
 class SignOps:
     """The per-bucket work of the 1-bit all-reduce in plain torch: the reference, on every
     device. :class:`onebit_bert.kernels.signs.FusedSignOps` does the same in fewer passes
-    (:func:`sign_ops` chooses). ``table`` is :func:`~onebit_bert.distributed.packing.sign_table`
-    for the buffers' device."""
+    (:func:`sign_ops` chooses). ``table`` is
+    :func:`~onebit_bert.distributed.codecs.packing.sign_table` for the buffers' device."""
 
     name = "reference"
 

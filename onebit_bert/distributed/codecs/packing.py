@@ -68,11 +68,23 @@ def sign_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torc
     return torch.where(bits.bool(), 1.0, -1.0).to(dtype)
 
 
+_sign_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def cached_sign_table(device: torch.device | str) -> torch.Tensor:
+    """:func:`sign_table` for ``device`` (fp32), built once."""
+    device = torch.device(device)
+    if device not in _sign_tables:
+        _sign_tables[device] = sign_table(device)
+    return _sign_tables[device]
+
+
 def prepare(device: torch.device | str) -> None:
-    """Run the packer's one-time check for ``device`` now (it waits for the device once),
-    so that the first compressed step does not: optimizers and codecs that compress call
-    it when they are built."""
+    """Do the 1-bit path's one-time set-up for buffers on ``device`` now, not in the first
+    compressed step: the packer's check (it waits for the device once) and the sign table.
+    Optimizers and codecs that compress call it when they are built."""
     _multiply_is_exact(torch.device(device))
+    cached_sign_table(device)
 
 
 def unpack_signs(
