@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.common import init_gloo, run_gloo_ranks
+from bench.common import at_least, init_gloo, run_gloo_ranks
 from onebit_bert.distributed import Communicator, ErrorFeedback
 from onebit_bert.distributed.codecs import compressed_all_reduce
 from onebit_bert.distributed.codecs.packing import pack_signs, sign_table, unpack_signs
@@ -113,16 +113,12 @@ def packing_throughput(numel: int, repeats: int = 5) -> tuple[float, float]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="compressed vs fp32 all-reduce on gloo ranks")
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--numel", type=int, default=25_000_000)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--world-size", type=at_least(2, "one rank sends nothing"), default=4)
+    parser.add_argument("--numel", type=at_least(1), default=25_000_000)
+    parser.add_argument("--iters", type=at_least(1), default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-numel", type=int, default=None)
     args = parser.parse_args(argv)
-    if args.world_size < 2:
-        parser.error("--world-size must be at least 2 (one rank sends nothing)")
-    if args.numel < 1 or args.iters < 1:
-        parser.error("--numel and --iters must be positive")
 
     pack_gbps, unpack_gbps = packing_throughput(args.numel)
     res = run_gloo_ranks(

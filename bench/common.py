@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,14 +77,32 @@ def pretrain_config(
     return cfg
 
 
-def shared_data_error(data_root: Path) -> str | None:
-    """Why ``data_root`` cannot feed the training benchmarks, or None."""
-    if not list(data_root.glob(WIKI)) or not (data_root / VOCAB).is_file():
-        return (
-            f"{data_root} lacks the Wikipedia sample or the BERT vocabulary; "
-            "set --data-root / DATA_ROOT"
-        )
+def add_data_root(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """``--data-root``, the folder of the shared data (default: ``$DATA_ROOT``, else
+    ``../shared/data`` beside the checkout)."""
+    default = os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data")
+    parser.add_argument("--data-root", default=default, help=help)
+
+
+def shared_data_error(data_root: Path, vocab: bool = True) -> str | None:
+    """Why ``data_root`` cannot feed the benchmarks (it lacks the Wikipedia sample or, with
+    ``vocab``, the BERT vocabulary), or None."""
+    if not list(data_root.glob(WIKI)) or (vocab and not (data_root / VOCAB).is_file()):
+        needed = "the Wikipedia sample or the BERT vocabulary" if vocab else "the Wikipedia sample"
+        return f"{data_root} lacks {needed}; set --data-root / DATA_ROOT"
     return None
+
+
+def shared_data_root(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, vocab: bool = True
+) -> Path:
+    """``--data-root`` resolved; a usage error (exit status 2) when it lacks what
+    :func:`shared_data_error` checks."""
+    data_root = Path(args.data_root).resolve()
+    error = shared_data_error(data_root, vocab)
+    if error:
+        parser.error(error)
+    return data_root
 
 
 def data_prep_command(
@@ -161,6 +181,21 @@ def prepare_generated(out: Path, seq_lengths=(128,)) -> Path:
     ]
     _run_data_stage(command, "the generated corpus")
     return out
+
+
+def at_least(minimum: int, why: str | None = None):
+    """An argparse ``type``: an integer of at least ``minimum`` (``why`` says why, in the
+    message of one that is smaller)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{reason}, not {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its "invalid ... value" message
+    return parse
 
 
 def init_gloo(rank: int, world_size: int, store: str) -> None:

@@ -30,10 +30,10 @@ from onebit_bert.config import load_config
 from onebit_bert.optim import OneBitAdam, ZeroOneAdam
 from onebit_bert.shards import PretrainingShards
 from pretrain.config import PretrainConfig
-from pretrain.data import BatchSchedule, make_batch
+from pretrain.data import BatchSchedule, make_batch, to_device
 from pretrain.model import PretrainingLoss, build_model
 from pretrain.schedule import lr_multiplier
-from pretrain.train import _to_device, token_ids
+from pretrain.startup import token_ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         ((k, micro_rows),) = schedule.micro_indices(step, 0)
         raw = make_batch(rows, micro_rows, ids, cfg.data, seed=cfg.seed, step=step, micro=k)
-        loss, _ = loss_fn(**_to_device(raw, torch.device("cpu")))
+        loss, _ = loss_fn(**to_device(raw, torch.device("cpu")))
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm
                                                          or math.inf))  # fmt: skip

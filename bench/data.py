@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import WIKI, data_prep_command
+from bench.common import WIKI, add_data_root, data_prep_command, shared_data_root
 from bench.hf_mlm_baseline import run_hf_mlm_baseline
 from bench.rss import PeakRSS
 from data_prep.outputs import read_manifest, tokenizer_dir
@@ -74,15 +73,11 @@ def run_ours(data_root: Path, output: Path, seq_length: int, workers: int) -> di
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data-root", default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data")
-    )
+    add_data_root(parser)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
-    data_root = Path(args.data_root).resolve()
-    if not list(data_root.glob(WIKI)):
-        parser.error(f"no Wikipedia sample under {data_root} ({WIKI}); set --data-root/DATA_ROOT")
+    data_root = shared_data_root(parser, args, vocab=False)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

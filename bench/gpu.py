@@ -112,6 +112,8 @@ def comma_list(choices: tuple[str, ...]):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bench.common import add_data_root
+
     parser = argparse.ArgumentParser(
         prog="python -m bench.gpu",
         description=__doc__.splitlines()[0],
@@ -125,9 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="generated (default): the smoke corpus, written here, no files needed; "
         "wikipedia: the sample under --data-root with BERT's vocabulary",
     )
-    parser.add_argument(
-        "--data-root",
-        default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data"),
+    add_data_root(
+        parser,
         help="with --corpus wikipedia: folder holding the Wikipedia sample and the BERT "
         "vocabulary (default: $DATA_ROOT or ../shared/data)",
     )
@@ -143,23 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=comma_list(tuple(str(n) for n in SEQ_LENGTHS)),
         default=[str(n) for n in SEQ_LENGTHS],
         help="comma list of 128, 512 (default: both)",
-    )
-    parser.add_argument(
-        "--steps", type=int, default=20, help="timed steps per configuration (default: 20)"
-    )
-    parser.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=10,
-        help="untimed steps before them (default: 10; >= 2: compilation, the 1-bit LAMB "
-        "switch and the fp16 loss scale settle here)",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=64,
-        help="sequences per step at length 128, one micro-batch (default: 64); length 512 "
-        "takes a quarter of it (the same tokens per step)",
     )
     parser.add_argument(
         "--precisions",
@@ -180,67 +164,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="LAMB's and 1-bit LAMB's implementations, alternated on one trainer: comma list "
         "of reference, fused (default: both)",
     )
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        help="rounds of --steps timed steps per implementation (default: 3)",
-    )
+    counts = {
+        "--steps": (20, "timed steps per configuration (default: 20)"),
+        "--warmup-steps": (
+            10,
+            "untimed steps before them (default: 10; >= 2: compilation, the 1-bit LAMB "
+            "switch and the fp16 loss scale settle here)",
+        ),
+        "--batch-size": (
+            64,
+            "sequences per step at length 128, one micro-batch (default: 64); length 512 "
+            "takes a quarter of it (the same tokens per step)",
+        ),
+        "--repeats": (3, "rounds of --steps timed steps per implementation (default: 3)"),
+        "--vocab-size": (
+            30522,
+            "the model's embedding and MLM head rows, at least the tokenizer's (default: "
+            "30522, BERT's uncased vocabulary, whatever the corpus's tokenizer learned)",
+        ),
+        "--max-documents": (3000, "Wikipedia articles to prepare (default: 3000, as bench-train)"),
+    }
+    for flag, (default, text) in counts.items():
+        parser.add_argument(flag, type=int, default=default, help=text)
     parser.add_argument(
         "--peak-tflops",
         type=float,
-        default=None,
         help="the peak MFU divides by (default: the GPU's dense bf16/fp16 peak where known)",
     )
     parser.add_argument(
         "--bandwidth-gbs",
         type=float,
-        default=None,
         help="memory bandwidth for the optimizer's floor, GB/s (default: measured by a copy)",
     )
-    parser.add_argument(
-        "--optimizer-steps",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time LAMB's and 1-bit LAMB's steps alone on the preset (default: on)",
-    )
-    parser.add_argument(
-        "--compile",
-        choices=("off", "on", "both"),
-        default="both",
-        help="eager, torch.compile, or both (default: both)",
-    )
-    parser.add_argument(
-        "--hf-baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also train with HF Trainer for the ratios (default: on)",
-    )
-    parser.add_argument(
-        "--model",
-        choices=MODELS,
-        default="bert-large",
-        help="the model preset (default: bert-large)",
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="cuda (default), or cpu: a dry run of the plumbing in fp32, no GPU figure",
-    )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=30522,
-        help="the model's embedding and MLM head rows, at least the tokenizer's (default: "
-        "30522, BERT's uncased vocabulary, whatever the corpus's tokenizer learned)",
-    )
-    parser.add_argument(
-        "--max-documents",
-        type=int,
-        default=3000,
-        help="Wikipedia articles to prepare (default: 3000, as bench-train)",
-    )
+    switches = {
+        "--optimizer-steps": "also time LAMB's and 1-bit LAMB's steps alone on the preset",
+        "--hf-baseline": "also train with HF Trainer for the ratios",
+    }
+    for flag, text in switches.items():
+        parser.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=True, help=f"{text} (default: on)"
+        )
+    choices = {
+        "--compile": (
+            ("off", "on", "both"),
+            "both",
+            "eager, torch.compile, or both (default: both)",
+        ),
+        "--model": (MODELS, "bert-large", "the model preset (default: bert-large)"),
+        "--device": (
+            ("cuda", "cpu"),
+            "cuda",
+            "cuda (default), or cpu: a dry run of the plumbing in fp32, no GPU figure",
+        ),
+    }
+    for flag, (values, default, text) in choices.items():
+        parser.add_argument(flag, choices=values, default=default, help=text)
     return parser
 
 
@@ -532,14 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 1
-    from bench.common import prepare_generated, prepare_wikipedia, shared_data_error
+    from bench.common import prepare_generated, prepare_wikipedia, shared_data_root
     from data_prep.outputs import seq_dir
 
     seq_lengths = [int(n) for n in args.seq_lengths]
-    if args.prepared is None and args.corpus == "wikipedia":
-        error = shared_data_error(Path(args.data_root).resolve())
-        if error:
-            parser.error(error)
+    wikipedia = args.prepared is None and args.corpus == "wikipedia"
+    data_root = shared_data_root(parser, args) if wikipedia else None
     import transformers
 
     device = Device(args.device)
@@ -547,10 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         if args.prepared is not None:
             out = args.prepared.resolve()
-        elif args.corpus == "wikipedia":
-            out = prepare_wikipedia(
-                Path(args.data_root).resolve(), tmp / "data", seq_lengths, args.max_documents
-            )
+        elif data_root is not None:
+            out = prepare_wikipedia(data_root, tmp / "data", seq_lengths, args.max_documents)
         else:
             out = prepare_generated(tmp / "data", seq_lengths)
         data = {n: seq_dir(out, n) for n in seq_lengths}

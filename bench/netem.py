@@ -57,7 +57,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import REPO, prepare_wikipedia_seq128, shared_data_error
+from bench.common import REPO, add_data_root, prepare_wikipedia_seq128, shared_data_root
 from bench.netem_cluster import Cluster, check_privileges, remove_stale_clusters
 from bench.netem_runs import (  # noqa: F401 (re-exported: the benchmark's public pieces)
     DEFAULT_TOPOLOGIES,
@@ -212,9 +212,7 @@ def _terminate_on_sigterm() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data-root", default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data")
-    )
+    add_data_root(parser)
     parser.add_argument("--data", type=Path, help="prepared shard folder (skips preparation)")
     parser.add_argument("--bandwidths", default="25,40,100,1000,10000", help="Mbit/s, comma list")
     parser.add_argument("--world-sizes", default="2,4", help="hosts, comma list")
@@ -413,10 +411,7 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPla
         parser.exit(2, f"bench.netem: {reason}\n")
     data_root = None
     if args.data is None:
-        data_root = Path(args.data_root).resolve()
-        error = shared_data_error(data_root)
-        if error:
-            parser.error(error)
+        data_root = shared_data_root(parser, args)
     else:
         try:
             _seq_length(args.data)

@@ -9,6 +9,7 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import pretrain_config
 from bench.netem_cluster import Cluster, run_compute_only, run_distributed
@@ -138,20 +139,13 @@ class SweepPoint:
         return self.cluster.hosts * self.ranks_per_host
 
     def config(
-        self,
-        name: str,
-        optimizer: str,
-        steps: int,
-        rank: int | None = None,
-        strategy: dict | None = None,
-        momentum: float | None = None,
-        optimizer_fields: dict | None = None,
-        comm: dict | None = None,
+        self, name: str, optimizer: str, steps: int, rank: int | None = None, **sections: Any
     ) -> Path:
         """Write the pretraining config ``<name>[rank].yaml`` and return its run folder. With
         ``rank``: a single-process run of one rank's batch; without: the distributed run of
-        the global batch, with ``eth0``'s sent bytes logged. ``strategy``: the config's
-        strategy section (default: the optimizer's own); ``momentum``: optimizer.betas[0]."""
+        the global batch, with ``eth0``'s sent bytes logged. ``sections``: what
+        :func:`~bench.common.pretrain_config` takes besides the sweep's settings
+        (``strategy``, ``momentum``, ``optimizer_fields``, ``comm``)."""
         from onebit_bert.config import from_dict, save_config
         from pretrain.config import PretrainConfig
 
@@ -172,10 +166,7 @@ class SweepPoint:
                 freeze_step=args.freeze_step,
                 stop_after=steps,
                 net_interface=None if per_rank else "eth0",
-                strategy=strategy,
-                momentum=momentum,
-                optimizer_fields=optimizer_fields,
-                comm=comm,
+                **sections,
             ),
         )
         path = self.folder / f"{name}{suffix}.yaml"

@@ -27,7 +27,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from bench.common import init_gloo, run_gloo_ranks
+from bench.common import at_least, init_gloo, run_gloo_ranks
 
 SIZES = (4096, 512)
 
@@ -82,13 +82,11 @@ def _rank_main(rank, world_size, store, out_path, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.onebit_scales")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--ranks", type=at_least(2, "one rank averages nothing"), default=2)
+    parser.add_argument("--steps", type=at_least(1), default=50)
     parser.add_argument("--small-scale", type=float, default=0.01)
     parser.add_argument("--noise", type=float, default=0.5)
     args = parser.parse_args(argv)
-    if args.ranks < 2:
-        parser.error("--ranks must be at least 2 (one rank averages nothing)")
     result = run_gloo_ranks(_rank_main, args.ranks, (args.steps, args.small_scale, args.noise))
     print(json.dumps({"ranks": args.ranks, "steps": args.steps, "small_scale": args.small_scale,
                       "noise": args.noise, "layer_sizes": list(SIZES),

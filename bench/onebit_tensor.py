@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from transformers import BertForPreTraining
 
-from bench.common import init_gloo, run_gloo_ranks
+from bench.common import at_least, init_gloo, run_gloo_ranks
 from onebit_bert.distributed import Communicator, ErrorFeedback
 from onebit_bert.distributed.codecs import compressed_all_reduce, compressed_all_reduce_many
 from pretrain.config import ModelConfig
@@ -117,15 +117,11 @@ def _rank_main(rank, world_size, store, out_path, sizes, iters, warmup):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description="1-bit average of a model's tensors, 3 ways")
     parser.add_argument("--model", choices=sorted(PRESET_SHAPES), default="bert-tiny")
-    parser.add_argument("--vocab-size", type=int, default=30522)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--vocab-size", type=at_least(1), default=30522)
+    parser.add_argument("--world-size", type=at_least(2, "one rank sends nothing"), default=4)
+    parser.add_argument("--iters", type=at_least(1), default=10)
+    parser.add_argument("--warmup", type=at_least(0), default=2)
     args = parser.parse_args(argv)
-    if args.world_size < 2:
-        parser.error("--world-size must be at least 2 (one rank sends nothing)")
-    if args.iters < 1 or args.warmup < 0 or args.vocab_size < 1:
-        parser.error("--iters and --vocab-size must be positive, --warmup not negative")
     sizes = tensor_sizes(args.model, args.vocab_size)
     saved = run_gloo_ranks(_rank_main, args.world_size, sizes, args.iters, args.warmup)
     summary = {

@@ -25,7 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import prepare_wikipedia_seq128, pretrain_config, shared_data_error
+from bench.common import (
+    add_data_root,
+    prepare_wikipedia_seq128,
+    pretrain_config,
+    shared_data_root,
+)
 from bench.hf_trainer import hf_trainer_step_seconds
 from pretrain.outputs import metrics_path
 
@@ -140,17 +145,12 @@ def breakdown(
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--data-root", default=os.environ.get("DATA_ROOT", REPO.parent / "shared" / "data")
-    )
+    add_data_root(parser)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--ranks", type=int, default=4)
     args = parser.parse_args(argv)
-    data_root = Path(args.data_root).resolve()
-    error = shared_data_error(data_root)
-    if error:
-        parser.error(error)
+    data_root = shared_data_root(parser, args)
     warmup = 5
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

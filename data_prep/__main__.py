@@ -13,7 +13,8 @@ import sys
 
 from data_prep.config import DataPrepConfig
 from data_prep.prepare import prepare
-from onebit_bert.config import ConfigError, config_help, load_config
+from onebit_bert.cli import add_config_arguments, report_error
+from onebit_bert.config import ConfigError, load_config
 from onebit_bert.io import NoSpaceError
 from onebit_bert.run_lock import RunLocked
 
@@ -40,12 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         "python -m data_prep verify PATH checks prepared shards (a seq<N> directory or the "
         "output directory):\nsizes and sha256 against the manifest, and every token id within "
         "the vocabulary.",
-        epilog=config_help(DataPrepConfig),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", required=True, help="YAML config (see configs/data/)")
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
-    args = parser.parse_args(argv)
+    args = add_config_arguments(parser, DataPrepConfig, shipped="configs/data/").parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     previous = signal.signal(signal.SIGTERM, _stop)
     try:
@@ -59,14 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + signal.SIGTERM
     except (ConfigError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_error(err, 2)
     except NoSpaceError as err:
-        print(f"error: {err.strerror}", file=sys.stderr)
-        return 1
+        return report_error(err, 1)
     except RunLocked as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 4
+        return report_error(err, 4)
     finally:
         signal.signal(signal.SIGTERM, previous)
     summary = {

@@ -15,12 +15,11 @@ next run starts (:func:`remove_stale_temp_files`).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from onebit_bert.io import atomic_write_json
+from onebit_bert.io import atomic_write_json, read_json_object
 from onebit_bert.io import remove_stale_temp_files as _remove_temp_files
 from onebit_bert.shards import MANIFEST
 
@@ -65,22 +64,16 @@ def is_complete(output: str | Path, seq_lengths: Iterable[int]) -> bool:
 
 def read_manifest(output: str | Path, seq_length: int) -> dict:
     """The manifest of one sequence length; FileNotFoundError when it is not finished."""
-    path = manifest_path(output, seq_length)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path} is missing: seq {seq_length} of {output} is not prepared (run data_prep)"
-        ) from None
-    except ValueError as err:
-        raise ValueError(f"{path} unreadable: {err}; prepare seq {seq_length} again") from None
+    return read_json_object(
+        manifest_path(output, seq_length),
+        missing=f"seq {seq_length} of {output} is not prepared (run data_prep)",
+        fix=f"prepare seq {seq_length} again",
+    )
 
 
 def write_manifest(output: str | Path, seq_length: int, manifest: dict) -> Path:
     """Write the manifest of one sequence length (last, once its shards are in place)."""
-    path = manifest_path(output, seq_length)
-    atomic_write_json(path, manifest)
-    return path
+    return atomic_write_json(manifest_path(output, seq_length), manifest)
 
 
 def check_output_path(output: str | Path) -> None:

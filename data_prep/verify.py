@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from data_prep.outputs import prepared_seq_dirs, tokenizer_dir
+from onebit_bert.cli import report_error
 from onebit_bert.io import sha256_file
 from onebit_bert.shards import MANIFEST, SPLITS, row_dtype
 
@@ -116,8 +116,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     seq_dirs = prepared_seq_dirs(args.path)
     if not seq_dirs:
-        print(f"error: {args.path} holds no prepared corpus (no {MANIFEST})", file=sys.stderr)
-        return 2
+        return report_error(f"{args.path} holds no prepared corpus (no {MANIFEST})", 2)
     failed = False
     for directory in seq_dirs:
         problems, summary = verify_seq_dir(directory)

@@ -15,7 +15,8 @@ import logging
 import sys
 
 from finetune.config import FinetuneConfig
-from onebit_bert.config import ConfigError, config_help, load_config
+from onebit_bert.cli import add_config_arguments, report_error
+from onebit_bert.config import ConfigError, load_config
 from onebit_bert.run_lock import RunLocked
 
 
@@ -26,13 +27,13 @@ def main(argv: list[str] | None = None) -> int:
         "run",
         help="fine-tune a checkpoint on GLUE / SQuAD tasks",
         description="Fine-tune a checkpoint on GLUE / SQuAD tasks, several seeds each.",
-        epilog=config_help(
-            FinetuneConfig, heading="config fields (set in the YAML file or as field=value):"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run_p.add_argument("--config", help="YAML config (optional; overrides also work alone)")
-    run_p.add_argument("overrides", nargs="*", help="field=value overrides")
+    add_config_arguments(
+        run_p,
+        FinetuneConfig,
+        overrides="field=value",
+        heading="config fields (set in the YAML file or as field=value):",
+    )
     get_p = sub.add_parser(
         "download",
         help="fetch the config's tasks from the Hugging Face hub into its cache",
@@ -42,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         "it on a login node with the same cache variables. Nothing to do with data_root set "
         "(the tasks are read from its files).",
     )
-    get_p.add_argument("--config", help="YAML config (optional; overrides also work alone)")
-    get_p.add_argument("overrides", nargs="*", help="field=value overrides")
+    add_config_arguments(get_p, FinetuneConfig, overrides="field=value", heading=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "download":
@@ -51,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(FinetuneConfig, args.config, args.overrides)
             print(json.dumps(download(cfg)))
         except (ConfigError, ValueError, RuntimeError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+            return report_error(err, 2)
         return 0
     try:
         from finetune.run import run
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     except (ConfigError, ValueError, FileNotFoundError, RunLocked) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_error(err, 2)
     return 0
 
 

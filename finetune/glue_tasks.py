@@ -1,7 +1,7 @@
 """The nine GLUE tasks: where their data lives and how a row becomes an :class:`Example`.
 
-Each task is a small subclass of :class:`GlueTask` that only declares what differs (folder,
-columns, labels, metrics, hub fields); reading and validation live in the base class. Data comes
+Each task is one :class:`GlueTask` entry of :data:`TASKS` that only declares what differs
+(folder, labels, columns, hub fields, metrics); reading and validation are the class's. Data comes
 either from the original GLUE layout written by GLUE's ``download_glue_data.py``::
 
     <data_root>/CoLA/{train,dev}.tsv      <data_root>/MNLI/{train,dev_matched,dev_mismatched}.tsv
@@ -16,9 +16,9 @@ line break inside a sentence, a truncated line) is an error rather than silently
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import ClassVar
 
 HUB_DATASET = "nyu-mll/glue"
 """Hub id of GLUE (the configs are the task names: ``cola``, ``sst2``, ...)."""
@@ -37,35 +37,43 @@ class Example:
     """Class id (index into :attr:`GlueTask.labels`), or the similarity score for STS-B."""
 
 
+@dataclass(frozen=True, eq=False)
 class GlueTask:
-    """Shared logic of the GLUE tasks; subclasses declare the class attributes below."""
+    """One GLUE task: where its files are, how its columns and labels read, what it scores."""
 
-    name: ClassVar[str]
-    """Lower-case task name, also the hub config unless :attr:`hub_config` says otherwise."""
-    folder: ClassVar[str]
+    folder: str
     """Folder of the task under ``data_root`` (GLUE's spelling, e.g. ``SST-2``)."""
-    hub_config: ClassVar[str]
-    labels: ClassVar[tuple[str, ...] | None]
+    labels: tuple[str, ...] | None
     """Class names in id order (the hub's order); ``None`` for regression."""
-    file_labels: ClassVar[tuple[str, ...] | None] = None
-    """Label cells as written in the TSV, in id order; ``None``: the same as :attr:`labels`."""
-    eval_splits: ClassVar[dict[str, str]] = {"validation": "dev.tsv"}
-    """Evaluation split name (as on the hub) -> file in the task folder."""
-    metric_names: ClassVar[tuple[str, ...]] = ("accuracy",)
-    columns: ClassVar[tuple[str, str | None, str]]
+    columns: tuple[str, str | None, str]
     """Header names of the (text_a, text_b, label) columns; text_b ``None`` for single sentences."""
-    headerless_columns: ClassVar[tuple[str, ...] | None] = None
-    """Column names of files that have no header line (CoLA); ``None``: the first line is one."""
-    hub_fields: ClassVar[tuple[str, str | None]]
+    hub_fields: tuple[str, str | None]
     """Hub feature names of (text_a, text_b)."""
-    score_range: ClassVar[tuple[float, float]] = (0.0, 5.0)
+    file_labels: tuple[str, ...] | None = None
+    """Label cells as written in the TSV, in id order; ``None``: the same as :attr:`labels`."""
+    metric_names: tuple[str, ...] = ("accuracy",)
+    eval_splits: dict[str, str] = field(default_factory=lambda: {"validation": "dev.tsv"})
+    """Evaluation split name (as on the hub) -> file in the task folder."""
+    headerless_columns: tuple[str, ...] | None = None
+    """Column names of files that have no header line (CoLA); ``None``: the first line is one."""
+    score_range: tuple[float, float] = (0.0, 5.0)
     """Regression only: the valid range of the score."""
 
-    def __init__(self) -> None:
-        self._label_ids = {raw: i for i, raw in enumerate(self.file_labels or self.labels or ())}
+    @property
+    def name(self) -> str:
+        """Lower-case task name without hyphens (``sst2`` for ``SST-2``): the hub config."""
+        return self.folder.lower().replace("-", "")
+
+    @property
+    def hub_config(self) -> str:
+        return self.name
+
+    @cached_property
+    def _label_ids(self) -> dict[str, int]:
+        return {raw: i for i, raw in enumerate(self.file_labels or self.labels or ())}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+        return f"GlueTask(name={self.name!r})"
 
     @property
     def num_labels(self) -> int:
@@ -233,117 +241,83 @@ class GlueTask:
 
 # ----------------------------------------------------------------------------- the tasks
 
-_BINARY_FILE_LABELS = ("0", "1")
-
-
-class CoLA(GlueTask):
-    """CoLA: is a single sentence grammatically acceptable (Matthews correlation)."""
-
-    name = hub_config = "cola"
-    folder = "CoLA"
-    labels = ("unacceptable", "acceptable")
-    file_labels = _BINARY_FILE_LABELS
-    metric_names = ("matthews_correlation",)
-    headerless_columns = ("source", "label", "original_label_marker", "sentence")
-    columns = ("sentence", None, "label")
-    hub_fields = ("sentence", None)
-
-
-class SST2(GlueTask):
-    """SST-2: positive or negative sentiment of a single sentence."""
-
-    name = hub_config = "sst2"
-    folder = "SST-2"
-    labels = ("negative", "positive")
-    file_labels = _BINARY_FILE_LABELS
-    columns = ("sentence", None, "label")
-    hub_fields = ("sentence", None)
-
-
-class MRPC(GlueTask):
-    """MRPC: are two sentences paraphrases (accuracy and F1)."""
-
-    name = hub_config = "mrpc"
-    folder = "MRPC"
-    labels = ("not_equivalent", "equivalent")
-    file_labels = _BINARY_FILE_LABELS
-    metric_names = ("accuracy", "f1")
-    columns = ("#1 String", "#2 String", "Quality")
-    hub_fields = ("sentence1", "sentence2")
-
-
-class STSB(GlueTask):
-    """STS-B: similarity score of a sentence pair, regression (Pearson and Spearman)."""
-
-    name = hub_config = "stsb"
-    folder = "STS-B"
-    labels = None
-    metric_names = ("pearson", "spearmanr")
-    columns = ("sentence1", "sentence2", "score")
-    hub_fields = ("sentence1", "sentence2")
-
-
-class QQP(GlueTask):
-    """QQP: are two questions duplicates (accuracy and F1)."""
-
-    name = hub_config = "qqp"
-    folder = "QQP"
-    labels = ("not_duplicate", "duplicate")
-    file_labels = _BINARY_FILE_LABELS
-    metric_names = ("accuracy", "f1")
-    columns = ("question1", "question2", "is_duplicate")
-    hub_fields = ("question1", "question2")
-
-
-class MNLI(GlueTask):
-    """MNLI: entailment, neutral or contradiction for a premise and hypothesis; evaluated
-    on the matched and mismatched validation sets."""
-
-    name = hub_config = "mnli"
-    folder = "MNLI"
-    labels = ("entailment", "neutral", "contradiction")
-    eval_splits = {
-        "validation_matched": "dev_matched.tsv",
-        "validation_mismatched": "dev_mismatched.tsv",
-    }
-    columns = ("sentence1", "sentence2", "gold_label")  # gold_label: the last column
-    hub_fields = ("premise", "hypothesis")
-
-
-class QNLI(GlueTask):
-    """QNLI: does a sentence contain the answer to a question."""
-
-    name = hub_config = "qnli"
-    folder = "QNLI"
-    labels = ("entailment", "not_entailment")
-    columns = ("question", "sentence", "label")
-    hub_fields = ("question", "sentence")
-
-
-class RTE(GlueTask):
-    """RTE: does the first sentence entail the second."""
-
-    name = hub_config = "rte"
-    folder = "RTE"
-    labels = ("entailment", "not_entailment")
-    columns = ("sentence1", "sentence2", "label")
-    hub_fields = ("sentence1", "sentence2")
-
-
-class WNLI(GlueTask):
-    """WNLI: entailment of a sentence pair built from Winograd schemas."""
-
-    name = hub_config = "wnli"
-    folder = "WNLI"
-    labels = ("not_entailment", "entailment")
-    file_labels = _BINARY_FILE_LABELS
-    columns = ("sentence1", "sentence2", "label")
-    hub_fields = ("sentence1", "sentence2")
-
+_BINARY = ("0", "1")  # how CoLA, SST-2, MRPC, QQP and WNLI write their labels
+_PAIR = ("sentence1", "sentence2")
+_SINGLE = ("sentence", None)
+_ACCURACY_F1 = ("accuracy", "f1")
 
 TASKS: dict[str, GlueTask] = {
     task.name: task
-    for task in (CoLA(), SST2(), MRPC(), STSB(), QQP(), MNLI(), QNLI(), RTE(), WNLI())
+    for task in (
+        GlueTask(  # acceptability of one sentence; files without a header
+            "CoLA",
+            labels=("unacceptable", "acceptable"),
+            columns=(*_SINGLE, "label"),
+            hub_fields=_SINGLE,
+            file_labels=_BINARY,
+            metric_names=("matthews_correlation",),
+            headerless_columns=("source", "label", "original_label_marker", "sentence"),
+        ),
+        GlueTask(  # sentiment of one sentence
+            "SST-2",
+            labels=("negative", "positive"),
+            columns=(*_SINGLE, "label"),
+            hub_fields=_SINGLE,
+            file_labels=_BINARY,
+        ),
+        GlueTask(  # are two sentences paraphrases
+            "MRPC",
+            labels=("not_equivalent", "equivalent"),
+            columns=("#1 String", "#2 String", "Quality"),
+            hub_fields=_PAIR,
+            file_labels=_BINARY,
+            metric_names=_ACCURACY_F1,
+        ),
+        GlueTask(  # similarity score of a pair: regression
+            "STS-B",
+            labels=None,
+            columns=(*_PAIR, "score"),
+            hub_fields=_PAIR,
+            metric_names=("pearson", "spearmanr"),
+        ),
+        GlueTask(  # are two questions duplicates
+            "QQP",
+            labels=("not_duplicate", "duplicate"),
+            columns=("question1", "question2", "is_duplicate"),
+            hub_fields=("question1", "question2"),
+            file_labels=_BINARY,
+            metric_names=_ACCURACY_F1,
+        ),
+        GlueTask(  # premise and hypothesis; matched and mismatched validation sets
+            "MNLI",
+            labels=("entailment", "neutral", "contradiction"),
+            columns=(*_PAIR, "gold_label"),  # gold_label: the last column
+            hub_fields=("premise", "hypothesis"),
+            eval_splits={
+                "validation_matched": "dev_matched.tsv",
+                "validation_mismatched": "dev_mismatched.tsv",
+            },
+        ),
+        GlueTask(  # does a sentence contain the answer to a question
+            "QNLI",
+            labels=("entailment", "not_entailment"),
+            columns=("question", "sentence", "label"),
+            hub_fields=("question", "sentence"),
+        ),
+        GlueTask(  # does the first sentence entail the second
+            "RTE",
+            labels=("entailment", "not_entailment"),
+            columns=(*_PAIR, "label"),
+            hub_fields=_PAIR,
+        ),
+        GlueTask(  # entailment of pairs built from Winograd schemas
+            "WNLI",
+            labels=("not_entailment", "entailment"),
+            columns=(*_PAIR, "label"),
+            hub_fields=_PAIR,
+            file_labels=_BINARY,
+        ),
+    )
 }
 """Task name -> task, in GLUE's order."""
 

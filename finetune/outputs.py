@@ -18,11 +18,10 @@ of that run (a SLURM array task writes one task and seed; the aggregating run wr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from onebit_bert.io import atomic_write_json
+from onebit_bert.io import atomic_write_json, read_json_object
 
 RESULTS = "results.json"
 CONFIG = "config.yaml"
@@ -56,30 +55,21 @@ def artifact_dir(output: str | Path, task: str, lr: float, epochs: float, seed: 
 
 def write_results(output: str | Path, results: dict) -> Path:
     """Write ``results.json`` (``{task: summary}``) atomically."""
-    path = results_path(output)
-    atomic_write_json(path, results)
-    return path
+    return atomic_write_json(results_path(output), results)
 
 
 def write_task_results(output: str | Path, task: str, summary: dict) -> Path:
     """Write one task's ``results.json`` atomically."""
-    path = task_results_path(output, task)
-    atomic_write_json(path, summary)
-    return path
+    return atomic_write_json(task_results_path(output, task), summary)
 
 
 def read_results(output: str | Path) -> dict:
     """``{task: summary}`` from ``results.json``; FileNotFoundError when there is none."""
-    path = results_path(output)
-    try:
-        results = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} is missing: fine-tuning has not finished") from None
-    except ValueError as err:
-        raise ValueError(f"{path} unreadable: {err}; run the fine-tuning stage again") from None
-    if not isinstance(results, dict):
-        raise ValueError(f"{path} unreadable: not an object; run the fine-tuning stage again")
-    return results
+    return read_json_object(
+        results_path(output),
+        missing="fine-tuning has not finished",
+        fix="run the fine-tuning stage again",
+    )
 
 
 def is_complete(

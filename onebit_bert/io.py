@@ -153,8 +153,37 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> None:
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON atomically; returns the path written."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    return Path(path)
+
+
+def read_json_object(
+    path: str | Path,
+    missing: str | None,
+    fix: str | None = None,
+    unreadable: type[ValueError] = ValueError,
+) -> dict | None:
+    """The JSON object stored in ``path``, for the readers of a stage's outputs.
+
+    A missing file raises ``FileNotFoundError("<path> is missing: <missing>")``, or returns
+    None when ``missing`` is None (a file that may not exist yet). A damaged one (not UTF-8,
+    not JSON, not an object) raises ``unreadable("<path> unreadable: <why>[; <fix>]")``.
+    """
+    path = Path(path)
+    suffix = "" if fix is None else f"; {fix}"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        if missing is None:
+            return None
+        raise FileNotFoundError(f"{path} is missing: {missing}") from None
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError included
+        raise unreadable(f"{path} unreadable: {err}{suffix}") from None
+    if not isinstance(data, dict):
+        raise unreadable(f"{path} unreadable: holds a {type(data).__name__}, not an object{suffix}")
+    return data
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from onebit_bert.io import atomic_write_json
+from onebit_bert.io import atomic_write_json, read_json_object
 
 LOCK_FILE = "run.lock"
 STALE_AFTER = 600.0
@@ -67,14 +67,10 @@ def _job_id() -> str | None:
 
 def read_lock(run_dir: str | Path) -> dict[str, Any] | None:
     """The lock's record; None when there is none; ``{}`` when it is damaged."""
-    path = Path(run_dir) / LOCK_FILE
     try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
+        return read_json_object(Path(run_dir) / LOCK_FILE, missing=None)
+    except ValueError:
         return {}
-    return record if isinstance(record, dict) else {}
 
 
 def holder_gone(

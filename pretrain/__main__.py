@@ -12,7 +12,8 @@ import sys
 import traceback
 
 from onebit_bert.checkpoint import NoUsableCheckpoint
-from onebit_bert.config import ConfigError, config_help, load_config
+from onebit_bert.cli import add_config_arguments, report_error
+from onebit_bert.config import ConfigError, load_config
 from onebit_bert.distributed.env import (
     abort_distributed,
     destroy_distributed,
@@ -40,8 +41,7 @@ def export_main(argv: list[str]) -> int:
     try:
         out = export_checkpoint(args.run_dir, args.step, args.out)
     except (ValueError, FileNotFoundError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_error(err, 2)
     print(out)
     return 0
 
@@ -55,17 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         description="BERT pretraining with any optimizer and strategy of the harness (and "
         "`python -m pretrain export "
         "RUN_DIR --step N` for a checkpoint in HF format)",
-        epilog=config_help(PretrainConfig),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", required=True, help="YAML config (see configs/pretrain/)")
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides")
+    add_config_arguments(parser, PretrainConfig, shipped="configs/pretrain/")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report_error(err, 2)
     backend = None if cfg.backend == "auto" else cfg.backend
     ctx = init_distributed(backend=backend, timeout_s=cfg.collective_timeout_s)
     is_main, rank, world_size = ctx.is_main, ctx.rank, ctx.world_size
@@ -73,17 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg, ctx)
     except TrainingDiverged as err:
-        code = _report(err, 3)
+        code = report_error(err, 3)
     except RunLocked as err:
-        code = _report(err, 4)
+        code = report_error(err, 4)
     except (ValueError, FileNotFoundError, NoUsableCheckpoint, NoSpaceError) as err:
-        code = _report(err, 2 if not isinstance(err, NoSpaceError) else 1)
+        code = report_error(err, 2 if not isinstance(err, NoSpaceError) else 1)
     except Exception as err:
         if not peer_lost(err):
             traceback.print_exc()
             code = 1
         else:  # another rank left: its own message says why, status.json records it
-            code = _report(
+            code = report_error(
                 f"rank {rank} stopped: another rank ended ({' '.join(str(err).split())[:200]})",
                 1,
             )
@@ -98,12 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(code)
     if is_main and summary is not None:
         print(json.dumps(summary))
-    return code
-
-
-def _report(err: BaseException | str, code: int) -> int:
-    text = err.strerror if isinstance(err, NoSpaceError) else err  # without "[Errno 28]"
-    print(f"error: {text}", file=sys.stderr, flush=True)
     return code
 
 

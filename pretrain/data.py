@@ -155,6 +155,11 @@ def make_batch(
     }
 
 
+def to_device(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """A host batch's arrays as tensors on ``device`` (copied without waiting for it)."""
+    return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
 class Prefetcher:
     """Micro-batches built one ahead on a background thread.
 

@@ -18,7 +18,7 @@ from pretrain import outputs
 from pretrain.checkpointing import export_hf
 from pretrain.config import PretrainConfig
 from pretrain.model import build_model
-from pretrain.train import token_ids
+from pretrain.startup import token_ids
 
 
 def finished_steps(run_dir: Path) -> dict[int, Path]:

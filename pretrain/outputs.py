@@ -22,7 +22,6 @@ Standard library only: the orchestrator and the SLURM scripts use it without tor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
@@ -33,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onebit_bert.io import atomic_write_json
+from onebit_bert.io import atomic_write_json, read_json_object
 from onebit_bert.metrics_log import METRICS_FILE
-from onebit_bert.run_lock import pid_alive
+from onebit_bert.run_lock import HEARTBEAT_INTERVAL, STALE_AFTER, pid_alive
 
 STATUS = "status.json"
 UNREADABLE = "unreadable"
@@ -44,10 +43,6 @@ CONFIG = "config.yaml"
 FINAL = "final"
 CHECKPOINTS = "checkpoints"
 
-HEARTBEAT_INTERVAL = 30.0
-"""Seconds between two heartbeat writes of :class:`RunStatus`."""
-STALE_AFTER = 600.0
-"""Seconds without a heartbeat after which a run on another host counts as stale."""
 
 # State words of status.json that the loop writes.
 RUNNING = "running"
@@ -90,16 +85,7 @@ class StatusUnreadable(ValueError):
 def read_status(run_dir: str | Path) -> dict | None:
     """The contents of ``status.json``, or None when the run has not written one;
     :class:`StatusUnreadable` (one line naming the file) when it is damaged."""
-    path = status_path(run_dir)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError included
-        raise StatusUnreadable(f"{path} unreadable: {err}") from None
-    if not isinstance(data, dict):
-        raise StatusUnreadable(f"{path} unreadable: holds a {type(data).__name__}, not an object")
-    return data
+    return read_json_object(status_path(run_dir), missing=None, unreadable=StatusUnreadable)
 
 
 def is_complete(run_dir: str | Path) -> bool:

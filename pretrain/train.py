@@ -8,13 +8,16 @@ optimizer's own communication, or none; logged as ``grad_sync``) → forward/bac
 this rank's micro-batches → the strategy's gradient sync → loss-scale check → clipping →
 the strategy's optimizer step → schedule → the strategy's after-step hook. The loop never
 asks which optimizer or strategy it runs.
+
+What the constructor checks and reads before the first step (the run lock, the shards'
+checksums, the changes a resume allows) is :mod:`pretrain.startup`'s; what the loop measures
+between steps (validation, finite weights) is :mod:`pretrain.evaluation`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -23,24 +26,20 @@ import numpy as np
 import torch
 
 from onebit_bert.checkpoint import CheckpointManager, NoUsableCheckpoint
-from onebit_bert.config import read_config_file, save_config, to_dict
+from onebit_bert.config import save_config, to_dict
 from onebit_bert.distributed.env import DistContext
 from onebit_bert.distributed.netdev import InterfaceCounter, resolve_interface
 from onebit_bert.metrics_log import MetricsLogger
 from onebit_bert.optim.registry import optimizer_spec
 from onebit_bert.precision import LossScaler, autocast, resolve_precision
 from onebit_bert.run_lock import RunLock, RunLocked
-from onebit_bert.shards import (
-    PretrainingShards,
-    ShardFormatError,
-    damage_of,
-    first_damaged_shard,
-)
+from onebit_bert.shards import PretrainingShards, ShardFormatError
 from onebit_bert.strategies import build_strategy
 from onebit_bert.timing import PENDING, DeviceClock, resolve_pending
 from pretrain import checkpointing, outputs
 from pretrain.config import PretrainConfig
-from pretrain.data import BatchSchedule, Prefetcher, TokenIds, make_batch
+from pretrain.data import BatchSchedule, Prefetcher, make_batch
+from pretrain.evaluation import validate, weights_finite
 from pretrain.model import PretrainingLoss, build_model, untrained_position_rows
 from pretrain.records import (
     BAD_STEP,
@@ -53,42 +52,20 @@ from pretrain.records import (
     progress_line,
 )
 from pretrain.schedule import lr_multiplier
+from pretrain.startup import (
+    Preemption,
+    lead_shortfall,
+    previous_timings,
+    resume_changes,
+    take_run_lock,
+    token_ids,
+    verify_shards,
+)
 
 
 class TrainingDiverged(RuntimeError):
     """The run stopped because its loss or gradients stopped being finite, or its loss
     blew up far above its recent level."""
-
-
-class Preemption:
-    """SIGUSR1/SIGTERM set a flag; the loop checks it (agreed by all ranks) between steps."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handler)
-
-    def _handler(self, signum, _frame):
-        self.requested = True
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def lead_shortfall(lead_s: float, save_s: float, step_s: float) -> str | None:
-    """The warning when a preemption lead of ``lead_s`` seconds cannot cover one step and
-    a checkpoint save twice over (the rule of the cluster guide: lead >= 2 x save + step),
-    else None. Twice the save: a loaded file system can be slower than the measured save."""
-    needed = 2 * save_s + step_s
-    if lead_s >= needed:
-        return None
-    return (
-        f"checkpoint.preemption_lead_s is {lead_s:g} s, but a save took {save_s:.1f} s and "
-        f"a step {step_s:.1f} s here: a preemption may kill the run before its checkpoint "
-        f"is written; raise slurm.signal_lead to at least {math.ceil(needed)} s"
-    )
 
 
 def single_process_notes(cfg: PretrainConfig, world_size: int) -> list[str]:
@@ -104,24 +81,6 @@ def single_process_notes(cfg: PretrainConfig, world_size: int) -> list[str]:
     ]
 
 
-def token_ids(shards: PretrainingShards) -> TokenIds:
-    from transformers import AutoTokenizer
-
-    if not (shards.tokenizer_dir / "tokenizer.json").is_file():
-        raise FileNotFoundError(
-            f"{shards.tokenizer_dir} has no tokenizer.json: the prepared data "
-            f"is incomplete, run data_prep again"
-        )
-    tok = AutoTokenizer.from_pretrained(shards.tokenizer_dir)
-    return TokenIds(
-        tok.cls_token_id, tok.sep_token_id, tok.pad_token_id, tok.mask_token_id, len(tok)
-    )
-
-
-def _to_device(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v).to(device, non_blocking=True) for k, v in batch.items()}
-
-
 class Trainer:
     """One pretraining phase on this rank: built (and resumed) by the constructor, run by
     :meth:`run`."""
@@ -130,7 +89,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.accumulation = cfg.batch_plan(ctx.world_size)
         self.lock = RunLock(cfg.run_dir) if ctx.rank == 0 else None
-        self._take_lock()
+        take_run_lock(self.lock, ctx, cfg.run_dir)
         try:
             self._build()
         except BaseException as err:
@@ -159,7 +118,7 @@ class Trainer:
             outputs.checkpoints_dir(self.run_dir), ctx.comm, cfg.checkpoint.keep_last
         )
         resumed = self.checkpoints.load_latest(cfg.checkpoint.allow_restart)
-        self.config_changes = self._check_resume_changes() if resumed is not None else {}
+        self.config_changes = resume_changes(cfg) if resumed is not None else {}
         if resumed is None and init is not None:
             checkpointing.initialise(cfg, init, self.strategy)
         # Built after any inherited optimizer state, so this phase's schedule starts at 0.
@@ -192,7 +151,9 @@ class Trainer:
             recorded = dataclasses.replace(cfg, recipe=self.recipe)
             save_config(recorded, outputs.config_path(self.run_dir))
         notes = single_process_notes(cfg, ctx.world_size)
-        self.save_seconds, self.step_seconds = self._previous_save_time()
+        self.save_seconds, self.step_seconds = (
+            previous_timings(self.run_dir) if self.resumed else (None, None)
+        )
         self._lead_warned = False
         short = self._lead_check()
         if short:
@@ -228,39 +189,6 @@ class Trainer:
         if self.config_changes:
             self.logger.log(self.start_step, {"resume_changes": self.config_changes})
 
-    def _check_resume_changes(self) -> dict:
-        """On a resume, the changes ``resume.allow_changes`` allows against the run's
-        recorded config; a :class:`ValueError` for any other change that alters the
-        trajectory, before the checkpoint's state is restored or anything is written."""
-        recorded = outputs.config_path(Path(self.cfg.run_dir))
-        if not recorded.is_file():
-            return {}
-        previous = read_config_file(recorded)
-        return checkpointing.check_resume_changes(
-            previous, to_dict(self.cfg), self.cfg.resume.allow_changes
-        )
-
-    def _take_lock(self) -> None:
-        """Rank 0 takes the run directory's lock before anything is written; every rank
-        stops with :class:`RunLocked` if another live launch holds it."""
-        ok = torch.ones(1, device=self.ctx.device)
-        error = None
-        if self.lock is not None:
-            try:
-                self.lock.acquire()
-            except RunLocked as err:
-                error = err
-                ok.zero_()
-        with self.ctx.comm.traffic("statistics"):
-            self.ctx.comm.all_reduce(ok, op="min")
-        if error is not None:
-            raise error
-        if ok.item() == 0:
-            raise RunLocked(
-                f"{self.cfg.run_dir}: rank 0 could not take the run lock (its error names "
-                f"the launch that holds it)"
-            )
-
     def release(self) -> None:
         """Stop the batch prefetcher and give the run directory's lock back (rank 0; the
         others hold none)."""
@@ -282,7 +210,7 @@ class Trainer:
             )
         self.ids = token_ids(self.train_rows)
         if cfg.data.verify_shards:
-            self._verify_shards()
+            verify_shards((self.train_rows, self.val_rows), ctx)
         interface = resolve_interface(cfg.logging.net_interface)
         self.net = InterfaceCounter(interface) if interface is not None else None
         self.schedule = BatchSchedule(
@@ -296,22 +224,6 @@ class Trainer:
         self.prefetcher = Prefetcher(
             self._build_micro_batch, pin=ctx.device.type == "cuda", enabled=cfg.data.prefetch
         )
-
-    def _verify_shards(self) -> None:
-        """Every shard of both splits against the manifest's sha256, before any training,
-        the work spread over the ranks (:func:`~onebit_bert.shards.first_damaged_shard`);
-        one all-reduce tells every rank the first damaged one, so all stop with the same
-        :class:`ShardFormatError` naming it."""
-        ctx, splits = self.ctx, (self.train_rows, self.val_rows)
-        none = sum(s.num_shards for s in splits)
-        found = first_damaged_shard(splits, ctx.rank, ctx.world_size)
-        first = torch.tensor(
-            [none if found is None else found], dtype=torch.float64, device=ctx.device
-        )
-        with ctx.comm.traffic("statistics"):
-            ctx.comm.all_reduce(first, op="min")
-        if int(first.item()) < none:
-            raise ShardFormatError(damage_of(splits, int(first.item())))
 
     def _build_micro_batch(self, rows: np.ndarray, step: int, micro: int) -> dict:
         """Micro-batch ``micro`` of global batch ``step`` (host arrays; the prefetcher's
@@ -503,12 +415,7 @@ class Trainer:
 
     def model_is_finite(self) -> bool:
         """Whether the evaluation model's weights are finite on every rank (collective)."""
-        params = list(self.strategy.eval_model().parameters())
-        finite = torch.stack([torch.isfinite(p).all() for p in params]).all()
-        flag = finite.to(torch.float32).reshape(1).to(self.ctx.device)
-        with self.ctx.comm.traffic("statistics"):
-            self.ctx.comm.all_reduce(flag, op="min")
-        return flag.item() == 1.0
+        return weights_finite(self.strategy.eval_model(), self.ctx)
 
     def save(self, step: int) -> bool:
         """Checkpoint ``step``, unless the weights are not finite (then warn, keep the
@@ -528,16 +435,6 @@ class Trainer:
             warnings.warn(short, stacklevel=2)
             self.status.update(lead_warning=short)
         return True
-
-    def _previous_save_time(self) -> tuple[float | None, float | None]:
-        """The save and step seconds the last launch of this run recorded (resumes only)."""
-        if not self.resumed:
-            return None, None
-        try:
-            previous = outputs.read_status(self.run_dir) or {}
-        except outputs.StatusUnreadable:
-            return None, None
-        return previous.get("save_seconds"), previous.get("step_seconds")
 
     def _lead_check(self) -> str | None:
         lead = self.cfg.checkpoint.preemption_lead_s
@@ -598,39 +495,10 @@ class Trainer:
     def validate(self) -> dict:
         """MLM and NSP accuracy of the strategy's evaluation model on a fixed slice of the
         validation split (same masks every time), summed over ranks."""
-        cfg, ctx = self.cfg, self.ctx
         self.strategy.drain()
         model = self.strategy.eval_model()
         loss_module = self.loss_module if model is self.model else PretrainingLoss(model)
-        loss_module.eval()
-        micro = cfg.batch.micro_batch_size
-        totals = torch.zeros(len(STAT_KEYS), device=ctx.device, dtype=torch.float64)
-        n_batches = min(cfg.data.validation_batches, len(self.val_rows) // (micro * ctx.world_size))
-        for b in range(n_batches):
-            k = b * ctx.world_size + ctx.rank
-            rows = np.arange(k * micro, (k + 1) * micro)
-            raw = make_batch(
-                self.val_rows, rows, self.ids, cfg.data, seed=cfg.seed, step=-1, micro=k
-            )
-            batch = _to_device(raw, ctx.device)
-            with autocast(self.precision, ctx.device):
-                _, stats = loss_module(**batch)
-            for i, key in enumerate(STAT_KEYS):
-                if key in stats:
-                    totals[i] += stats[key].double()
-        with ctx.comm.traffic("statistics"):
-            ctx.comm.all_reduce(totals, op="sum")
-        loss_module.train()
-        s = dict(zip(STAT_KEYS, totals.tolist(), strict=True))
-        out = {
-            "val_mlm_loss": s["mlm_loss_sum"] / max(s["mlm_tokens"], 1),
-            "val_mlm_accuracy": s["mlm_correct"] / max(s["mlm_tokens"], 1),
-            "val_sequences": n_batches * micro * ctx.world_size,
-        }
-        if s["nsp_examples"]:
-            out["val_nsp_accuracy"] = s["nsp_correct"] / s["nsp_examples"]
-            out["val_nsp_loss"] = s["nsp_loss_sum"] / s["nsp_examples"]
-        return out
+        return validate(loss_module, self.val_rows, self.ids, self.cfg, self.ctx, self.precision)
 
 
 def one_line(err: BaseException, limit: int = 500) -> str:

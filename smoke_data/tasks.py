@@ -131,31 +131,41 @@ def _perturb_equivalent(sentence: str, rng: random.Random) -> str:
     return " ".join(words)
 
 
+def _pair_rows(
+    task: str, pool: list[tuple[str, int]], rng: random.Random, row
+) -> tuple[list, list]:
+    """A sentence-pair task's (train, dev) rows, shuffled: ``row(n, i, s1)`` for the n-th of
+    its distinct first sentences ``s1``, ``pool[i]``."""
+    sizes = TASK_SIZES[task]
+    firsts = rng.sample(range(len(pool)), sum(sizes))
+    rows = [row(n, i, pool[i][0]) for n, i in enumerate(firsts)]
+    rng.shuffle(rows)
+    return _split(rows, sizes)
+
+
 def _mrpc(pool: list[tuple[str, int]], rng: random.Random) -> tuple[list, list]:
-    sizes = TASK_SIZES["MRPC"]
-    total = sum(sizes)
-    firsts = rng.sample(range(len(pool)), total)
-    rows = []
-    for n, i in enumerate(firsts):
-        s1 = pool[i][0]
+    def row(n: int, i: int, s1: str) -> tuple:
         if n % 2 == 0:
             label, s2 = 1, _perturb_equivalent(s1, rng)
         else:
             j = rng.randrange(len(pool) - 1)
             j += j >= i  # any other sentence
             label, s2 = 0, pool[j][0]
-        rows.append((label, 100000 + 2 * n, 100001 + 2 * n, s1, s2))
-    rng.shuffle(rows)
-    return _split(rows, sizes)
+        return (label, 100000 + 2 * n, 100001 + 2 * n, s1, s2)
+
+    return _pair_rows("MRPC", pool, rng, row)
+
+
+def _stsb_table(rows: list) -> list:
+    """STS-B rows in the columns of :data:`STSB_HEADER`."""
+    return [
+        (k, "smoke", "generated", "2024", n, "none", "none", s1, s2, f"{score:.2f}")
+        for k, (n, s1, s2, score) in enumerate(rows)
+    ]
 
 
 def _stsb(pool: list[tuple[str, int]], rng: random.Random) -> tuple[list, list]:
-    sizes = TASK_SIZES["STS-B"]
-    total = sum(sizes)
-    firsts = rng.sample(range(len(pool)), total)
-    rows = []
-    for n, i in enumerate(firsts):
-        s1 = pool[i][0]
+    def row(n: int, i: int, s1: str) -> tuple:
         other = _words(pool[rng.randrange(len(pool))][0])
         if n % 6 == 0:
             s2 = " ".join(other)  # unrelated (or, rarely, the same) sentence
@@ -168,10 +178,10 @@ def _stsb(pool: list[tuple[str, int]], rng: random.Random) -> tuple[list, list]:
             if rng.random() < 0.3 and len(words) > 4:
                 del words[rng.randrange(len(words))]
             s2 = " ".join(words)
-        score = round(5 * _jaccard(s1, s2), 2)
-        rows.append((n, s1, s2, score))
-    rng.shuffle(rows)
-    return _split(rows, sizes)
+        return (n, s1, s2, round(5 * _jaccard(s1, s2), 2))
+
+    train, dev = _pair_rows("STS-B", pool, rng, row)
+    return _stsb_table(train), _stsb_table(dev)
 
 
 def _write_tsv(path: Path, header: str, rows: list[Sequence[object]]) -> None:
@@ -256,24 +266,14 @@ def write_tasks(directory: Path, seed: int = 0) -> Path:
     docs = documents()
     pool = _sentence_pool(docs)
 
-    rng = random.Random(f"smoke-data/sst2/{seed}")
-    train, dev = _sst2(pool, docs, rng)
-    for name, rows in (("train", train), ("dev", dev)):
-        _write_tsv(directory / "SST-2" / f"{name}.tsv", SST2_HEADER, rows)
-
-    rng = random.Random(f"smoke-data/mrpc/{seed}")
-    train, dev = _mrpc(pool, rng)
-    for name, rows in (("train", train), ("dev", dev)):
-        _write_tsv(directory / "MRPC" / f"{name}.tsv", MRPC_HEADER, rows)
-
-    rng = random.Random(f"smoke-data/stsb/{seed}")
-    train, dev = _stsb(pool, rng)
-    for name, rows in (("train", train), ("dev", dev)):
-        table = [
-            (k, "smoke", "generated", "2024", n, "none", "none", s1, s2, f"{score:.2f}")
-            for k, (n, s1, s2, score) in enumerate(rows)
-        ]
-        _write_tsv(directory / "STS-B" / f"{name}.tsv", STSB_HEADER, table)
+    glue = {
+        "SST-2": (SST2_HEADER, _sst2(pool, docs, random.Random(f"smoke-data/sst2/{seed}"))),
+        "MRPC": (MRPC_HEADER, _mrpc(pool, random.Random(f"smoke-data/mrpc/{seed}"))),
+        "STS-B": (STSB_HEADER, _stsb(pool, random.Random(f"smoke-data/stsb/{seed}"))),
+    }
+    for folder, (header, splits) in glue.items():
+        for name, rows in zip(("train", "dev"), splits, strict=True):
+            _write_tsv(directory / folder / f"{name}.tsv", header, rows)
 
     rng = random.Random(f"smoke-data/squad/{seed}")
     atomic_write_json(directory / "squad" / "dev-v1.1.json", _squad(docs, rng))

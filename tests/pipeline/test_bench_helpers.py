@@ -284,3 +284,13 @@ def test_onebit_tensor_bench_times_three_ways_with_the_same_numbers():
     assert out["collectives_one_by_one"] == 2 * out["tensors"]
     assert out["bytes_per_rank_per_tensor"] == out["bytes_per_rank_one_by_one"]
     assert out["bytes_per_rank_fused"] <= out["bytes_per_rank_per_tensor"]
+
+
+def test_gloo_benchmarks_refuse_a_single_rank_while_parsing(capsys):
+    from bench.onebit_tensor import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--world-size", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--world-size: must be at least 2 (one rank sends nothing), not 1" in err

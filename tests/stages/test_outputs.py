@@ -243,3 +243,6 @@ def test_damaged_stage_outputs_are_not_complete_and_say_so(tmp_path):
     data_outputs.manifest_path(data, 64).write_text("{")
     with pytest.raises(ValueError, match="unreadable.*prepare seq 64 again"):
         data_outputs.read_manifest(data, 64)
+    data_outputs.manifest_path(data, 64).write_text("[64]")
+    with pytest.raises(ValueError, match="holds a list, not an object; prepare seq 64 again"):
+        data_outputs.read_manifest(data, 64)
