@@ -8,7 +8,7 @@ optionally ``bench.netem`` JSONs (``--netem``, once or more) with measured sampl
 each strategy at each bandwidth and world size: several files (say, one sweep at 25 Mbit/s
 and a later one at 10 Gbit/s) are one table when they measured the same model, batch and
 settings (:func:`load_netem`). Output, in one directory: ``report.md``, ``report.json`` and
-PNG plots (:mod:`pipeline.compare_plots`).
+PNG plots (:mod:`pipeline.reports.compare_plots`).
 
 **Target.** The reference's final validation MLM loss, mean over its seeds (or
 ``--target-loss``). For each run: the samples it had seen when its validation MLM loss
@@ -27,11 +27,11 @@ speed. The speeds are the benchmark's model (``model`` in the netem JSON), not t
 report's: the model stands in for the cluster, and the samples come from this report's
 runs. Where the netem JSON has no entry for a strategy, its time is left out and said so.
 
-**Which recipes first.** Per bandwidth a group, not a winner (:mod:`pipeline.ranking`):
+**Which recipes first.** Per bandwidth a group, not a winner (:mod:`pipeline.reports.ranking`):
 the leaders Welch's test cannot tell from the first, with the difference the seeds could
 have detected, and the recipes clearly behind; a seed that never reached the target counts
 with its run's end as a lower bound (≥). Where the reference and 1-bit LAMB both reached
-the target, the link below which 1-bit LAMB gets there first (:mod:`pipeline.crossover`).
+the target, the link below which 1-bit LAMB gets there first (:mod:`pipeline.reports.crossover`).
 Runs of more than one data identity (tokenizer and shards) are refused unless
 ``--mixed-data``, and the report then flags them.
 
@@ -54,10 +54,20 @@ from pathlib import Path
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.recipes import RECIPES, field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
-from pipeline import crossover, ranking
-from pipeline import report as parity
-from pipeline.gate import samples_to_target
-from pipeline.same_data import (
+from pipeline.reports import crossover, ranking
+from pipeline.reports.gate import samples_to_target
+from pipeline.reports.runs import (
+    INTRA_NODE_BYTES,
+    final_metrics_table,
+    finetune_summary,
+    finetune_values,
+    group_arms,
+    load_run,
+    parse_run,
+    read_run,
+    verdict,
+)
+from pipeline.reports.same_data import (
     assign_data,
     data_identities,
     data_of_dir,
@@ -65,10 +75,8 @@ from pipeline.same_data import (
     same_data_groups,
     same_data_lines,
 )
-from pipeline.stats import mean_std, t_quantile
-from pipeline.tables import mean_std_cell as _mean_std
-from pipeline.tables import summary as _summary
-from pipeline.timing import (
+from pipeline.reports.tables import mean_std_cell as _mean_std
+from pipeline.reports.timing import (
     infer_stage_steps,
     inner_optimizer,
     load_netem,
@@ -118,19 +126,20 @@ def strategy_key(config: dict) -> str | None:
     return name
 
 
-def load_run(spec: str) -> dict:
-    """One pretraining seed: the parity report's fields, plus its strategy, its validation
-    loss against samples and cumulative bytes, and each step's stage."""
-    inputs = parity.parse_run(spec, finetune_optional=True)
-    config, by_step = parity.read_run(inputs)
-    run = parity.load_run(inputs, (config, by_step))
+def load_timed_run(spec: str) -> dict:
+    """One pretraining seed: :func:`pipeline.reports.runs.load_run`'s fields, plus its
+    strategy, its validation loss against samples and cumulative bytes, and each step's
+    stage."""
+    inputs = parse_run(spec, finetune_optional=True)
+    config, by_step = read_run(inputs)
+    run = load_run(inputs, (config, by_step))
     batch = run["global_batch_size"]
     cumulative, by_kind, sent, kinds = {}, {}, 0, {}
     for step in sorted(by_step):
         record = by_step[step]
         sent += record.get("comm_bytes", 0)
         for key, value in record.items():
-            if key.startswith("comm_bytes_") and key != parity.INTRA_NODE_BYTES:
+            if key.startswith("comm_bytes_") and key != INTRA_NODE_BYTES:
                 kinds[key[len("comm_bytes_") :]] = kinds.get(key[len("comm_bytes_") :], 0) + value
         cumulative[step] = sent
         by_kind[step] = dict(kinds)
@@ -233,40 +242,9 @@ def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
 # ----------------------------------------------------------------------------- verdicts
 
 
-def verdict(reference: list[float], other: list[float]) -> dict:
-    """Welch for two or more seeds on each side; the reference's prediction interval for
-    a single seed."""
-    if len(reference) < 2:
-        return {"verdict": "reference has 1 seed: no verdict", "test": None}
-    if any(math.isnan(v) for v in (*reference, *other)):
-        return {"verdict": "no verdict (NaN)", "test": None}
-    if len(other) >= 2:
-        return {**parity.verdict(reference, other), "test": "welch"}
-    mean, std = mean_std(reference)
-    n = len(reference)
-    half = t_quantile(0.975, n - 1) * std * math.sqrt(1 + 1 / n)
-    (value,) = other
-    inside = abs(value - mean) <= half
-    return {
-        "verdict": "within the reference's seed spread" if inside else "differs",
-        "test": "prediction interval",
-        "interval": [mean - half, mean + half],
-    }
-
-
 def pretraining_table(arms: list[dict]) -> dict:
     """Final validation MLM loss and accuracy per strategy (mean ± std), with verdicts."""
-    table = {}
-    ref = arms[0]
-    for metric in ("val_mlm_loss", "val_mlm_accuracy"):
-        rows = {a["name"]: _summary([r["final"][metric] for r in a["seeds"]]) for a in arms}
-        for arm in arms[1:]:
-            row = rows[arm["name"]]
-            if row["n"] and rows[ref["name"]]["n"]:
-                row["difference"] = row["mean"] - rows[ref["name"]]["mean"]
-                row.update(verdict(rows[ref["name"]]["values"], row["values"]))
-        table[metric] = rows
-    return table
+    return final_metrics_table(arms, ("val_mlm_loss", "val_mlm_accuracy"), verdict)
 
 
 def finetune_table(arms: list[dict]) -> dict:
@@ -276,27 +254,17 @@ def finetune_table(arms: list[dict]) -> dict:
     table = {}
     for task in tasks:
         main = arms[0]["seeds"][0]["finetune"][task].get("main_metric")
-        per_arm, per_run = {}, {}
+        per_arm = {arm["name"]: finetune_summary(arm, task, main) for arm in arms}
+        per_run = {}
         for arm in arms:
-            seed_means = []
-            flat = []
             for run in arm["seeds"]:
-                values = parity.finetune_values(run, task, main)
+                values = finetune_values(run, task, main)
                 per_run[f"{arm['name']}-seed{run['seed']}"] = {
                     "strategy": arm["name"],
                     "seed": run["seed"],
                     main: sum(values) / len(values),
                     "finetune_seeds": len(values),
                 }
-                seed_means.append(sum(values) / len(values))
-                flat.extend(values)
-            mean, std = mean_std(flat)
-            per_arm[arm["name"]] = {
-                "mean": mean,
-                "std": std,
-                "n": len(flat),
-                "pretrain_seed_means": seed_means,
-            }
         ref = per_arm[arms[0]["name"]]
         for arm in arms[1:]:
             row = per_arm[arm["name"]]
@@ -319,7 +287,7 @@ def build(
     ``prior``: earlier reports (:func:`load_prior`) whose runs join ahead of ``run_specs``,
     as those reports measured them."""
     prior = list(prior or [])
-    fresh = [load_run(spec) for spec in run_specs]
+    fresh = [load_timed_run(spec) for spec in run_specs]
     runs = [*(r for p in prior for r in p["runs"]), *fresh]
     seen: dict[tuple[str, str], str] = {}
     for run in runs:
@@ -331,7 +299,7 @@ def build(
                 "give each run once (a report that carries another already holds its runs)"
             )
         seen[key] = where
-    arms = parity.group_arms(runs)
+    arms = group_arms(runs)
     if len(arms) < 2:
         raise ValueError("a comparison needs runs of at least two names (NAME=PRETRAIN:FINETUNE)")
     reference = arms[0]
@@ -416,8 +384,8 @@ def load_prior(path: str | Path) -> dict:
         netem = list(report["time_model"].get("netem") or [])
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(
-            f"--prior {path}: not a pipeline.compare report.json ({type(err).__name__}: "
-            f"{err}); give the report.json that python -m pipeline.compare wrote"
+            f"--prior {path}: not a pipeline.reports.compare report.json ({type(err).__name__}: "
+            f"{err}); give the report.json that python -m pipeline.reports.compare wrote"
         ) from err
     return {
         "path": str(path),
@@ -521,7 +489,7 @@ def retime(prior: list[dict], netem: dict | None) -> None:
     """Re-time the carried runs with this report's netem table (``--retime``: one sweep
     that measured every recipe together, say). A record's time is its steps per stage at
     the new speeds: the stage counts it stored, else those that reproduce its stored times
-    from the carried report's own netem files (:func:`pipeline.timing.infer_stage_steps`;
+    from the carried report's own netem files (:func:`pipeline.reports.timing.infer_stage_steps`;
     a record whose times they do not reproduce is refused). Each run gets ``retimed``:
     true, or false where its stages cannot be recovered (0/1 Adam's kinds of step from an
     older record) and its times are dropped."""
@@ -743,7 +711,7 @@ def _bounded(value: tuple[float | None, bool], text) -> str:
 
 def winners(data: dict) -> list[dict]:
     """Per measured bandwidth, the recipes that reach the target first, as groups
-    (:func:`pipeline.ranking.groups`: the leaders the seeds cannot tell apart, the recipes
+    (:func:`pipeline.reports.ranking.groups`: the leaders the seeds cannot tell apart, the recipes
     clearly behind, seeds that missed the target counted with a lower bound)."""
     bandwidths = sorted(
         {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
@@ -942,7 +910,7 @@ def data_references(prior: list[dict], specs: list[str], data: dict,
                     netem: dict | None) -> list[dict]:  # fmt: skip
     """The carried and the given ``--data-reference`` runs, timed to the report's target;
     each (name, seed, data) once."""
-    fresh = [load_run(spec) for spec in specs]
+    fresh = [load_timed_run(spec) for spec in specs]
     target = data["target"]["val_mlm_loss"]
     for run in fresh:
         run["time_to_target"] = time_to_target(run, target, netem)
@@ -990,9 +958,10 @@ def write_report(
     theirs). ``drop_prior``: names whose carried runs and tuning records are left out
     (:func:`drop_carried`: a recipe tuned again replaces its earlier record).
     ``data_reference_specs``: runs of the reference's recipe on other data, each strategy
-    set against those on its own data (:mod:`pipeline.same_data`). Runs of more than one
-    data identity are refused unless ``mixed_data`` (:func:`pipeline.same_data.data_identities`)."""
-    from pipeline.compare_plots import write_figures
+    set against those on its own data (:mod:`pipeline.reports.same_data`). Runs of more than
+    one data identity are refused unless ``mixed_data``
+    (:func:`pipeline.reports.same_data.data_identities`)."""
+    from pipeline.reports.compare_plots import write_figures
 
     if isinstance(netem_paths, str):
         netem_paths = [netem_paths]
@@ -1044,9 +1013,10 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.compare --run NAME=PRETRAIN[:FINETUNE] ... [--netem J] --out DIR``."""
+    """``python -m pipeline.reports.compare --run NAME=PRETRAIN[:FINETUNE] ... [--netem J]
+    --out DIR``."""
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.compare",
+        prog="python -m pipeline.reports.compare",
         description="Compare strategies by samples-, bytes- and modelled time-to-target, and "
         "their fine-tuning; runs that share a NAME are seeds of one strategy; the first NAME "
         "is the reference.",

@@ -22,7 +22,7 @@ batch of ``B_b = micro_batches · micro_batch``), ``‖G‖² ≈ (B_b|g_b|² - 
 B_s)`` and ``tr(Σ) ≈ (|g_s|² - |g_b|²) / (1/B_s - 1/B_b)``. When the global batch is small
 against ``B_simple``, gradient noise dominates the momentum and ‖m/√v‖ shrinks.
 
-``python -m pipeline.mechanism --run NAME=RUN_DIR ... --noise-at 500,1000,3000 --out DIR``
+``python -m pipeline.reports.mechanism --run NAME=RUN_DIR ... --noise-at 500,1000,3000 --out DIR``
 writes ``mechanism.json`` and the figures into ``DIR``.
 """
 
@@ -255,12 +255,12 @@ def plot(runs: list[dict], out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.mechanism --run NAME=RUN_DIR ... --out DIR``."""
+    """``python -m pipeline.reports.mechanism --run NAME=RUN_DIR ... --out DIR``."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.mechanism",
+        prog="python -m pipeline.reports.mechanism",
         description="Per-layer trust ratios, ‖m/√v‖ and the gradient noise scale from the "
         "checkpoints of LAMB and 1-bit LAMB runs.",
     )

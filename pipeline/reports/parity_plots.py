@@ -1,8 +1,8 @@
 """The parity report's figures (matplotlib, Agg backend): pretraining loss, validation MLM
 accuracy against samples seen, the 1-bit switch diagnostics and fine-tuning scores.
 
-Every function takes the arms built by :func:`pipeline.report.group_arms` (and, for the
-fine-tuning figure, the table of :func:`pipeline.report.compare_finetuning`) and writes one
+Every function takes the arms built by :func:`pipeline.reports.parity.group_arms` (and, for the
+fine-tuning figure, the table of :func:`pipeline.reports.parity.compare_finetuning`) and writes one
 PNG.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.stats import mean_std
+from pipeline.reports.stats import mean_std
 
 
 def write_figures(arms: list[dict], finetuning: dict, out: Path) -> bool:

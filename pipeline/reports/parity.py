@@ -5,7 +5,7 @@ its ``metrics.jsonl`` and ``config.yaml``, and a fine-tuning output directory wi
 ``results.json``). Runs that share a NAME are the pretraining seeds of one *arm*. Output,
 in one directory: ``report.md``, ``report.json`` and PNG plots (pretraining loss with the
 freeze step marked, validation MLM accuracy against samples seen, the 1-bit switch
-diagnostics, fine-tuning scores per task; drawn by :mod:`pipeline.report_plots`).
+diagnostics, fine-tuning scores per task; drawn by :mod:`pipeline.reports.parity_plots`).
 
 Statistics (see :data:`TEST`): pretraining metrics are mean ± std over an arm's
 pretraining seeds; fine-tuning metrics are mean ± std over pretraining × fine-tuning seeds.
@@ -19,36 +19,34 @@ there is no verdict.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from finetune import outputs as finetune_outputs
 from onebit_bert.io import atomic_write_json, atomic_write_text
-from onebit_bert.metrics_log import read_metrics
-from onebit_bert.optim.auto_freeze import AUTO
-from pipeline import gate as gating
-from pipeline.report_plots import (
+from pipeline.reports import gate as gating
+from pipeline.reports.parity_plots import (
     plot_samples_to_target,
     plot_sensitivity,
     plot_val_loss_target,
     write_figures,
 )
-from pipeline.stats import mean_std, welch_t_test
-from pipeline.tables import fmt as _fmt
-from pipeline.tables import summary as _summary
-from pipeline.tables import table_header as _table_header
-from pretrain import outputs as pretrain_outputs
-
-ALPHA = 0.05
-TEST = (
-    "Welch's two-sided t-test on per-pretraining-seed values (fine-tuning: each pretraining "
-    f"seed's mean over its fine-tuning seeds), alpha = {ALPHA}: *differs* when p < {ALPHA}, "
-    "otherwise *no significant difference*; an arm with a single pretraining seed gets "
-    "*1 seed: no verdict*."
+from pipeline.reports.runs import (
+    PRETRAIN_METRICS,
+    TEST,
+    check_pairing,
+    final_metrics_table,
+    finetune_summary,
+    finetune_values,
+    group_arms,
+    load_runs,
+    no_verdict,
+    welch_verdict,
 )
-NO_VERDICT = "1 seed: no verdict"
+from pipeline.reports.stats import mean_std
+from pipeline.reports.tables import fmt as _fmt
+from pipeline.reports.tables import table_header as _table_header
+from pipeline.target import parse_utc, read_target
+
 NO_SIGNAL = "no signal at this scale"
 SIGNAL_FACTOR = 3.0
 """A task carries signal when the reference's pretrained score beats the randomly
@@ -56,222 +54,12 @@ initialised baseline's by at least this many fine-tuning seed spreads."""
 SPREAD_LIMIT = 0.02
 """The regime is tight enough when the reference's final validation loss spreads by at
 most this fraction of its mean over its seeds."""
-PRETRAIN_METRICS = ("val_mlm_accuracy", "val_mlm_loss", "val_nsp_accuracy", "final_train_loss")
-SWITCH_KEYS = (
-    "trust_ratio_min",
-    "trust_ratio_mean",
-    "trust_ratio_max",
-    "factor_min",
-    "factor_mean",
-    "factor_max",
-    "compression_error",
-)
-
-
-@dataclass
-class RunInputs:
-    """One ``--run`` argument: the arm name, the pretraining run directory and the
-    fine-tuning output directory."""
-
-    name: str
-    pretrain_dir: Path
-    finetune_dir: Path | None
-
-
-def parse_run(spec: str, finetune_optional: bool = False) -> RunInputs:
-    """``NAME=PRETRAIN_DIR:FINETUNE_DIR`` (or ``NAME=PRETRAIN_DIR`` where fine-tuning is
-    optional: the run then has no fine-tuning results)."""
-    name, sep, dirs = spec.partition("=")
-    pretrain, sep2, finetune = dirs.partition(":")
-    if finetune_optional and sep and name and pretrain and not sep2:
-        return RunInputs(name, Path(pretrain), None)
-    if not (sep and sep2 and name and pretrain and finetune):
-        form = "NAME=PRETRAIN_DIR" + ("[:FINETUNE_DIR]" if finetune_optional else ":FINETUNE_DIR")
-        raise ValueError(f"run {spec!r} is not of the form {form}")
-    return RunInputs(name, Path(pretrain), Path(finetune))
-
-
-INTRA_NODE_BYTES = "comm_bytes_intra_node"
-"""Not a kind of traffic: what a node hierarchy's phases kept inside a node (counted apart
-from ``comm_bytes`` and from every kind)."""
-
-
-def read_run(run: RunInputs) -> tuple[dict, dict[int, dict]]:
-    """A run's pretraining config and its metrics merged per step (a resumed run logs some
-    steps twice); a missing input file is one error naming it."""
-    metrics_path = pretrain_outputs.metrics_path(run.pretrain_dir)
-    config_path = pretrain_outputs.config_path(run.pretrain_dir)
-    paths = [metrics_path, config_path]
-    if run.finetune_dir is not None:
-        paths.append(finetune_outputs.results_path(run.finetune_dir))
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(f"run {run.name!r}: {path} is missing")
-    by_step: dict[int, dict] = {}
-    for record in read_metrics(metrics_path):
-        by_step.setdefault(record["step"], {}).update(record)
-    return yaml.safe_load(config_path.read_text()), by_step
-
-
-def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None) -> dict:
-    """One pretraining seed: its curves, final metrics and fine-tuning results (``records``:
-    what :func:`read_run` returned, when the caller has read it already)."""
-    config, by_step = records or read_run(run)
-    batch = config["batch"]["global_batch_size"]
-    optimizer = config["optimizer"]["name"]
-    steps = sorted(by_step)
-    train = [(s, by_step[s]["loss"]) for s in steps if "loss" in by_step[s]]
-    val = [
-        (s * batch, by_step[s]["val_mlm_accuracy"])
-        for s in steps
-        if "val_mlm_accuracy" in by_step[s]
-    ]
-    val_loss = [
-        (s * batch, by_step[s]["val_mlm_loss"]) for s in steps if "val_mlm_loss" in by_step[s]
-    ]
-    final_val = next((by_step[s] for s in reversed(steps) if "val_mlm_accuracy" in by_step[s]), {})
-    comm = [by_step[s]["comm_bytes"] for s in steps if "comm_bytes" in by_step[s]]
-    times = [by_step[s]["time"] for s in steps if "time" in by_step[s]]
-    by_kind: dict[str, list[float]] = {}  # kind -> [bytes, seconds] over the run
-    for s in steps:
-        for key, value in by_step[s].items():
-            for prefix, slot in (("comm_bytes_", 0), ("comm_seconds_", 1)):
-                if (
-                    key.startswith(prefix)
-                    and key != INTRA_NODE_BYTES
-                    and isinstance(value, int | float)
-                ):
-                    by_kind.setdefault(key[len(prefix) :], [0, 0.0])[slot] += value
-    switch = {
-        key: [(s, by_step[s][key]) for s in steps if key in by_step[s]] for key in SWITCH_KEYS
-    }
-    final = {k: final_val.get(k) for k in PRETRAIN_METRICS[:3]}
-    final["final_train_loss"] = train[-1][1] if train else None
-    return {
-        "name": run.name,
-        "pretrain_dir": str(run.pretrain_dir),
-        "seed": config.get("seed"),
-        "pairing": pairing_identity(config),
-        "optimizer": optimizer,
-        "freeze_step": _freeze_step(config, optimizer, by_step),
-        "freeze_auto": "onebit" in optimizer and config["optimizer"].get("freeze_step") == AUTO,
-        "global_batch_size": batch,
-        "steps": steps[-1] if steps else 0,
-        "train_loss": train,
-        "val_mlm_accuracy": val,
-        "val_mlm_loss": val_loss,
-        "started": min(times) if times else None,
-        "max_samples": config.get("schedule", {}).get("max_steps", steps[-1] if steps else 0)
-        * batch,
-        "switch": switch,
-        "final": final,
-        "comm_bytes_total": sum(comm),
-        "comm_by_kind": {k: {"bytes": b, "seconds": t} for k, (b, t) in sorted(by_kind.items())},
-        "finetune": {}
-        if run.finetune_dir is None
-        else finetune_outputs.read_results(run.finetune_dir),
-    }
-
-
-PAIRING_FIELDS = ("seed", "model", "batch", "data.path", "schedule.max_steps")
-"""What seed k of two arms must share to be twins: the seed, the model and batch sections,
-the data and the run's length (initialisation and data order are functions of these)."""
-
-
-def pairing_identity(config: dict) -> dict:
-    """The fields of a run's resolved config that :data:`PAIRING_FIELDS` names."""
-    out = {}
-    for name in PAIRING_FIELDS:
-        value = config
-        for part in name.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        out[name] = value
-    return out
-
-
-def check_pairing(reference: dict, candidate: dict) -> None:
-    """Refuse arms whose seed-k runs are not twins: a seed in one arm only, or a pair that
-    differs in a :data:`PAIRING_FIELDS` field (one error listing them)."""
-    ref = {r["seed"]: r for r in reference["seeds"]}
-    cand = {r["seed"]: r for r in candidate["seeds"]}
-    problems = []
-    if set(ref) != set(cand):
-        problems.append(
-            f"seeds {sorted(ref)} against {sorted(cand)} (every seed must be in both arms)"
-        )
-    for seed in sorted(set(ref) & set(cand)):
-        a, b = ref[seed].get("pairing") or {}, cand[seed].get("pairing") or {}
-        differ = [k for k in PAIRING_FIELDS if a.get(k) != b.get(k)]
-        if differ:
-            problems.append(f"seed {seed} differs in {', '.join(differ)}")
-    if problems:
-        raise ValueError(
-            f"{candidate['name']} is not seed-matched with {reference['name']}: "
-            + "; ".join(problems)
-        )
-
-
-def group_arms(runs: list[dict]) -> list[dict]:
-    """Runs with the same name are one arm's pretraining seeds (first-seen order)."""
-    arms: dict[str, dict] = {}
-    for run in runs:
-        arm = arms.setdefault(run["name"], {"name": run["name"], "seeds": []})
-        if arm["seeds"] and arm["seeds"][0]["optimizer"] != run["optimizer"]:
-            raise ValueError(
-                f"arm {run['name']!r} mixes optimizers "
-                f"{arm['seeds'][0]['optimizer']} and {run['optimizer']}"
-            )
-        arm["seeds"].append(run)
-    for arm in arms.values():
-        arm["optimizer"] = arm["seeds"][0]["optimizer"]
-    return list(arms.values())
-
-
-def finetune_values(run: dict, task: str, metric: str) -> list[float]:
-    """One pretraining seed's scores for a task and metric, one per fine-tuning seed (at the
-    best grid point); only the mean when the results carry no per-seed scores."""
-    result = run["finetune"][task]
-    per_seed = result.get("per_seed")
-    if per_seed:
-        return [float(m[metric]) for m in per_seed.values() if metric in m]
-    return [float(result[metric])]
-
-
-def _no_verdict(reason: str) -> dict:
-    return {"verdict": reason, "p": None, "t": None, "df": None, "standard_error": None}
-
-
-def verdict(reference: list[float], other: list[float]) -> dict:
-    """Compare per-pretraining-seed values of an arm with the reference arm's."""
-    if len(reference) < 2 or len(other) < 2:
-        return _no_verdict(NO_VERDICT)
-    if any(math.isnan(v) for v in (*reference, *other)):
-        return _no_verdict("no verdict (NaN)")
-    test = welch_t_test(reference, other)
-    return {
-        "verdict": "differs" if test.p < ALPHA else "no significant difference",
-        "p": test.p,
-        "t": test.t,
-        "df": test.df,
-        "standard_error": test.standard_error,
-    }
 
 
 def compare_pretraining(arms: list[dict]) -> dict:
     """Per final pretraining metric: each arm's mean ± std over pretraining seeds and the
     verdict against the first arm."""
-    table = {}
-    reference = arms[0]
-    for metric in PRETRAIN_METRICS:
-        rows = {arm["name"]: _summary([r["final"][metric] for r in arm["seeds"]]) for arm in arms}
-        ref_values = rows[reference["name"]]["values"]
-        for arm in arms[1:]:
-            row = rows[arm["name"]]
-            if row["n"] and len(ref_values):
-                row["difference"] = row["mean"] - rows[reference["name"]]["mean"]
-                row.update(verdict(ref_values, row["values"]))
-        table[metric] = rows
-    return table
+    return final_metrics_table(arms, PRETRAIN_METRICS, welch_verdict)
 
 
 def finetune_spread(arm: dict, task: str, metric: str) -> float | None:
@@ -327,22 +115,12 @@ def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:
         )
         rows = {}
         for metric in metrics:
-            per_arm = {}
-            for arm in arms:
-                values = [finetune_values(r, task, metric) for r in arm["seeds"]]
-                flat = [v for vs in values for v in vs]
-                mean, std = mean_std(flat)
-                per_arm[arm["name"]] = {
-                    "mean": mean,
-                    "std": std,
-                    "n": len(flat),
-                    "pretrain_seed_means": [sum(vs) / len(vs) for vs in values],
-                }
+            per_arm = {arm["name"]: finetune_summary(arm, task, metric) for arm in arms}
             ref = per_arm[reference["name"]]
             for arm in arms[1:]:
                 row = per_arm[arm["name"]]
                 row["difference"] = row["mean"] - ref["mean"]
-                row.update(verdict(ref["pretrain_seed_means"], row["pretrain_seed_means"]))
+                row.update(welch_verdict(ref["pretrain_seed_means"], row["pretrain_seed_means"]))
                 interval = gating.difference_interval(
                     ref["pretrain_seed_means"], row["pretrain_seed_means"]
                 )
@@ -350,9 +128,8 @@ def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:
                     None if interval["low"] is None else [interval["low"], interval["high"]]
                 )
             if baseline is not None:
-                flat = [v for r in baseline["seeds"] for v in finetune_values(r, task, metric)]
-                mean, std = mean_std(flat)
-                per_arm[baseline["name"]] = {"mean": mean, "std": std, "n": len(flat)}
+                scores = finetune_summary(baseline, task, metric)
+                per_arm[baseline["name"]] = {k: scores[k] for k in ("mean", "std", "n")}
             rows[metric] = per_arm
         entry = {"main_metric": first.get("main_metric"), "metrics": rows}
         if baseline is not None:
@@ -361,7 +138,7 @@ def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:
             if not entry["signal"]["signal"]:
                 for per_arm in rows.values():
                     for arm in arms[1:]:
-                        per_arm[arm["name"]].update(_no_verdict(NO_SIGNAL))
+                        per_arm[arm["name"]].update(no_verdict(NO_SIGNAL))
         table[task] = entry
     return table
 
@@ -377,9 +154,10 @@ def gate_table(
 ) -> dict:
     """Samples to ``target`` per seed, the gate for every arm against the first, the final
     validation loss difference with its 95 % interval, and the reference's seed spread.
-    ``test``: the primary test, ``welch`` or ``paired`` (then :func:`pipeline.gate.paired_gate`
-    over seed-matched pairs, ``min_seeds`` the pre-registered pairs, with Welch's verdict and
-    the olympic means as secondary lines); ``preregistered``: when the test was fixed."""
+    ``test``: the primary test, ``welch`` or ``paired`` (then
+    :func:`pipeline.reports.gate.paired_gate` over seed-matched pairs, ``min_seeds`` the
+    pre-registered pairs, with Welch's verdict and the olympic means as secondary lines);
+    ``preregistered``: when the test was fixed."""
     value = target["value"]
     per_seed = {
         arm["name"]: [
@@ -476,25 +254,11 @@ def started_after(arms: list[dict], stamp: str | None) -> str:
     }
     if not stamp or not starts:
         return "not checked: no times recorded"
-    fixed = gating.parse_utc(stamp).timestamp()
+    fixed = parse_utc(stamp).timestamp()
     early = sorted(name for name, start in starts.items() if start < fixed)
     if early:
         return f"**after** {', '.join(early)} had started"
     return f"before any of the other arms' {len(starts)} runs started"
-
-
-def _freeze_step(config: dict, optimizer: str, by_step: dict[int, dict]) -> int | None:
-    """A 1-bit run's last warmup step: its ``freeze_step``, or with ``freeze_step: auto``
-    the step the detector chose (the last step logged in stage ``warmup``; None before
-    it has chosen)."""
-    if "onebit" not in optimizer:
-        return None
-    freeze = config["optimizer"].get("freeze_step")
-    if freeze != AUTO:
-        return freeze
-    warmup = [s for s in sorted(by_step) if by_step[s].get("stage") == "warmup"]
-    last = max(by_step, default=0)
-    return warmup[-1] if warmup and warmup[-1] < last else None
 
 
 def sensitivity_rows(runs: list[dict], target: dict | None) -> list[dict]:
@@ -542,7 +306,7 @@ def _verdict_cell(row: dict) -> str:
 def load_arms(run_specs: list[str]) -> list[dict]:
     """Load every ``NAME=PRETRAIN_DIR:FINETUNE_DIR`` run and group them into arms (two or
     more)."""
-    arms = group_arms([load_run(parse_run(spec, finetune_optional=True)) for spec in run_specs])
+    arms = group_arms(load_runs(run_specs))
     if len(arms) < 2:
         raise ValueError(
             "a parity report needs at least two runs with different names "
@@ -919,7 +683,7 @@ def write_report(
     fine-tuning baseline that decides which tasks carry signal."""
     arms = load_arms(run_specs)
     baseline = load_baseline(baseline_spec) if baseline_spec else None
-    sensitivity_runs = [load_run(parse_run(s, finetune_optional=True)) for s in sensitivity_specs]
+    sensitivity_runs = load_runs(sensitivity_specs)
     pretraining = compare_pretraining(arms)
     finetuning = compare_finetuning(finetuned, baseline) if (finetuned := fine_tuned(arms)) else {}
     gate = (
@@ -958,12 +722,12 @@ def write_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.report --run NAME=PRETRAIN_DIR:FINETUNE_DIR ... --out DIR``."""
+    """``python -m pipeline.reports.parity --run NAME=PRETRAIN_DIR:FINETUNE_DIR ... --out DIR``."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.report",
+        prog="python -m pipeline.reports.parity",
         description="Compare pretraining runs (and their fine-tuning) and write report.md "
         "with figures; runs that share a NAME are seeds of one arm.",
     )
@@ -1001,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = None
         if args.target:
-            target = gating.read_target(args.target)
+            target = read_target(args.target)
             if target is None:
                 raise ValueError(f"{args.target} is missing or unreadable: fix the target first")
         write_report(
