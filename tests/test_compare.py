@@ -14,7 +14,7 @@ import yaml
 
 from onebit_bert.recipes import get_recipe
 from pipeline.experiment import ReportSpec
-from pipeline.reports import compare, gate, ranking, timing
+from pipeline.reports import compare, compare_prior, gate, ranking, timing
 from pipeline.reports.stats import t_quantile
 from pipeline.tuning import data_identity as tuning_data
 from pipeline.tuning import successive_halving, trials, tuning_record
@@ -720,13 +720,13 @@ def test_retiming_refuses_a_local_step_recipe_measured_at_another_round_length(t
            "results": [{"bandwidth_mbit": 25, "world_size": 4,
                         "runs": {"slowmo_node": {"samples_per_s": 20.0}}}]}  # fmt: skip
     run = {"name": "slowmo_node", "strategy": "slowmo_node", "world_size": 4}
-    compare._check_same_setting("old.json", run, old, old)  # the same setting: fine
+    compare_prior._check_same_setting("old.json", run, old, old)  # the same setting: fine
     # a run no recipe describes has nothing to check and no known stages
-    compare._check_same_setting("old.json", {**run, "strategy": None}, old, old)
-    assert compare._single_stage(None) is False and compare._single_stage("slowmo_node")
+    compare_prior._check_same_setting("old.json", {**run, "strategy": None}, old, old)
+    assert compare_prior._single_stage(None) is False and compare_prior._single_stage("slowmo_node")
     new = {**old, "outer_every_by_recipe": {}}
     with pytest.raises(ValueError, match="rounds of 8 steps and adamw inside.*has 4"):
-        compare._check_same_setting("old.json", run, old, new)
+        compare_prior._check_same_setting("old.json", run, old, new)
 
 
 def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_corpus, tmp_path):

@@ -45,19 +45,26 @@ between pretraining seeds, not only between fine-tuning seeds of one checkpoint.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from pathlib import Path
 
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.recipes import RECIPES, field_value, get_recipe, identify
 from onebit_bert.strategies.decentralized import DEFAULT_TOPOLOGY
-from pipeline.reports import crossover, ranking
+from pipeline.reports import cli, crossover, ranking
+from pipeline.reports.compare_markdown import PLOT_BANDWIDTHS, render_markdown, winners
+from pipeline.reports.compare_prior import (
+    carried_netem_ignored,
+    check_prior_netem,
+    drop_carried,
+    load_prior,
+    prior_target,
+    retime,
+)
 from pipeline.reports.gate import samples_to_target
 from pipeline.reports.runs import (
     INTRA_NODE_BYTES,
+    VERDICT_TEST,
     final_metrics_table,
     finetune_summary,
     finetune_values,
@@ -75,9 +82,7 @@ from pipeline.reports.same_data import (
     same_data_groups,
     same_data_lines,
 )
-from pipeline.reports.tables import mean_std_cell as _mean_std
 from pipeline.reports.timing import (
-    infer_stage_steps,
     inner_optimizer,
     load_netem,
     rounds_of,
@@ -88,22 +93,9 @@ from pipeline.reports.timing import (
 from pipeline.tuning import load_tuning, tuning_lines
 from pretrain import outputs as pretrain_outputs
 
-ALPHA = 0.05
-TEST = (
-    f"two or more pretraining seeds: Welch's two-sided t-test on per-seed values, alpha = "
-    f"{ALPHA}; one seed: *differs* when the value lies outside the reference's two-sided "
-    f"95 % prediction interval for one more seed (mean ± t(0.975, n-1)·s·sqrt(1 + 1/n)); "
-    f"the reference needs two or more seeds."
-)
-NO_RECIPE = "no registered recipe"
-"""How tables name the recipe of a run whose settings no registered recipe describes."""
 ONEBIT = "onebit_lamb"
 """The recipe whose crossover against the reference the report gives (where both reached the
 target and were measured)."""
-PLOT_BANDWIDTHS = (25.0, 10_000.0)
-"""Mbit/s of the modelled-time plots (when the netem JSON measured them)."""
-
-
 # ----------------------------------------------------------------------------- loading
 
 
@@ -160,12 +152,6 @@ def load_timed_run(spec: str) -> dict:
         data=data_of_dir((config.get("data") or {}).get("path")),
     )
     return run
-
-
-def recipe_name(key: str | None) -> str:
-    """The recipe of a :func:`strategy_key` (``decentlam/ring`` -> ``decentlam``,
-    ``hybrid_onebit_lamb:int8`` -> ``hybrid_onebit_lamb``); empty for None."""
-    return (key or "").partition(":")[0].partition("/")[0]
 
 
 def check_netem_setting(run: dict, netem: dict | None) -> None:
@@ -306,7 +292,7 @@ def build(
     ref_final = [r["final"]["val_mlm_loss"] for r in reference["seeds"]]
     source = "given (--target-loss)"
     if prior:
-        target_loss, source = _prior_target(prior, target_loss)
+        target_loss, source = prior_target(prior, target_loss)
     elif target_loss is None:
         if any(v is None for v in ref_final):
             raise ValueError(f"reference {reference['name']!r} has no final validation loss")
@@ -357,222 +343,6 @@ def curve(run: dict, netem: dict | None) -> list[dict]:
     return points
 
 
-def load_prior(path: str | Path) -> dict:
-    """An earlier comparison's ``report.json`` as runs to carry: each run record as that
-    report measured it (final metrics, bytes, time to its target, its curve where the
-    record has one), without fine-tuning results; its target, netem files and tuning."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--prior {path}: no such report.json")
-    try:
-        report = json.loads(path.read_text())
-        runs, references = (
-            [
-                {
-                    **record,
-                    "final": {**record["final"], "final_train_loss": record["final_train_loss"]},
-                    "val_loss": [tuple(point) for point in record["val_mlm_loss"]],
-                    "finetune": {},
-                    "carried_from": str(path),
-                }
-                for record in report.get(field) or []
-            ]
-            for field in ("runs", "data_references")
-        )
-        target = {"val_mlm_loss": float(report["target"]["val_mlm_loss"]),
-                  "from": report["target"]["from"]}  # fmt: skip
-        netem = list(report["time_model"].get("netem") or [])
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise ValueError(
-            f"--prior {path}: not a pipeline.reports.compare report.json ({type(err).__name__}: "
-            f"{err}); give the report.json that python -m pipeline.reports.compare wrote"
-        ) from err
-    return {
-        "path": str(path),
-        "runs": runs,
-        "names": list(dict.fromkeys(r["name"] for r in runs)),
-        "target": target,
-        "netem": netem,
-        "tuning": report.get("tuning") or {},
-        "data_references": references,
-    }
-
-
-def drop_carried(prior: list[dict], names: list[str]) -> None:
-    """Leave ``names`` out of the carried reports, in place: their runs and their tuning
-    records (the carried reports' netem files are still needed for the others; a new
-    measurement of a dropped recipe replaces the carried one: :func:`carried_netem_ignored`).
-    Each name must be carried and none may be the reference (the first carried name)."""
-    if not names:
-        return
-    if not prior:
-        raise ValueError("--drop leaves names out of earlier reports: give them (--prior)")
-    carried = [n for p in prior for n in p["names"]]
-    for name in names:
-        if name not in carried:
-            raise ValueError(
-                f"--drop {name}: no carried report has runs of that name (carried: "
-                f"{', '.join(carried)})"
-            )
-        if name == carried[0]:
-            raise ValueError(f"--drop {name}: it is the reference of the carried reports")
-    recipes = set(names)  # a tuning record is keyed by the recipe its runs ran
-    for p in prior:
-        for run in p["runs"]:
-            if run["name"] in names and run.get("strategy"):
-                recipes.add(run["strategy"].split(":")[0].split("/")[0])
-    for p in prior:
-        p["dropped"] = [n for n in p["names"] if n in names]
-        p["dropped_recipes"] = sorted(recipes)
-        p["runs"] = [r for r in p["runs"] if r["name"] not in names]
-        p["names"] = [n for n in p["names"] if n not in names]
-        p["tuning"] = {k: v for k, v in p["tuning"].items() if k not in recipes}
-
-
-def _prior_target(prior: list[dict], target_loss: float | None) -> tuple[float, str]:
-    """The target every carried report measured against (they must agree, and agree with
-    ``--target-loss`` when given: their times to target cannot be recomputed)."""
-    first = prior[0]["target"]
-    for p in prior:
-        value = p["target"]["val_mlm_loss"]
-        if not math.isclose(value, first["val_mlm_loss"], rel_tol=0, abs_tol=1e-12):
-            raise ValueError(
-                f"--prior {p['path']} measured against target {value}, "
-                f"{prior[0]['path']} against {first['val_mlm_loss']}: carry reports of one target"
-            )
-    if target_loss is not None and not math.isclose(
-        target_loss, first["val_mlm_loss"], rel_tol=0, abs_tol=1e-12
-    ):
-        raise ValueError(
-            f"--target-loss {target_loss} differs from the target {first['val_mlm_loss']} of "
-            f"--prior {prior[0]['path']}: its runs' times to target were measured against "
-            "that one; leave --target-loss out or give the same value"
-        )
-    return first["val_mlm_loss"], first["from"]
-
-
-def carried_netem_ignored(prior: list[dict], netem_paths: list[str]) -> dict[str, set[str]]:
-    """Per carried netem file (resolved path), the recipes whose measurements in it give way:
-    those of the runs ``--drop`` replaced (:func:`drop_carried`) that a netem file of this
-    report's own measures again (a recipe tuned again to another setting). A dropped recipe
-    that nothing measures again keeps its carried measurement."""
-    carried = {str(Path(n).resolve()) for p in prior for n in p["netem"]}
-    again: set[str] = set()
-    for name in netem_paths:
-        path = Path(name)
-        if str(path.resolve()) in carried or not path.is_file():
-            continue
-        for row in json.loads(path.read_text()).get("results", []):
-            again.update(row.get("runs", {}))
-    ignored: dict[str, set[str]] = {}
-    for p in prior:
-        recipes = set(p.get("dropped_recipes", ())) & again
-        for name in p["netem"] if recipes else ():
-            ignored.setdefault(str(Path(name).resolve()), set()).update(recipes)
-    return ignored
-
-
-def check_prior_netem(prior: list[dict], netem_paths: list[str]) -> None:
-    """A carried report's times came from its netem files: the new report must use them
-    too, so that its own runs' times are modelled from the same measurements."""
-    given = {Path(p).resolve() for p in netem_paths}
-    for p in prior:
-        missing = [n for n in p["netem"] if Path(n).resolve() not in given]
-        if missing:
-            raise ValueError(
-                f"--prior {p['path']} modelled its times with {', '.join(missing)}: "
-                "pass the same file(s) with --netem"
-            )
-
-
-def retime(prior: list[dict], netem: dict | None) -> None:
-    """Re-time the carried runs with this report's netem table (``--retime``: one sweep
-    that measured every recipe together, say). A record's time is its steps per stage at
-    the new speeds: the stage counts it stored, else those that reproduce its stored times
-    from the carried report's own netem files (:func:`pipeline.reports.timing.infer_stage_steps`;
-    a record whose times they do not reproduce is refused). Each run gets ``retimed``:
-    true, or false where its stages cannot be recovered (0/1 Adam's kinds of step from an
-    older record) and its times are dropped."""
-    for p in prior:
-        try:
-            old = load_netem(p["netem"]) if p["netem"] else None
-        except FileNotFoundError as err:
-            raise FileNotFoundError(
-                f"--prior {p['path']} modelled its times with {', '.join(p['netem'])}, and "
-                f"re-timing needs them to recover each run's steps per stage ({err}); run "
-                "from the directory those paths are relative to"
-            ) from err
-        for run in p["runs"]:
-            _check_same_setting(p["path"], run, old, netem)
-            old_speeds = speeds(old, run["strategy"], run["world_size"])
-            new_speeds = speeds(netem, run["strategy"], run["world_size"])
-            batch = run["global_batch_size"]
-            retimed = True
-
-            block = dict(run["time_to_target"])
-            if block.get("reached"):
-                split = _steps_per_stage(block, block["steps"], run, p, old_speeds)
-                retimed = split is not None
-                block["stage_steps"] = split
-                block["seconds"] = seconds_by_bandwidth(split, batch, new_speeds)
-            block["measured_bandwidths"] = sorted(new_speeds) if retimed else []
-            run["time_to_target"] = block
-            if run.get("curve"):
-                points = []
-                for point in run["curve"]:
-                    split = _steps_per_stage(point, point["samples"] / batch, run, p, old_speeds)
-                    retimed = retimed and split is not None
-                    seconds = seconds_by_bandwidth(split, batch, new_speeds)
-                    points.append({**point, "stage_steps": split, "seconds": seconds})
-                run["curve"] = points
-            run["retimed"] = retimed
-
-
-def _steps_per_stage(block: dict, steps: float, run: dict, prior: dict,
-                     old_speeds: dict) -> dict | None:  # fmt: skip
-    """A carried time block's (``time_to_target`` or a curve point) steps per stage: stored,
-    or recovered from its stored times at the carried report's speeds; None when they
-    cannot be recovered."""
-    if block.get("stage_steps"):
-        return block["stage_steps"]
-    single = _single_stage(run["strategy"])
-    if not block.get("seconds"):  # the old table had no speed for it
-        return {"default": steps} if single else None
-    found = infer_stage_steps(steps, block["seconds"], old_speeds, run["global_batch_size"])
-    if found is None and single:
-        raise ValueError(
-            f"--prior {prior['path']}: {run['name']} seed {run['seed']}'s stored times are "
-            f"not {steps:g} steps at the speeds of {prior['netem']}: re-time only with the "
-            "netem files that report was made with"
-        )
-    return found
-
-
-def _single_stage(key: str | None) -> bool:
-    """Every step of the recipe runs at one speed (no warmup or kinds of step)."""
-    name = recipe_name(key)
-    return name in RECIPES and get_recipe(name).measure not in ("onebit", "zero_one_adam")
-
-
-def _check_same_setting(where: str, run: dict, old: dict | None, new: dict | None) -> None:
-    """A local-step run re-timed at another round length or inner optimizer than it was
-    measured at would take another recipe's time."""
-    name = recipe_name(run["strategy"])
-    if old is None or new is None or name not in RECIPES:
-        return
-    if get_recipe(name).measure != "local_steps" or not speeds(new, name, run["world_size"]):
-        return
-    was = (rounds_of(old, name), inner_optimizer(old, name))
-    now = (rounds_of(new, name), inner_optimizer(new, name))
-    if was != now:
-        raise ValueError(
-            f"--prior {where}: {name} was measured with rounds of {was[0]} steps and "
-            f"{was[1] or 'its own'} inside, the new netem table has {now[0]} and "
-            f"{now[1] or 'its own'}; measure it as before (bench.netem --outer-every "
-            f"...,{name}={was[0]}{f' --inner {name}={was[1]}' if was[1] else ''})"
-        )
-
-
 def _run_record(run: dict) -> dict:
     if "carried_from" in run:
         keep = {k: v for k, v in run.items() if k not in ("val_loss", "finetune")}
@@ -606,7 +376,7 @@ def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
     """``report.json``: the parity report's shape (``runs``, ``finetune``) plus the target,
     the time model and the comparison tables."""
     return {
-        "test": TEST,
+        "test": VERDICT_TEST,
         "target": data["target"],
         "time_model": {
             "how": "sum over steps up to the crossing of global batch / measured samples/s of "
@@ -621,289 +391,6 @@ def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
         "pretraining": data["pretraining"],
         "finetune": data["finetune"],
     }
-
-
-def _human_bytes(value: float | None) -> str:
-    if value is None:
-        return "–"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
-def _human_seconds(value: float | None) -> str:
-    if value is None:
-        return "–"
-    if value >= 3600:
-        return f"{value / 3600:.2f} h"
-    if value >= 60:
-        return f"{value / 60:.1f} min"
-    return f"{value:.1f} s"
-
-
-def _mean_of(runs: list[dict], get) -> float | None:
-    values = [get(r) for r in runs]
-    if not values or any(v is None for v in values):
-        return None
-    return sum(values) / len(values)
-
-
-def _with_censored(seeds: list[dict], get) -> tuple[float | None, bool]:
-    """Mean over every seed of a to-target figure (``get(block)``), a seed that missed the
-    target counting with its run's end (``run_end``); and whether that makes the mean a
-    lower bound. None when a seed has no value."""
-    values, censored = [], False
-    for run in seeds:
-        block = run["time_to_target"]
-        if not block.get("reached"):
-            censored = True
-            block = block.get("run_end") or {}
-        value = get(block)
-        if value is None:
-            return None, censored
-        values.append(value)
-    return (sum(values) / len(values) if values else None), censored
-
-
-def strategy_rows(data: dict, bandwidths: list[float]) -> list[dict]:
-    """One row per strategy for the markdown table: means over its seeds. Samples and
-    times to the target are means over every seed, one that missed the target counting
-    with its run's end (a lower bound: ``censored``); bytes to the target over the seeds
-    that reached it (``reached`` says how many)."""
-    rows = []
-    for arm in data["arms"]:
-        seeds = arm["seeds"]
-        hit = [r for r in seeds if r["time_to_target"]["reached"]]
-        kinds = sorted({k for r in seeds for k in r["comm_bytes_by_kind"]})
-        rows.append(
-            {
-                "name": arm["name"],
-                "strategy": seeds[0]["strategy"],
-                "seeds": [r["seed"] for r in seeds],
-                "loss": data["pretraining"]["val_mlm_loss"][arm["name"]],
-                "accuracy": data["pretraining"]["val_mlm_accuracy"][arm["name"]],
-                "bytes": _mean_of(seeds, lambda r: r["comm_bytes_total"]),
-                "bytes_by_kind": {
-                    k: _mean_of(seeds, lambda r, k=k: r["comm_bytes_by_kind"].get(k, 0))
-                    for k in kinds
-                },
-                "reached": f"{len(hit)}/{len(seeds)}",
-                "samples": _with_censored(seeds, lambda b: b.get("samples")),
-                "bytes_to_target": _mean_of(hit, lambda r: r["time_to_target"]["bytes"]),
-                "seconds": {
-                    bw: _with_censored(
-                        seeds, lambda b, bw=bw: (b.get("seconds") or {}).get(f"{bw:g}")
-                    )
-                    for bw in bandwidths
-                },
-            }
-        )
-    return rows
-
-
-def _bounded(value: tuple[float | None, bool], text) -> str:
-    mean, censored = value
-    if mean is None:
-        return "–"
-    return ("≥ " if censored else "") + text(mean)
-
-
-def winners(data: dict) -> list[dict]:
-    """Per measured bandwidth, the recipes that reach the target first, as groups
-    (:func:`pipeline.reports.ranking.groups`: the leaders the seeds cannot tell apart, the recipes
-    clearly behind, seeds that missed the target counted with a lower bound)."""
-    bandwidths = sorted(
-        {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
-    )
-    return ranking.groups(data["arms"], bandwidths)
-
-
-def _bandwidth_label(mbit: float) -> str:
-    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
-
-
-def strategy_table_lines(rows: list[dict], bandwidths: list[float]) -> list[str]:
-    """The strategies table of ``report.md`` (:func:`strategy_rows`)."""
-    head = ["strategy", "seeds", "val MLM loss", "val MLM accuracy", "bytes/rank",
-            "seeds at target", "samples to target", "bytes to target"]  # fmt: skip
-    head += [f"time to target @ {_bandwidth_label(bw)}" for bw in bandwidths]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for row in rows:
-        loss, acc = row["loss"], row["accuracy"]
-        loss_cell = _mean_std(loss["mean"], loss["std"], len(row["seeds"]))
-        if "verdict" in loss:
-            loss_cell += f" ({loss['verdict']})"
-        cells = [
-            f"{row['name']} (`{row['strategy'] or NO_RECIPE}`)",
-            ", ".join(map(str, row["seeds"])),
-            loss_cell,
-            _mean_std(acc["mean"], acc["std"], len(row["seeds"])),
-            _human_bytes(row["bytes"]),
-            row["reached"],
-            _bounded(row["samples"], lambda v: f"{v:,.0f}"),
-            _human_bytes(row["bytes_to_target"]),
-            *(_bounded(row["seconds"][bw], _human_seconds) for bw in bandwidths),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> str:
-    """``report.md``: the target, the strategy table, the plots, the fine-tuning table."""
-    bandwidths = sorted(
-        {bw for r in data["runs"] for bw in r["time_to_target"]["measured_bandwidths"]}
-    )
-    rows = strategy_rows(data, bandwidths)
-    ref = data["arms"][0]["name"]
-    target = data["target"]
-    lines = [
-        "# Comparison report",
-        "",
-        f"Reference: **{ref}**. Target validation MLM loss **{target['val_mlm_loss']:.4f}** "
-        f"({target['from']}). Verdicts: {TEST}",
-        "",
-        "## Strategies",
-        "",
-    ]
-    lines += strategy_table_lines(rows, bandwidths)
-    kinds = sorted({k for row in rows for k in row["bytes_by_kind"]})
-    lines += [
-        "",
-        "Samples and times to the target are means over every seed: a seed that never "
-        "reached the target counts with its run's end, a lower bound, and the mean is then "
-        "one too (≥). Bytes to the target are means over the seeds that reached it. Bytes "
-        "are what rank 0's communicator counted.",
-        "",
-        *_prior_lines(data, netem),
-        "Bytes sent per rank over the whole run, by kind of traffic:",
-        "",
-    ]
-    lines += ["| strategy | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
-    for row in rows:
-        cells = [_human_bytes(row["bytes_by_kind"].get(k)) for k in kinds]
-        lines.append(f"| {row['name']} | " + " | ".join(cells) + " |")
-    lines += ["", "### How the time is modelled", ""]
-    if netem is None:
-        lines.append(
-            "No netem benchmark JSON was given (`--netem`): no modelled times. Run "
-            '`make bench-netem ARGS="--strategies ..."` and pass its netem.json.'
-        )
-    else:
-        lines.append(
-            f"Speeds: {' + '.join(f'`{p}`' for p in netem_paths)} ({netem.get('model')}, "
-            f"sequence length "
-            f"{netem.get('seq_length')}, {netem.get('batch_per_rank')} sequences per rank per "
-            "step, measured on emulated links). Samples and stages: this report's runs. "
-            "Time to target = sum over the steps up to the crossing of global batch / the "
-            "strategy's measured samples/s in that step's stage at that bandwidth on the same "
-            "number of ranks. A strategy the benchmark did not measure has no time."
-        )
-        by_file: dict[str, list[str]] = {}
-        for recipe, files in (netem.get("runs_from") or {}).items():
-            for path in files:
-                by_file.setdefault(path, []).append(recipe)
-        if len(by_file) > 1:
-            lines += [
-                "",
-                "The speeds come from separate runs of the benchmark ("
-                + "; ".join(f"`{p}`: {', '.join(rs)}" for p, rs in by_file.items())
-                + "), so ratios between them also carry the machine's run-to-run variation.",
-            ]
-        missing = sorted(
-            {
-                r["strategy"] or NO_RECIPE
-                for r in data["runs"]
-                if not r["time_to_target"]["measured_bandwidths"]
-            }  # fmt: skip
-        )
-        if missing:
-            lines.append(f"Not in the netem JSON: {', '.join(missing)}.")
-    lines += [
-        "",
-        "![validation loss against samples](val_loss_samples.png)",
-        "![validation loss against bytes](val_loss_bytes.png)",
-    ]
-    for bw in PLOT_BANDWIDTHS:
-        if bw in bandwidths:
-            lines.append(f"![validation loss against modelled time at {_bandwidth_label(bw)}]"
-                         f"(val_loss_time_{bw:g}mbit.png)")  # fmt: skip
-    lines += ["", *_finetune_lines(data), ""]
-    return "\n".join(lines)
-
-
-def _prior_lines(data: dict, netem: dict | None) -> list[str]:
-    """Which runs come from earlier reports rather than from run directories."""
-    if not data["prior"]:
-        return []
-    carried = "; ".join(f"`{p['path']}`: {', '.join(p['names'])}" for p in data["prior"])
-    same = (
-        "against the same target, except their modelled times, which are re-timed with this "
-        "report's netem files (each record's steps per stage, stored or recovered from the "
-        "times it was given by its own netem files, at the new speeds)"
-        if data.get("retimed")
-        else "against the same target and netem files"
-    )
-    dropped = [n for p in data["prior"] for n in p.get("dropped", [])]
-    left_out = ""
-    if dropped:
-        names = ", ".join(dropped)
-        left_out = f" Left out of them, to be replaced by this report's runs and tuning: {names}."
-        measured = [
-            f"{', '.join(r)} in `{f}`" for f, r in ((netem or {}).get("ignored") or {}).items()
-        ]
-        if measured:
-            left_out += f" Their netem measurements are left out too: {'; '.join(measured)}."
-    lines = [
-        f"Carried from earlier reports ({carried}): their figures are as those reports "
-        f"measured them, {same}; their run directories were not read, and they carry no "
-        f"fine-tuning.{left_out}"
-    ]
-    lost = sorted({r["name"] for r in data["runs"] if r.get("retimed") is False})
-    if lost:
-        lines[0] += (
-            f" Records whose steps per stage could not be recovered ({', '.join(lost)}) "
-            "have no modelled time."
-        )
-    flat = sorted({r["name"] for r in data["runs"] if "carried_from" in r and not r.get("curve")})
-    if flat:
-        lines[0] += (
-            f" Records without a stored curve ({', '.join(flat)}) appear in the plot against "
-            "samples only."
-        )
-    return [*lines, ""]
-
-
-def _finetune_lines(data: dict) -> list[str]:
-    names = [a["name"] for a in data["arms"]]
-    if not data["finetune"]:
-        return [
-            "## Fine-tuning",
-            "",
-            "No task was fine-tuned from every run (runs given as NAME=PRETRAIN_DIR, and runs "
-            "carried from an earlier report, have no fine-tuning results): no fine-tuning "
-            "verdicts.",
-        ]
-    lines = [
-        "## Fine-tuning",
-        "",
-        "Main metric per task, mean ± std over pretraining × fine-tuning seeds; verdict "
-        f"against {names[0]}.",
-        "",
-        "| task | metric | " + " | ".join(names) + " |",
-        "|---|---|" + "---:|" * len(names),
-    ]
-    for task, info in data["finetune"].items():
-        cells = []
-        for name in names:
-            row = info["strategies"][name]
-            cell = _mean_std(row["mean"], row["std"], row["n"])
-            if "verdict" in row:
-                mark = f"**{row['verdict']}**" if row["verdict"] == "differs" else row["verdict"]
-                cell += f" ({mark})"
-            cells.append(cell)
-        lines.append(f"| {task} | {info['main_metric']} | " + " | ".join(cells) + " |")
-    return lines
 
 
 def data_references(prior: list[dict], specs: list[str], data: dict,
@@ -1015,17 +502,13 @@ def write_report(
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.reports.compare --run NAME=PRETRAIN[:FINETUNE] ... [--netem J]
     --out DIR``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.reports.compare",
-        description="Compare strategies by samples-, bytes- and modelled time-to-target, and "
-        "their fine-tuning; runs that share a NAME are seeds of one strategy; the first NAME "
-        "is the reference.",
-    )
-    parser.add_argument(
-        "--run",
-        action="append",
-        default=[],
-        help="NAME=PRETRAIN[:FINETUNE] (without FINETUNE: pretraining only, no fine-tuning table)",
+    parser = cli.report_parser(
+        "pipeline.reports.compare",
+        "Compare strategies by samples-, bytes- and modelled time-to-target, and their "
+        "fine-tuning; runs that share a NAME are seeds of one strategy; the first NAME is the "
+        "reference.",
+        "NAME=PRETRAIN[:FINETUNE] (without FINETUNE: pretraining only, no fine-tuning table)",
+        runs_required=False,
     )
     parser.add_argument(
         "--prior",
@@ -1080,19 +563,18 @@ def main(argv: list[str] | None = None) -> int:
         help="rank runs pretrained on different data identities together (refused "
         "otherwise; the report then flags it)",
     )
-    parser.add_argument("--out", required=True, help="report directory")
-    args = parser.parse_args(argv)
-    if not args.run and not args.prior:
-        parser.error("give runs (--run NAME=PRETRAIN[:FINETUNE]) or an earlier report (--prior)")
-    try:
+
+    def write(args) -> str:
+        if not args.run and not args.prior:
+            parser.error(
+                "give runs (--run NAME=PRETRAIN[:FINETUNE]) or an earlier report (--prior)"
+            )
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
                      args.allow_unequal_budgets, args.prior, args.retime,
                      args.drop, args.data_reference, args.mixed_data)  # fmt: skip
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"report: {args.out}/report.md")
-    return 0
+        return f"report: {args.out}/report.md"
+
+    return cli.run(parser, argv, write)
 
 
 if __name__ == "__main__":

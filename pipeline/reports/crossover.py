@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from pipeline.reports.crossover_check import check
+from pipeline.reports.figures import pyplot
 from pipeline.reports.linkmodel import load_profiles, profile_key, step_seconds
 from pipeline.reports.stats import mean_std
 
@@ -164,11 +165,7 @@ def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> l
 def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2) -> None:
     """Time to the target against the link per recipe, the band its seeds' spread gives
     (mean ± std), one panel per cluster size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     grid = [10 ** (7 + 5 * i / 50) for i in range(51)]  # 10 Mbit/s .. 1 Tbit/s
     fig, axes = plt.subplots(1, len(ranks), figsize=(7 * len(ranks), 5), squeeze=False)
     for ax, p in zip(axes[0], ranks, strict=True):

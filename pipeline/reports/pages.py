@@ -24,9 +24,9 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline.reports import compare, ranking
+from pipeline.reports import compare_markdown, ranking
 from pipeline.reports.crossover import crossover_lines
-from pipeline.reports.parity import group_arms
+from pipeline.reports.runs import group_arms
 from pipeline.reports.same_data import same_data_lines
 from pipeline.tuning import tuning_lines
 
@@ -99,7 +99,9 @@ def report_md_drift(report_dir: Path) -> list[str]:
     runs = report["runs"]
     data = {"arms": group_arms(runs), "pretraining": report["pretraining"], "runs": runs}
     bandwidths = sorted({bw for r in runs for bw in r["time_to_target"]["measured_bandwidths"]})
-    expected = compare.strategy_table_lines(compare.strategy_rows(data, bandwidths), bandwidths)
+    expected = compare_markdown.strategy_table_lines(
+        compare_markdown.strategy_rows(data, bandwidths), bandwidths
+    )
     expected += ranking.group_lines(report.get("groups") or [])
     if report.get("same_data"):
         expected += same_data_lines(report["same_data"], data["arms"][0]["name"])

@@ -26,7 +26,18 @@ TEST = (
     "otherwise *no significant difference*; an arm with a single pretraining seed gets "
     "*1 seed: no verdict*."
 )
+VERDICT_TEST = (
+    f"two or more pretraining seeds: Welch's two-sided t-test on per-seed values, alpha = "
+    f"{ALPHA}; one seed: *differs* when the value lies outside the reference's two-sided "
+    f"95 % prediction interval for one more seed (mean ± t(0.975, n-1)·s·sqrt(1 + 1/n)); "
+    f"the reference needs two or more seeds."
+)
+"""What :func:`verdict` does (the comparison's verdicts)."""
 NO_VERDICT = "1 seed: no verdict"
+NO_SIGNAL = "no signal at this scale"
+SIGNAL_FACTOR = 3.0
+"""A task carries signal when the reference's pretrained score beats the randomly
+initialised baseline's by at least this many fine-tuning seed spreads."""
 PRETRAIN_METRICS = ("val_mlm_accuracy", "val_mlm_loss", "val_nsp_accuracy", "final_train_loss")
 SWITCH_KEYS = (
     "trust_ratio_min",
