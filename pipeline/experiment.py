@@ -554,22 +554,14 @@ class Experiment:
         """The program a stage runs (locally; SLURM jobs wrap the same programs)."""
         if stage.kind == "inputs":
             return [self._expand(part) for part in self.cfg.inputs]
+        config = ["--config", str(stage.config_path)]
         if stage.kind == "data":
-            return [python, "-m", "data_prep", "--config", str(stage.config_path)]
+            return [python, "-m", "data_prep", *config]
         if stage.kind == "pretrain":
-            return [
-                python,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                "-m",
-                "pretrain",
-                "--config",
-                str(stage.config_path),
-            ]
+            launcher = [python, "-m", "torch.distributed.run", "--standalone"]
+            return [*launcher, f"--nproc-per-node={nproc}", "-m", "pretrain", *config]
         if stage.kind == "finetune":
-            return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
+            return [python, "-m", "finetune", "run", *config]
         if stage.kind == "target":
             return [python, "-m", "pipeline.target", *stage.args, "--out", str(stage.output)]
         return [python, "-m", self.cfg.report.module, *stage.args, "--out", str(stage.output)]
