@@ -190,7 +190,7 @@ finetune: setup
 RUNS ?=
 REPORT ?= runs/report
 report: setup
-	$(PY) -m pipeline.report $(foreach r,$(RUNS),--run $(r)) --out $(REPORT)
+	$(PY) -m pipeline.reports.parity $(foreach r,$(RUNS),--run $(r)) --out $(REPORT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

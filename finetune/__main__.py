@@ -4,7 +4,7 @@ python -m finetune run --config CONFIG [section.field=value ...]
 python -m finetune run checkpoint=DIR 'tasks=[sst2, mrpc]' data_root=DIR output=DIR
 python -m finetune download --config CONFIG   (on a machine with internet: fill the HF cache)
 
-(The comparison report of several runs is the orchestrator's: python -m pipeline.report.)
+(The comparison report of several runs is the orchestrator's: python -m pipeline.reports.parity.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from data_prep import outputs as data_outputs
 from finetune import outputs as finetune_outputs
 from onebit_bert.config import load_config, save_config
 from onebit_bert.recipes import get_recipe
-from pipeline.gate import parse_utc
+from pipeline.target import parse_utc, read_target
 from pretrain import outputs as pretrain_outputs
 
 TARGET_FILE = "target.json"
@@ -123,8 +123,8 @@ class ReportSpec:
     """Which report the last stage writes."""
 
     kind: Literal["parity", "compare"] = "parity"
-    """parity: the parity report (``python -m pipeline.report``: arms side by side, Welch
-    verdicts); compare: the comparison report (``python -m pipeline.compare``: samples-,
+    """parity: the parity report (``python -m pipeline.reports.parity``: arms side by side, Welch
+    verdicts); compare: the comparison report (``python -m pipeline.reports.compare``: samples-,
     bytes- and modelled time-to-target per strategy)."""
     netem: str | list[str] | None = None
     """compare: a ``bench.netem`` netem.json with measured samples/s per strategy (the
@@ -139,7 +139,7 @@ class ReportSpec:
     gate: bool = False
     """parity: fix a target from the reference arm (the first run) in a ``target`` stage
     that every other arm's pretraining waits for (``<workdir>/target.json``), and gate each
-    arm's samples to that target (:mod:`pipeline.gate`)."""
+    arm's samples to that target (:mod:`pipeline.reports.gate`)."""
     target_fraction: float = 0.8
     """parity gate: the target is the worst reference seed's validation MLM loss at this
     fraction of the run (unless target_loss fixes it)."""
@@ -153,7 +153,7 @@ class ReportSpec:
     test: Literal["welch", "paired"] = "welch"
     """parity gate: the primary test. welch: one-sided Welch test on the arms' mean samples
     to target; paired: one-sided paired t-test on the per-seed log(candidate / reference)
-    over seed-matched pairs (:func:`pipeline.gate.paired_gate`), Welch then a secondary
+    over seed-matched pairs (:func:`pipeline.reports.gate.paired_gate`), Welch then a secondary
     line."""
     preregistered: str | None = None
     """parity gate: when the test, margin, alpha and seed count were fixed (ISO 8601 UTC,
@@ -185,7 +185,7 @@ class ReportSpec:
 
     @property
     def module(self) -> str:
-        return "pipeline.compare" if self.kind == "compare" else "pipeline.report"
+        return "pipeline.reports.compare" if self.kind == "compare" else "pipeline.reports.parity"
 
     def args(self) -> list[str]:
         """The report program's arguments besides the runs and the output."""
@@ -306,8 +306,6 @@ def _finetune_done(stage: Stage) -> bool:
 
 
 def _target_done(stage: Stage) -> bool:
-    from pipeline.gate import read_target
-
     target = read_target(stage.output)
     if target is None:
         return False
@@ -556,22 +554,14 @@ class Experiment:
         """The program a stage runs (locally; SLURM jobs wrap the same programs)."""
         if stage.kind == "inputs":
             return [self._expand(part) for part in self.cfg.inputs]
+        config = ["--config", str(stage.config_path)]
         if stage.kind == "data":
-            return [python, "-m", "data_prep", "--config", str(stage.config_path)]
+            return [python, "-m", "data_prep", *config]
         if stage.kind == "pretrain":
-            return [
-                python,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                "-m",
-                "pretrain",
-                "--config",
-                str(stage.config_path),
-            ]
+            launcher = [python, "-m", "torch.distributed.run", "--standalone"]
+            return [*launcher, f"--nproc-per-node={nproc}", "-m", "pretrain", *config]
         if stage.kind == "finetune":
-            return [python, "-m", "finetune", "run", "--config", str(stage.config_path)]
+            return [python, "-m", "finetune", "run", *config]
         if stage.kind == "target":
             return [python, "-m", "pipeline.target", *stage.args, "--out", str(stage.output)]
         return [python, "-m", self.cfg.report.module, *stage.args, "--out", str(stage.output)]

@@ -14,7 +14,7 @@ Resumable: a trial that has a validation loss at a rung's step is not run again 
 a run stopped part-way resumes from its last checkpoint; run the same command again after
 any interruption. Output, under ``--out``: one run folder per trial
 (``<recipe>/<recipe>-t<i>``) and one ``<recipe>/tuning.json`` per recipe (the record
-``pipeline.compare --tuning`` reads).
+``pipeline.reports.compare --tuning`` reads).
 
 ``--eval-seeds`` then runs the chosen setting for the whole run on each of those seeds
 (fresh seeds, not the tuning seed: ``<recipe>/<recipe>-eval-seed<N>``, resumable the same
@@ -24,7 +24,7 @@ rendezvous on 127.0.0.1), so a recipe with ``comm.hierarchy: node`` sees nodes o
 ``nproc / nodes`` ranks: nodes as workers, tested on one host.
 
 ``--evaluate FILE`` tunes nothing: it runs the chosen setting of a recorded tuning (a
-``tuning.json``, or a ``pipeline.compare`` report whose tuning section holds the recipe) on
+``tuning.json``, or a ``pipeline.reports.compare`` report whose tuning section holds the recipe) on
 ``--eval-seeds`` with ``--data``, for example on other data than the tuning saw, and writes
 ``<recipe>/evaluation.json`` (the setting, where it came from, the data's identity and each
 seed's final validation loss).
@@ -185,7 +185,7 @@ class Tuner:
 
 def recorded_tuning(path: Path, name: str) -> dict:
     """``name``'s tuning record from a ``tuning.json`` (one record or a list) or from a
-    ``pipeline.compare`` report's tuning section."""
+    ``pipeline.reports.compare`` report's tuning section."""
     if not path.is_file():
         raise FileNotFoundError(f"--evaluate {path}: no such file (a tuning.json or a report)")
     loaded = json.loads(path.read_text())

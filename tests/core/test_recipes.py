@@ -23,8 +23,8 @@ from onebit_bert.recipes import (
     mismatches,
     register_recipe,
 )
-from pipeline import compare
 from pipeline.experiment import load_experiment
+from pipeline.reports import compare
 from pretrain.config import PretrainConfig
 from pretrain.train import train
 from tests.helpers.runs import dist_context, tiny_config

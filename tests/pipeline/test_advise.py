@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from pipeline import advise, crossover, linkmodel
+from pipeline.reports import advise, crossover, linkmodel
 from tests.helpers.distributed_harness import run_ranks
 
 REPORT = linkmodel.REPO / advise.REPORT

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from onebit_bert.recipes import get_recipe
-from pipeline import compare, gate, ranking, timing
 from pipeline.experiment import ReportSpec
-from pipeline.stats import t_quantile
+from pipeline.reports import compare, compare_prior, gate, ranking, timing
+from pipeline.reports.stats import t_quantile
 from pipeline.tuning import data_identity as tuning_data
 from pipeline.tuning import successive_halving, trials, tuning_record
 
@@ -417,7 +417,7 @@ def _record(tmp_path, recipe: str, budget_trials: int, name: str):
 
 
 def test_the_comparison_shows_each_recipes_tuning_and_refuses_unequal_budgets(runs, tmp_path):
-    """pipeline.compare --tuning: the search spaces, every trial and the chosen settings in
+    """pipeline.reports.compare --tuning: the search spaces, every trial and the chosen settings in
     the report; unequal budgets refused unless allowed (and then said)."""
     equal = [
         _record(tmp_path, "lamb", 3, "lamb.json"),
@@ -620,7 +620,7 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
     with pytest.raises(ValueError, match="lamb seed 1 is given twice"):
         compare.write_report(runs[:1], tmp_path / "x", str(netem), prior_paths=[prior])
     (tmp_path / "parity.json").write_text(json.dumps({"arms": [], "gate": {}}))
-    with pytest.raises(ValueError, match="not a pipeline.compare report.json"):
+    with pytest.raises(ValueError, match="not a pipeline.reports.compare report.json"):
         compare.write_report(runs[4:], tmp_path / "x", prior_paths=[tmp_path / "parity.json"])
     assert compare.main(["--prior", str(tmp_path / "nothing.json"), "--out",
                          str(tmp_path / "x")]) == 2  # fmt: skip
@@ -720,13 +720,13 @@ def test_retiming_refuses_a_local_step_recipe_measured_at_another_round_length(t
            "results": [{"bandwidth_mbit": 25, "world_size": 4,
                         "runs": {"slowmo_node": {"samples_per_s": 20.0}}}]}  # fmt: skip
     run = {"name": "slowmo_node", "strategy": "slowmo_node", "world_size": 4}
-    compare._check_same_setting("old.json", run, old, old)  # the same setting: fine
+    compare_prior._check_same_setting("old.json", run, old, old)  # the same setting: fine
     # a run no recipe describes has nothing to check and no known stages
-    compare._check_same_setting("old.json", {**run, "strategy": None}, old, old)
-    assert compare._single_stage(None) is False and compare._single_stage("slowmo_node")
+    compare_prior._check_same_setting("old.json", {**run, "strategy": None}, old, old)
+    assert compare_prior._single_stage(None) is False and compare_prior._single_stage("slowmo_node")
     new = {**old, "outer_every_by_recipe": {}}
     with pytest.raises(ValueError, match="rounds of 8 steps and adamw inside.*has 4"):
-        compare._check_same_setting("old.json", run, old, new)
+        compare_prior._check_same_setting("old.json", run, old, new)
 
 
 def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_corpus, tmp_path):
@@ -804,7 +804,7 @@ def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_co
 
 
 def test_a_carried_run_takes_its_data_from_the_tuning_that_evaluated_it():
-    from pipeline.same_data import assign_data
+    from pipeline.reports.same_data import assign_data
 
     data = {"tokenizer_sha256": "a" * 64, "shards_sha256": "b" * 64}
     tuning = {"x": {"data": data, "evaluation": [{"seed": 2, "run_dir": "/r/x-eval-seed2"}]},

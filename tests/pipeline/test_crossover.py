@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from pipeline import crossover, crossover_check, linkmodel
+from pipeline.reports import crossover, crossover_check, linkmodel
 
 V = 45e6  # bytes of payload per rank per step
 

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from pipeline import gate
-from pipeline.stats import t_cdf, t_quantile
+from pipeline.reports import gate
+from pipeline.reports.stats import t_cdf, t_quantile
+from pipeline.target import parse_utc, select_target
 
 
 def test_t_cdf_and_quantile_invert_each_other():
@@ -34,16 +35,16 @@ def test_target_is_the_worst_reference_seed_at_the_fraction():
         "seed2": [(0, 8.0), (800, 3.2), (1000, 3.0)],
         "seed3": [(0, 8.0), (400, 3.1), (800, 3.1), (1000, 3.1)],
     }
-    target = gate.select_target(curves, at=800)
+    target = select_target(curves, at=800)
     assert target["value"] == 3.2 and target["worst"] == "seed2"
     # every reference seed reaches it by the point it was taken at
     for points in curves.values():
         reached = gate.samples_to_target(points, target["value"])
         assert reached is not None and reached <= 800
     # interpolated between validation points
-    assert gate.select_target({"a": [(0, 4.0), (1000, 2.0)]}, at=800)["value"] == pytest.approx(2.4)
+    assert select_target({"a": [(0, 4.0), (1000, 2.0)]}, at=800)["value"] == pytest.approx(2.4)
     with pytest.raises(ValueError, match="let every reference run finish"):
-        gate.select_target({"short": [(0, 8.0), (500, 4.0)]}, at=800)
+        select_target({"short": [(0, 8.0), (500, 4.0)]}, at=800)
 
 
 def test_gate_known_t_statistic_and_undecided_with_seeds_needed():
@@ -221,10 +222,10 @@ def test_olympic_mean_drops_one_best_and_one_worst():
 
 
 def test_parse_utc_accepts_utc_only():
-    assert gate.parse_utc("2026-11-28T21:41:00Z").hour == 21
+    assert parse_utc("2026-11-28T21:41:00Z").hour == 21
     for bad in ("2026-11-28 21:41", "2026-11-28T21:41:00+01:00", "yesterday"):
         with pytest.raises(ValueError, match="UTC"):
-            gate.parse_utc(bad, "report.preregistered")
+            parse_utc(bad, "report.preregistered")
 
 
 def test_reanalysis_of_a_report_is_labelled_post_hoc(tmp_path):

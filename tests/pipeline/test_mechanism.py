@@ -9,7 +9,7 @@ from torch import nn
 
 from onebit_bert.optim import Lamb
 from onebit_bert.optim.build import weight_decay_groups
-from pipeline.mechanism import estimate_noise_scale, layer_statistics
+from pipeline.reports.mechanism import estimate_noise_scale, layer_statistics
 
 
 def test_noise_scale_estimator_recovers_a_known_noise():

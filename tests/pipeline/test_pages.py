@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pipeline import pages
+from pipeline.reports import pages
 from tests.helpers.paths import REPO
 
 TUNED = REPO / "docs" / "results" / "compare" / "tuned"
@@ -19,7 +19,7 @@ def test_every_quoted_headline_matches_its_report():
     assert REPO / "README.md" in quoted and REPO / "docs/guide/strategies.md" in quoted
     stale = [str(p.relative_to(REPO)) for p in quoted if pages.refresh(p.read_text(), p)
              != p.read_text()]  # fmt: skip
-    assert not stale, f"run python -m pipeline.pages: {stale} differ from their reports"
+    assert not stale, f"run python -m pipeline.reports.pages: {stale} differ from their reports"
 
 
 def test_the_tuned_reports_tables_are_its_json():

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from pipeline.experiment import load_experiment
-from pipeline.report import write_report
+from pipeline.reports.parity import write_report
 from pipeline.target import fix_target
 from pipeline.target import main as target_main
 from tests.helpers.paths import REPO
@@ -236,7 +236,7 @@ def test_tasks_without_signal_get_no_verdict(tmp_path):
 def test_a_fine_tuning_difference_carries_its_interval():
     """Known numbers: per-seed means 0.80/0.82/0.84 against 0.70/0.74/0.78 give a difference
     of -0.08 with Welch's t interval (df from Welch-Satterthwaite)."""
-    from pipeline.report import compare_finetuning
+    from pipeline.reports.parity import compare_finetuning
 
     def arm(name, scores):
         seeds = [{"finetune": {"sst2": {"accuracy": v, "main_metric": "accuracy"}}}

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipeline.stats import betainc, mean_std, t_two_sided_p, welch_t_test
+from pipeline.reports.stats import betainc, mean_std, t_two_sided_p, welch_t_test
 
 
 def test_betainc_matches_binomial_sums():

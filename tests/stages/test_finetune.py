@@ -19,7 +19,7 @@ import yaml
 from finetune.config import FinetuneConfig
 from finetune.run import run
 from onebit_bert.config import from_dict, to_dict
-from pipeline.report import write_report
+from pipeline.reports.parity import write_report
 from tests.helpers.corpus import WORDS, sentence
 from tests.helpers.paths import SHARED_DATA
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.stats import mean_std
+from pipeline.reports.stats import mean_std
 
 
 def summary(values: list[float | None]) -> dict:

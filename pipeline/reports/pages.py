@@ -8,7 +8,7 @@ markers naming the report::
     ...generated text...
     <!-- /headline -->
 
-``python -m pipeline.pages`` rewrites every such block from its report (``--check``: only
+``python -m pipeline.reports.pages`` rewrites every such block from its report (``--check``: only
 says which pages differ, exit code 1). :func:`report_md_drift` checks the other direction:
 every table of a ``report.md`` that its ``report.json`` holds the numbers of (strategies,
 groups, crossover, same data, tuning) is rendered again from the JSON and must appear in it line for
@@ -24,13 +24,13 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline import compare, ranking
-from pipeline.crossover import crossover_lines
-from pipeline.report import group_arms
-from pipeline.same_data import same_data_lines
+from pipeline.reports import compare_markdown, ranking
+from pipeline.reports.crossover import crossover_lines
+from pipeline.reports.runs import group_arms
+from pipeline.reports.same_data import same_data_lines
 from pipeline.tuning import tuning_lines
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(
     r"(<!-- headline: (?P<path>\S+) -->\n)(?P<body>.*?)(<!-- /headline -->)", re.DOTALL
 )
@@ -99,7 +99,9 @@ def report_md_drift(report_dir: Path) -> list[str]:
     runs = report["runs"]
     data = {"arms": group_arms(runs), "pretraining": report["pretraining"], "runs": runs}
     bandwidths = sorted({bw for r in runs for bw in r["time_to_target"]["measured_bandwidths"]})
-    expected = compare.strategy_table_lines(compare.strategy_rows(data, bandwidths), bandwidths)
+    expected = compare_markdown.strategy_table_lines(
+        compare_markdown.strategy_rows(data, bandwidths), bandwidths
+    )
     expected += ranking.group_lines(report.get("groups") or [])
     if report.get("same_data"):
         expected += same_data_lines(report["same_data"], data["arms"][0]["name"])
@@ -109,8 +111,8 @@ def report_md_drift(report_dir: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.pages [--check]``: rewrite (or check) the quoted headlines."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.pages", description=__doc__)
+    """``python -m pipeline.reports.pages [--check]``: rewrite (or check) the quoted headlines."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.reports.pages", description=__doc__)
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 on drift")
     args = parser.parse_args(argv)
     stale = []

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
-from pipeline.stats import mean_std, t_quantile, welch_t_test
-from pipeline.timing import seconds_by_bandwidth, speeds, stage_steps
+from pipeline.reports.stats import mean_std, t_quantile, welch_t_test
+from pipeline.reports.timing import seconds_by_bandwidth, speeds, stage_steps
 
 ALPHA = 0.05
 POWER = 0.8

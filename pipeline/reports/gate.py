@@ -4,9 +4,9 @@ one-sided non-inferiority verdict with its power.
 **Target.** MLPerf trains every run to one fixed quality and compares the samples it took.
 Here the target is a validation MLM loss that *every* reference seed reaches before its run
 ends: the worst (highest) reference seed's loss at ``fraction`` of the run
-(:func:`select_target`; 0.8 by default), fixed once the reference arm has run and before any
-other arm runs. The worst seed then reaches it at ``fraction`` of the run and the others
-earlier, so every reference seed has a samples-to-target.
+(:func:`pipeline.target.select_target`; 0.8 by default), fixed once the reference arm has run
+and before any other arm runs. The worst seed then reaches it at ``fraction`` of the run and
+the others earlier, so every reference seed has a samples-to-target.
 
 **Samples to target** (:func:`samples_to_target`): the samples seen when the validation loss
 first reaches the target, linear between the two validation points around the crossing;
@@ -46,11 +46,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from statistics import NormalDist
 
-from pipeline.stats import mean_std, t_cdf, t_quantile
+from pipeline.reports.stats import mean_std, t_cdf, t_quantile
 
 TEST = (
     "one-sided Welch t-test of non-inferiority on per-seed samples to target: pass when the "
@@ -67,36 +66,7 @@ TARGET_FRACTION = 0.8
 _NORMAL = NormalDist()
 
 
-def parse_utc(text: str, what: str = "time") -> datetime:
-    """An ISO 8601 time in UTC ("2026-11-28T21:41:00Z" or with "+00:00") as an aware
-    datetime; anything else is one clear error naming ``what``."""
-    try:
-        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        when = None
-    if when is None or when.utcoffset() is None or when.utcoffset().total_seconds() != 0:
-        raise ValueError(
-            f'{what} must be an ISO 8601 time in UTC such as "2026-11-28T21:41:00Z", got {text!r}'
-        )
-    return when.astimezone(UTC)
-
-
 # ---------------------------------------------------------------------------- curves
-
-
-def value_at(points: list[tuple[float, float]], x: float) -> float:
-    """The curve ``points`` (x ascending) at ``x``, linear between points; an ``x`` outside
-    the points is an error (no extrapolation)."""
-    if not points:
-        raise ValueError("value_at of an empty curve")
-    if not points[0][0] <= x <= points[-1][0]:
-        raise ValueError(
-            f"x = {x} lies outside the curve's range [{points[0][0]}, {points[-1][0]}]"
-        )
-    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
-        if x0 <= x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return points[-1][1]
 
 
 def samples_to_target(points: list[tuple[float, float]], target: float) -> float | None:
@@ -111,38 +81,6 @@ def samples_to_target(points: list[tuple[float, float]], target: float) -> float
             return x0 + (x - x0) * (y0 - target) / (y0 - y)
         previous = (x, y)
     return None
-
-
-def select_target(
-    reference_curves: dict[str, list[tuple[float, float]]],
-    at: float,
-) -> dict:
-    """The target: the highest of the reference seeds' validation losses at ``at`` (the
-    same x unit as the curves: samples, or steps), so that every reference seed reaches it
-    by ``at``. ``reference_curves``: seed label → [(x, validation loss), ...]."""
-    if len(reference_curves) < 1:
-        raise ValueError("select_target needs at least one reference curve")
-    values = {}
-    for label, points in reference_curves.items():
-        if not points or points[-1][0] < at:
-            last = points[-1][0] if points else None
-            raise ValueError(
-                f"reference run {label!r} ends at {last}, before the target's point {at}: "
-                f"let every reference run finish before fixing the target"
-            )
-        values[label] = value_at(points, at)
-    worst = max(values, key=values.get)
-    return {"value": values[worst], "at": at, "worst": worst, "values_at": values}
-
-
-def read_target(path: str | Path) -> dict | None:
-    """A target file (:mod:`pipeline.target`); None when it is absent, damaged or has no
-    value."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("value"), int | float) else None
 
 
 # ---------------------------------------------------------------------------- the gate
@@ -598,7 +536,7 @@ def reanalyse(report: dict, margin: float | None = None, alpha: float | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.gate --report REPORT.json [--out FILE.json]``: the paired test
+    """``python -m pipeline.reports.gate --report REPORT.json [--out FILE.json]``: the paired test
     on an existing parity report, labelled post hoc."""
     import argparse
     import sys
@@ -606,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
     from onebit_bert.io import atomic_write_json
 
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.gate",
+        prog="python -m pipeline.reports.gate",
         description="Apply the paired non-inferiority test to a parity report.json's per-seed "
         "samples to target (every arm against the first), labelled post hoc.",
     )

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.report_plots import _pyplot
+from pipeline.reports.figures import pyplot
 
 
 def write_figures(data: dict, out: Path, bandwidths) -> None:
-    """Every figure of :func:`pipeline.compare.render_markdown` into ``out``."""
+    """Every figure of :func:`pipeline.reports.compare_markdown.render_markdown` into ``out``."""
     target = data["target"]["val_mlm_loss"]
     plot_curves(data, out / "val_loss_samples.png", "samples seen", _by_samples, target)
     plot_curves(data, out / "val_loss_bytes.png", "bytes sent per rank", _by_bytes, target)
@@ -47,7 +47,7 @@ def _by_time(bandwidth: float):
 
 
 def plot_curves(data: dict, path: Path, xlabel: str, measure, target: float) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for i, arm in enumerate(data["arms"]):
         for j, run in enumerate(arm["seeds"]):

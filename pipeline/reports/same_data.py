@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from onebit_bert.shards import ShardFormatError
-from pipeline.stats import mean_std
+from pipeline.reports.stats import mean_std
 from pipeline.tuning import data_identity, data_label
 
 Verdict = Callable[[list[float], list[float]], dict]

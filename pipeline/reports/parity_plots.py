@@ -1,8 +1,8 @@
 """The parity report's figures (matplotlib, Agg backend): pretraining loss, validation MLM
 accuracy against samples seen, the 1-bit switch diagnostics and fine-tuning scores.
 
-Every function takes the arms built by :func:`pipeline.report.group_arms` (and, for the
-fine-tuning figure, the table of :func:`pipeline.report.compare_finetuning`) and writes one
+Every function takes the arms built by :func:`pipeline.reports.parity.group_arms` (and, for the
+fine-tuning figure, the table of :func:`pipeline.reports.parity.compare_finetuning`) and writes one
 PNG.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.stats import mean_std
+from pipeline.reports.figures import pyplot
+from pipeline.reports.stats import mean_std
 
 
 def write_figures(arms: list[dict], finetuning: dict, out: Path) -> bool:
@@ -27,13 +28,13 @@ def write_figures(arms: list[dict], finetuning: dict, out: Path) -> bool:
     return has_switch
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _seed_curves(arms: list[dict], key: str):
+    """(arm index, seed index, arm, xs, ys) of every seed whose curve ``key`` has points."""
+    for i, arm in enumerate(arms):
+        for j, run in enumerate(arm["seeds"]):
+            if run[key]:
+                xs, ys = zip(*run[key], strict=True)
+                yield i, j, arm, xs, ys
 
 
 def _finish(plt, fig, ax, xlabel: str, ylabel: str, path: Path) -> None:
@@ -73,21 +74,12 @@ def _mark_freeze(ax, arms: list[dict], scale: int = 1) -> None:
 
 def plot_loss(arms: list[dict], path: Path) -> None:
     """Pretraining loss per step (running mean), one line per pretraining seed."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, arm in enumerate(arms):
-        for j, run in enumerate(arm["seeds"]):
-            if run["train_loss"]:
-                xs, ys = zip(*run["train_loss"], strict=True)
-                window = max(1, len(ys) // 60)
-                ax.plot(
-                    xs,
-                    _running_mean(list(ys), window),
-                    color=f"C{i}",
-                    lw=1,
-                    alpha=0.8,
-                    label=arm["name"] if j == 0 else None,
-                )
+    for i, j, arm, xs, ys in _seed_curves(arms, "train_loss"):
+        window = max(1, len(ys) // 60)
+        ax.plot(xs, _running_mean(list(ys), window), color=f"C{i}", lw=1, alpha=0.8,
+                label=arm["name"] if j == 0 else None)  # fmt: skip
     _mark_freeze(ax, arms)
     _finish(plt, fig, ax, "step", "pretraining loss (MLM + NSP), running mean", path)
 
@@ -95,7 +87,7 @@ def plot_loss(arms: list[dict], path: Path) -> None:
 def plot_val_accuracy(arms: list[dict], path: Path) -> None:
     """Validation MLM accuracy against samples seen: each seed, and each arm's mean over the
     evaluation points its seeds share."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, arm in enumerate(arms):
         curves = [dict(r["val_mlm_accuracy"]) for r in arm["seeds"] if r["val_mlm_accuracy"]]
@@ -132,7 +124,7 @@ def plot_switch(arms: list[dict], path: Path) -> bool:
     error per step; False (no plot) when no run has a compression stage."""
     if not any(r["switch"]["compression_error"] for a in arms for r in a["seeds"]):
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     for i, arm in enumerate(arms):
         for j, run in enumerate(arm["seeds"]):
@@ -161,7 +153,7 @@ def plot_switch(arms: list[dict], path: Path) -> bool:
 def plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
     """Each task's main metric per arm, and the randomly initialised baseline's when the
     table has one (mean with a ±std bar); GLUE fractions ×100."""
-    plt = _pyplot()
+    plt = pyplot()
     tasks = list(table)
     names = list(table[tasks[0]]["metrics"][table[tasks[0]]["main_metric"]])  # arms, baseline
     fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(tasks)), 4))
@@ -188,14 +180,11 @@ def plot_finetune(arms: list[dict], table: dict, path: Path) -> None:
 
 def plot_val_loss_target(arms: list[dict], target: float, path: Path, title: str = "") -> None:
     """Validation MLM loss against samples, one line per seed, with the target line."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for i, arm in enumerate(arms):
-        for j, run in enumerate(arm["seeds"]):
-            if run["val_mlm_loss"]:
-                xs, ys = zip(*run["val_mlm_loss"], strict=True)
-                label = f"{arm['name']} ({len(arm['seeds'])} seeds)" if j == 0 else None
-                ax.plot(xs, ys, color=f"C{i}", lw=1, alpha=0.7, label=label)
+    for i, j, arm, xs, ys in _seed_curves(arms, "val_mlm_loss"):
+        label = f"{arm['name']} ({len(arm['seeds'])} seeds)" if j == 0 else None
+        ax.plot(xs, ys, color=f"C{i}", lw=1, alpha=0.7, label=label)
     ax.axhline(target, color="black", ls=":", lw=1.2, label=f"target {target:.3f}")
     low = min((y for a in arms for r in a["seeds"] for _, y in r["val_mlm_loss"]), default=target)
     ax.set_ylim(low - 0.1, target + 2.0)
@@ -209,7 +198,7 @@ def plot_val_loss_target(arms: list[dict], target: float, path: Path, title: str
 def plot_samples_to_target(gate: dict, path: Path) -> None:
     """Samples to target per seed (dots) and each arm's mean (bar), unreached seeds marked
     at the end of the run."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(gate["per_seed"])
     for i, name in enumerate(names):
@@ -248,7 +237,7 @@ def plot_sensitivity(rows: list[dict], runs: list[dict], arms: list[dict], targe
     """Left: each sensitivity run's validation loss against samples, beside the gated arms'
     mean curves and the target. Right: samples to target against the share of the run at
     the freeze, beside each gated arm's mean ± std band (when the arms have a gate)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=[3, 2])
     for k, arm in enumerate(arms):
         runs_with = [r for r in arm["seeds"] if r["val_mlm_loss"]]

@@ -1,4 +1,4 @@
-"""The step model of :mod:`pipeline.linkmodel` against every netem point in the
+"""The step model of :mod:`pipeline.reports.linkmodel` against every netem point in the
 repository: each point (recipe, stage, link, sweep) predicted from the same recipe's other
 points, never from itself; the error of the modelled samples/s against the measured."""
 
@@ -8,7 +8,7 @@ import glob
 import json
 from pathlib import Path
 
-from pipeline.linkmodel import REPO, _stages, profiles_of, step_seconds
+from pipeline.reports.linkmodel import REPO, _stages, profiles_of, step_seconds
 
 
 def check(profiles_from: list[str] | None = None) -> dict:

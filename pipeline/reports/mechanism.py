@@ -22,7 +22,7 @@ batch of ``B_b = micro_batches · micro_batch``), ``‖G‖² ≈ (B_b|g_b|² - 
 B_s)`` and ``tr(Σ) ≈ (|g_s|² - |g_b|²) / (1/B_s - 1/B_b)``. When the global batch is small
 against ``B_simple``, gradient noise dominates the momentum and ‖m/√v‖ shrinks.
 
-``python -m pipeline.mechanism --run NAME=RUN_DIR ... --noise-at 500,1000,3000 --out DIR``
+``python -m pipeline.reports.mechanism --run NAME=RUN_DIR ... --noise-at 500,1000,3000 --out DIR``
 writes ``mechanism.json`` and the figures into ``DIR``.
 """
 
@@ -39,6 +39,8 @@ from onebit_bert.checkpoint import load_file
 from onebit_bert.io import atomic_write_json
 from onebit_bert.optim.build import weight_decay_groups
 from onebit_bert.shards import PretrainingShards
+from pipeline.reports import cli
+from pipeline.reports.figures import pyplot
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, make_batch
 from pretrain.model import PretrainingLoss, build_model
@@ -198,11 +200,7 @@ def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: in
 def plot(runs: list[dict], out: Path) -> list[str]:
     """trust.png (applied ratio and ‖m/√v‖ over samples, mean over layers) and noise.png
     (B_simple beside the global batch)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for run in runs:
@@ -255,24 +253,16 @@ def plot(runs: list[dict], out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.mechanism --run NAME=RUN_DIR ... --out DIR``."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.mechanism",
-        description="Per-layer trust ratios, ‖m/√v‖ and the gradient noise scale from the "
-        "checkpoints of LAMB and 1-bit LAMB runs.",
-    )
-    parser.add_argument("--run", action="append", required=True, help="NAME=RUN_DIR")
+    """``python -m pipeline.reports.mechanism --run NAME=RUN_DIR ... --out DIR``."""
+    summary = " ".join(__doc__.split("\n\n")[0].split())
+    parser = cli.report_parser("pipeline.reports.mechanism", summary, "NAME=RUN_DIR")
     parser.add_argument(
         "--noise-at", default="", help="steps (comma-separated) to estimate B_simple at"
     )
     parser.add_argument("--micro-batches", type=int, default=32)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    try:
+
+    def write(args) -> str:
+        torch.set_num_threads(1)
         noise_at = [int(s) for s in args.noise_at.split(",") if s.strip()]
         runs = []
         for spec in args.run:
@@ -280,20 +270,18 @@ def main(argv: list[str] | None = None) -> int:
             if not name or not directory:
                 raise ValueError(f"--run {spec!r} is not of the form NAME=RUN_DIR")
             runs.append(analyse_run(name, Path(directory), noise_at, args.micro_batches))
-    except (OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    figures = plot(runs, out)
-    atomic_write_json(out / "mechanism.json", {"runs": runs, "figures": figures})
-    for run in runs:
-        last = run["means"][max(run["means"])]
-        print(f"{run['name']}: last checkpoint {max(run['means'])}: {last}")
-        for n in run["noise"]:
-            print(f"  B_simple at step {n['step']}: {n['b_simple']:.1f}")
-    print(f"mechanism: {out}/mechanism.json")
-    return 0
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        figures = plot(runs, out)
+        atomic_write_json(out / "mechanism.json", {"runs": runs, "figures": figures})
+        for run in runs:
+            last = run["means"][max(run["means"])]
+            print(f"{run['name']}: last checkpoint {max(run['means'])}: {last}")
+            for n in run["noise"]:
+                print(f"  B_simple at step {n['step']}: {n['b_simple']:.1f}")
+        return f"mechanism: {out}/mechanism.json"
+
+    return cli.run(parser, argv, write)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ the bytes each node's link carries per step for a payload ``V``:
 - ``neighbours`` (DecentLaM, DmSGD): ``k · V`` for ``k`` neighbours per step.
 
 A step then takes ``compute + max(0, bytes · 8 / B + latency · messages - hide · compute)``
-on a link of ``B`` bit/s (:func:`step_seconds`). :mod:`pipeline.crossover` turns steps into
-times to the target; :mod:`pipeline.crossover_check` sets the model against every netem
+on a link of ``B`` bit/s (:func:`step_seconds`). :mod:`pipeline.reports.crossover` turns steps into
+times to the target; :mod:`pipeline.reports.crossover_check` sets the model against every netem
 point in the repository.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from onebit_bert.recipes import RECIPES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HIDES = {"co2", "streaming_diloco"}
 """Strategies whose averages travel while the next steps compute."""
 

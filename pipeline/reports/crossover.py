@@ -3,11 +3,11 @@ against another.
 
 A run's modelled time to the target is the sum over its seeds' steps per stage
 (``time_to_target.stage_steps``; a seed that missed: its ``run_end``, a lower bound) of
-``global batch / samples/s``, the samples/s of :mod:`pipeline.linkmodel`'s step with ``p``
+``global batch / samples/s``, the samples/s of :mod:`pipeline.reports.linkmodel`'s step with ``p``
 ranks of the sweep's per-rank batch. Samples to the target are the report's, measured at
 its global batch on 4 ranks: the model moves the link and the cluster, not the convergence.
-``python -m pipeline.crossover`` prints the model's check against every netem point
-(:mod:`pipeline.crossover_check`) and the crossover of 1-bit LAMB against LAMB.
+``python -m pipeline.reports.crossover`` prints the model's check against every netem point
+(:mod:`pipeline.reports.crossover_check`) and the crossover of 1-bit LAMB against LAMB.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import json
 import math
 from pathlib import Path
 
-from pipeline.crossover_check import check
-from pipeline.linkmodel import load_profiles, profile_key, step_seconds
-from pipeline.stats import mean_std
+from pipeline.reports.crossover_check import check
+from pipeline.reports.figures import pyplot
+from pipeline.reports.linkmodel import load_profiles, profile_key, step_seconds
+from pipeline.reports.stats import mean_std
 
 LINKS_GBPS = (0.1, 1.0, 10.0, 25.0, 100.0)
 WORKERS = (4, 16, 64)
@@ -164,11 +165,7 @@ def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> l
 def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2) -> None:
     """Time to the target against the link per recipe, the band its seeds' spread gives
     (mean ± std), one panel per cluster size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     grid = [10 ** (7 + 5 * i / 50) for i in range(51)]  # 10 Mbit/s .. 1 Tbit/s
     fig, axes = plt.subplots(1, len(ranks), figsize=(7 * len(ranks), 5), squeeze=False)
     for ax, p in zip(axes[0], ranks, strict=True):
@@ -197,11 +194,13 @@ def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.crossover``: print the model's check against every netem point
+    """``python -m pipeline.reports.crossover``: print the model's check against every netem point
     and the crossover; with ``--out``, write ``crossover.json`` and ``crossover.png``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m pipeline.crossover", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.reports.crossover", description=__doc__
+    )
     parser.add_argument("--report", default="docs/results/compare/tuned/report.json")
     parser.add_argument("--out", type=Path, help="folder for crossover.json and crossover.png")
     args = parser.parse_args(argv)

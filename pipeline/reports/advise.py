@@ -1,11 +1,11 @@
 """Which recipes reach the target first on your cluster: the comparison's evidence, modelled
 for your link and your number of nodes.
 
-``python -m pipeline.advise --nodes 16 --gpus-per-node 8 --link-gbps 10`` models every
+``python -m pipeline.reports.advise --nodes 16 --gpus-per-node 8 --link-gbps 10`` models every
 recipe of the equal-budget comparison (``docs/results/compare/tuned/report.json``) on that cluster
-with :mod:`pipeline.linkmodel`'s step model: each recipe's compute per step, its bytes per
+with :mod:`pipeline.reports.linkmodel`'s step model: each recipe's compute per step, its bytes per
 step through each node's link for that many ranks, and its overlap. It answers with the
-groups of :mod:`pipeline.ranking` (the leaders the seeds cannot tell apart, the recipes
+groups of :mod:`pipeline.reports.ranking` (the leaders the seeds cannot tell apart, the recipes
 clearly behind), each recipe's modelled time and the evidence behind it.
 
 ``--measure`` instead times a short all-reduce probe on the job's ranks (run it with
@@ -26,7 +26,7 @@ import json
 import sys
 import time
 
-from pipeline import crossover, linkmodel, ranking
+from pipeline.reports import crossover, linkmodel, ranking
 
 REPORT = "docs/results/compare/tuned/report.json"
 PRESETS = {
@@ -181,7 +181,7 @@ def render(advice: dict) -> str:
 def measure_link(comm, gpus_per_node: int, sizes=PROBE_BYTES, repeats: int = 3) -> dict:
     """Time all-reduces of ``sizes`` bytes on ``comm``'s ranks and fit each node's link:
     a ring all-reduce of ``n`` bytes takes ``2 (p - 1) · latency + factor · n · 8 / B``
-    (``factor``: :func:`pipeline.linkmodel.link_factor` of a ring on ``p`` ranks in nodes
+    (``factor``: :func:`pipeline.reports.linkmodel.link_factor` of a ring on ``p`` ranks in nodes
     of ``gpus_per_node``). Every rank returns the same fit (the slowest rank's times)."""
     import torch
 
@@ -240,9 +240,10 @@ def _measured() -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.advise``: print the advice for a described or measured cluster."""
+    """``python -m pipeline.reports.advise``: print the advice for a described or measured
+    cluster."""
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.advise",
+        prog="python -m pipeline.reports.advise",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="your step's compute without communication, seconds (overrides "
                         "the preset)")  # fmt: skip
     parser.add_argument("--params", type=int, help="your model's parameters (overrides the preset)")
-    parser.add_argument("--report", default=REPORT, help="a pipeline.compare report.json")
+    parser.add_argument("--report", default=REPORT, help="a pipeline.reports.compare report.json")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
     if not args.measure and (args.nodes is None or args.link_gbps is None):
@@ -273,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     args.params = args.params or params
     report_path = linkmodel.REPO / args.report
     if not report_path.is_file():
-        parser.error(f"--report {args.report}: no such report.json (python -m pipeline.compare)")
+        parser.error(
+            f"--report {args.report}: no such report.json (python -m pipeline.reports.compare)"
+        )
     try:
         if args.measure:
             link = _measured()
