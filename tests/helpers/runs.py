@@ -21,6 +21,17 @@ from pretrain.config import PretrainConfig
 from pretrain.train import train
 from tests.helpers.paths import REPO
 
+SMOKE_JOBS = (
+    "data",
+    "pretrain/lamb/phase1",
+    "finetune/lamb",
+    "pretrain/onebit/phase1",
+    "finetune/onebit",
+    "report",
+)
+"""The smoke experiment's stages that run as jobs, in chain order (``inputs`` runs first,
+on the submitting host)."""
+
 
 def tiny_config(corpus: Path, run_dir: Path, **overrides) -> dict:
     cfg = {

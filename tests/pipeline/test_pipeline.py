@@ -15,6 +15,7 @@ from pipeline.__main__ import main
 from pipeline.experiment import load_experiment
 from pipeline.slurm import SlurmChain, render
 from tests.helpers.paths import REPO
+from tests.helpers.runs import SMOKE_JOBS
 
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
 
@@ -27,15 +28,7 @@ def smoke(tmp_path: Path, *overrides: str):
 
 def test_stages_are_resolved_in_chain_order(tmp_path):
     exp = smoke(tmp_path)
-    assert [s.name for s in exp.stages] == [
-        "inputs",
-        "data",
-        "pretrain/lamb/phase1",
-        "finetune/lamb",
-        "pretrain/onebit/phase1",
-        "finetune/onebit",
-        "report",
-    ]
+    assert [s.name for s in exp.stages] == ["inputs", *SMOKE_JOBS]
     configs = tmp_path / "work" / "configs"
     assert sorted(p.name for p in configs.iterdir()) == [
         "data.yaml",

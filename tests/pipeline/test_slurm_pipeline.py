@@ -19,6 +19,7 @@ from pipeline.experiment import Stage, load_experiment
 from pipeline.slurm import SlurmChain
 from pretrain.config import PretrainConfig
 from tests.helpers.paths import REPO
+from tests.helpers.runs import SMOKE_JOBS
 from tests.helpers.slurm_cluster import SlurmCluster, slurm_cluster_fixture  # noqa: F401
 
 SMOKE = REPO / "configs" / "experiments" / "smoke.yaml"
@@ -95,14 +96,7 @@ def chain(slurm_cluster: SlurmCluster, tmp_path_factory):
 @pytest.mark.slow
 def test_smoke_chain_runs_as_slurm_jobs(chain, slurm_cluster):
     exp, jobs = chain
-    assert set(jobs) == {
-        "data",
-        "pretrain/lamb/phase1",
-        "finetune/lamb",
-        "pretrain/onebit/phase1",
-        "finetune/onebit",
-        "report",
-    }
+    assert set(jobs) == set(SMOKE_JOBS)
     for name, job in jobs.items():
         assert slurm_cluster.state(job) == "COMPLETED", name
     for stage in exp.stages:
