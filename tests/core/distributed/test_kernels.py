@@ -1,7 +1,7 @@
 """The fused kernels (onebit_bert.kernels) against the reference, on the CPU in Triton's
 interpreter; the same checks on a GPU are in tests/test_gpu.py.
 
-Each check (tests/helpers/kernel_checks.py) runs in a child process started with
+The checks (tests/helpers/kernel_checks.py) run in one child process started with
 ``TRITON_INTERPRET=1``: Triton fixes when it is first imported whether its library runs
 compiled or interpreted, so this process's mode must not depend on what ran before.
 Without Triton these tests are skipped (``pip install '.[gpu]'``, which ``make setup``
@@ -10,6 +10,7 @@ does); the kernel selection is checked either way.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,13 +36,38 @@ def test_the_reference_is_chosen_on_the_cpu_unless_fused_is_asked_for(monkeypatc
         use_fused("cpu", "fast")
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs Triton (pip install '.[gpu]')")
-@pytest.mark.parametrize("check", sorted(CHECKS))
-def test_fused_kernels_in_the_interpreter_match_the_reference(check):
+_RUN_ALL = """
+import json, traceback
+from tests.helpers.kernel_checks import CHECKS
+failures = {}
+for name in sorted(CHECKS):
+    try:
+        CHECKS[name]("cpu")
+        failures[name] = None
+    except Exception:
+        failures[name] = traceback.format_exc()
+print("KERNEL-CHECKS " + json.dumps(failures))
+"""
+
+
+@pytest.fixture(scope="module")
+def interpreted_checks() -> dict[str, str | None]:
+    """Every check run once, in one child process under the interpreter: each check's
+    traceback, or None where it passed (one interpreter start instead of one per check)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    code = f"from tests.helpers.kernel_checks import CHECKS; CHECKS[{check!r}]('cpu')"
     run = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+        [sys.executable, "-c", _RUN_ALL], cwd=REPO, env=env, capture_output=True, text=True
     )
-    assert run.returncode == 0, f"{check} failed:\n{run.stdout[-3000:]}{run.stderr[-6000:]}"
+    lines = [line for line in run.stdout.splitlines() if line.startswith("KERNEL-CHECKS ")]
+    assert run.returncode == 0 and lines, (
+        f"the interpreted checks did not finish:\n{run.stdout[-3000:]}{run.stderr[-6000:]}"
+    )
+    return json.loads(lines[-1].removeprefix("KERNEL-CHECKS "))
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton (pip install '.[gpu]')")
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_fused_kernels_in_the_interpreter_match_the_reference(check, interpreted_checks):
+    assert check in interpreted_checks, f"{check} did not run"
+    assert interpreted_checks[check] is None, f"{check} failed:\n{interpreted_checks[check]}"
