@@ -88,9 +88,12 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.accumulation = cfg.batch_plan(ctx.world_size)
+        # Signals are caught from here on: a preemption that arrives while the run is being
+        # built (resumed, its status written) is honoured at the first step.
+        self.preemption: Preemption | None = Preemption()
         self.lock = RunLock(cfg.run_dir) if ctx.rank == 0 else None
-        take_run_lock(self.lock, ctx, cfg.run_dir)
         try:
+            take_run_lock(self.lock, ctx, cfg.run_dir)
             self._build()
         except BaseException as err:
             if isinstance(err, NoUsableCheckpoint | ShardFormatError) and ctx.rank == 0:
@@ -143,7 +146,6 @@ class Trainer:
                     "errors start fresh",
                     stacklevel=2,
                 )
-        self.preemption: Preemption | None = None
         self.status = outputs.RunStatus(self.run_dir, is_writer=ctx.rank == 0)
         self.recipe = cfg.resolved_recipe()
         if ctx.rank == 0:
@@ -195,6 +197,9 @@ class Trainer:
         prefetcher = getattr(self, "prefetcher", None)
         if prefetcher is not None:
             prefetcher.close()
+        if self.preemption is not None:
+            self.preemption.restore()
+            self.preemption = None
         if self.lock is not None:
             self.lock.release()
 
@@ -365,7 +370,8 @@ class Trainer:
         cfg, log_cfg = self.cfg, self.cfg.logging
         max_steps, every_val = cfg.schedule.max_steps, cfg.data.validation_every
         tokens_per_step = cfg.batch.global_batch_size * self.seq_length
-        self.preemption = Preemption()
+        if self.preemption is None:  # a second run() on this trainer
+            self.preemption = Preemption()
         state, step, bad_run = "complete", self.start_step, 0
         loss_watch = LossSpikeWatch(cfg.divergence.loss_spike_factor, cfg.divergence.loss_window)
         last_saved = self.start_step if self.resumed else None

@@ -216,6 +216,41 @@ def test_preemption_signal_checkpoints_and_exits_cleanly(tiny_corpus, tmp_path):
     assert not (tmp_path / "run" / "final").exists()
 
 
+def test_a_preemption_while_the_run_is_built_stops_it_at_its_first_step(
+    tiny_corpus, tmp_path, monkeypatch
+):
+    # The signal lands after the status is written and before the loop starts (a launcher
+    # that reads the status, then preempts): it is caught, not lost and not fatal.
+    from onebit_bert.distributed import init_distributed
+    from pretrain import outputs
+    from pretrain.train import Trainer
+
+    caught_here = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: caught_here.append(True))
+    start = outputs.RunStatus.start
+
+    def start_then_preempt(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(outputs.RunStatus, "start", start_then_preempt)
+    cfg = tiny_config(tiny_corpus, tmp_path / "run", **{"schedule.max_steps": 50})
+    try:
+        trainer = Trainer(from_dict(PretrainConfig, cfg), init_distributed(backend="gloo", env={}))
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.release()
+        handler_after = signal.getsignal(signal.SIGUSR1)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not caught_here, "the trainer's handler was not installed when the signal came"
+    assert summary["state"] == "preempted" and summary["step"] == 1
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001" / "complete.json").is_file()
+    assert handler_after is not None and handler_after not in (signal.SIG_DFL,)
+    assert not (tmp_path / "run" / "final").exists()
+
+
 # ----------------------------------------------------------------------------- bad configs
 
 
