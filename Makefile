@@ -15,22 +15,33 @@ ARGS ?=
 
 setup: $(STAMP)
 
-# torch first and exactly pinned: an unpinned resolve could pull a multi-GB build. EXTRAS:
-# the optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
+# torch first and exactly pinned, with pip (which finds a local wheel where the machine has
+# one): an unpinned resolve could pull a multi-GB build. The rest with uv, pinned by
+# constraints.txt; the installed torch satisfies the project's range, so uv leaves it. uv
+# is several times faster than pip here; pip takes over if uv cannot be had. No bytecode
+# is compiled at install: Python writes it for the modules a process imports. EXTRAS: the
+# optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
 # tests on the CPU (without it make test skips them). EXTRAS=dev leaves it out.
 EXTRAS ?= dev,gpu
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PIP) torch==2.13.0
+	( $(PIP) -c constraints.txt uv && \
+	  $(VENV)/bin/uv pip install --quiet --python $(PY) -c constraints.txt -e '.[$(EXTRAS)]' ) || \
+	  $(PIP) -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 # Tests in two tiers. make test: every test but the slow and CUDA ones, the quick check
 # after a change (the README's command). make test-slow: the slow tier (a real 2-node
 # SLURM cluster, the emulated slow network, long multi-process runs; installs SLURM with
 # apt when root). make test-all: both, what CI runs. Durations: docs/guide/development.md.
+# The fast tier runs on TEST_WORKERS pytest-xdist workers (auto: one per core), handing
+# out single tests as workers free up; the slow tier stays serial (one SLURM cluster, one
+# emulated network). TEST_WORKERS=0 runs the fast tier in this process.
+TEST_WORKERS ?= auto
 test: setup
-	$(PY) -m pytest -m "not slow and not cuda" $(ARGS)
+	$(PY) -m pytest -m "not slow and not cuda" -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -m "slow and not cuda" $(ARGS)
