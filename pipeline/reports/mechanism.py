@@ -12,7 +12,16 @@ reads the weights and the optimizer state and, per parameter tensor ("layer"), g
   would apply if it still computed it;
 * 1-bit LAMB: ``c`` (the frozen coefficient), ``f`` (the factor) and ``cf = c·f``, what it
   applies after the freeze;
-* ``step``: the applied ratio times ‖u‖ / ‖w‖, the step's size relative to lr·‖w‖.
+* ``step``: the applied ratio times ‖u‖ / ‖w‖, the step's size relative to lr·‖w‖;
+* ``moved``: ‖w - w_prev‖ / ‖w_prev‖ against the previous kept checkpoint, how far the
+  layer went over that interval: steps whose noise cancels make ``step`` large and
+  ``moved`` small.
+
+Per checkpoint the figures are summarised over layers by their mean (``means``) and their
+median (``medians``; a few layers with tiny ‖w‖, biases early on, dominate the mean). Each
+1-bit LAMB run is set against the LAMB run of the same batch and length (``pairs``): per
+checkpoint, the median over layers of the per-layer ratio 1-bit LAMB / LAMB of ``step``,
+``mv``, ``moved`` and ``w``.
 
 The **gradient noise scale** ``B_simple = tr(Σ) / ‖G‖²`` (McCandlish et al., 2018, appendix
 A) is estimated at chosen checkpoints from ``micro_batches`` gradients of ``micro_batch``
@@ -75,9 +84,12 @@ def _named_in_optimizer_order(model, weight_decay: float) -> list[tuple[str, flo
     ]
 
 
-def layer_statistics(state: dict, names: list[tuple[str, float]]) -> dict:
+def layer_statistics(
+    state: dict, names: list[tuple[str, float]], previous: dict | None = None
+) -> dict:
     """Per-layer figures of one checkpoint's optimizer and weights (see the module
-    docstring); names are the model's parameter names."""
+    docstring); names are the model's parameter names, ``previous`` the weights of the
+    checkpoint before (for ``moved``)."""
     opt = state["optimizer"]
     group = opt["param_groups"][0]
     eps, lo, hi = group["eps"], group["min_coeff"], group["max_coeff"]
@@ -105,14 +117,66 @@ def layer_statistics(state: dict, names: list[tuple[str, float]]) -> dict:
             row |= {"c": c, "f": f, "cf": c * f}
             applied = c * f
         row["step"] = applied * u_norm / w_norm if w_norm else 0.0
+        if previous is not None:
+            before = previous[name.removeprefix("model.")].float()
+            if float(before.norm()) > 0:
+                row["moved"] = float((w - before).norm() / before.norm())
         rows[name] = row
     return rows
 
 
-def _summary(rows: dict) -> dict:
-    """Means over layers of each per-layer figure."""
+def _summary(rows: dict, reduce=np.mean) -> dict:
+    """``reduce`` (the mean by default) over layers of each per-layer figure."""
     keys = {k for row in rows.values() for k in row}
-    return {k: float(np.mean([r[k] for r in rows.values() if k in r])) for k in sorted(keys)}
+    return {k: float(reduce([r[k] for r in rows.values() if k in r])) for k in sorted(keys)}
+
+
+PAIRED = ("step", "mv", "moved", "w")
+"""The per-layer figures a 1-bit LAMB run is set against its LAMB twin on."""
+
+
+def pair_ratios(reference: dict, candidate: dict) -> dict:
+    """Per checkpoint both runs kept: the median over the layers they share of the per-layer
+    ratio candidate / reference of each figure in :data:`PAIRED` (layers where the
+    reference's figure is 0 left out)."""
+    out = {}
+    for step in sorted(set(reference["layers"]) & set(candidate["layers"]), key=int):
+        ref, cand = reference["layers"][step], candidate["layers"][step]
+        row = {}
+        for key in PAIRED:
+            ratios = [
+                cand[n][key] / ref[n][key]
+                for n in ref.keys() & cand.keys()
+                if key in ref[n] and key in cand[n] and ref[n][key] > 0
+            ]
+            if ratios:
+                row[key] = float(np.median(ratios))
+        out[step] = row
+    return out
+
+
+def pairs(runs: list[dict]) -> list[dict]:
+    """Each 1-bit LAMB run against the first LAMB run of the same global batch and
+    length."""
+    out = []
+    for cand in runs:
+        if cand["freeze_step"] is None:
+            continue
+        for ref in runs:
+            same = (ref["global_batch_size"], ref["max_steps"]) == (
+                cand["global_batch_size"],
+                cand["max_steps"],
+            )
+            if ref["freeze_step"] is None and same:
+                out.append(
+                    {
+                        "candidate": cand["name"],
+                        "reference": ref["name"],
+                        "ratios": pair_ratios(ref, cand),
+                    }
+                )
+                break
+    return out
 
 
 def noise_scale(
@@ -174,10 +238,12 @@ def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: in
     points = checkpoint_dirs(run_dir)
     if not points:
         raise FileNotFoundError(f"run {name!r}: no finished checkpoints under {run_dir}")
-    layers, means = {}, {}
+    layers, means, medians, previous = {}, {}, {}, None
     for step, path in points:
-        rows = layer_statistics(load_file(path / SHARED), names)
-        layers[step], means[step] = rows, _summary(rows)
+        state = load_file(path / SHARED)
+        rows = layer_statistics(state, names, previous)
+        layers[step], means[step], medians[step] = rows, _summary(rows), _summary(rows, np.median)
+        previous = state["model"]
     noise = []
     for wanted in noise_at:
         step, path = min(points, key=lambda p: abs(p[0] - wanted))
@@ -192,41 +258,47 @@ def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: in
         "global_batch_size": cfg.batch.global_batch_size,
         "max_steps": cfg.schedule.max_steps,
         "means": means,
+        "medians": medians,
         "layers": layers,
         "noise": noise,
     }
 
 
 def plot(runs: list[dict], out: Path) -> list[str]:
-    """trust.png (applied ratio and ‖m/√v‖ over samples, mean over layers) and noise.png
-    (B_simple beside the global batch)."""
+    """trust.png (applied ratio, ‖m/√v‖, the step and how far the layers moved, over
+    samples, median over layers) and noise.png (B_simple beside the global batch)."""
     plt = pyplot()
     written = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4))
     for run in runs:
         batch = run["global_batch_size"]
-        steps = sorted(int(s) for s in run["means"])
+        steps = sorted(int(s) for s in run["medians"])
         x = [s * batch for s in steps]
-        means = [run["means"][s] for s in steps]
+        medians = [run["medians"][s] for s in steps]
         onebit = run["freeze_step"] is not None
-        applied = [m["cf"] if onebit and "cf" in m else m["lamb_ratio"] for m in means]
+        applied = [m["cf"] if onebit and "cf" in m else m["lamb_ratio"] for m in medians]
         label = f"{run['name']} (batch {batch})"
         axes[0].plot(x, applied, label=label + (": c·f" if onebit else ": r"))
         if onebit:
-            axes[0].plot(x, [m["lamb_ratio"] for m in means], ls=":", label=label + ": LAMB's r")
-        axes[1].plot(x, [m["mv"] for m in means], label=label)
-        axes[2].plot(x, [m["step"] for m in means], label=label)
+            axes[0].plot(x, [m["lamb_ratio"] for m in medians], ls=":", label=label + ": LAMB's r")
+        axes[1].plot(x, [m["mv"] for m in medians], label=label)
+        axes[2].plot(x, [m["step"] for m in medians], label=label)
+        moved = [(xi, m["moved"]) for xi, m in zip(x, medians, strict=True) if "moved" in m]
+        if moved:
+            axes[3].plot(*zip(*moved, strict=True), label=label)
     for ax, title in zip(
         axes,
         (
-            "applied trust ratio (mean over layers)",
-            "‖m/√v‖ (mean over layers)",
-            "step / (lr·‖w‖) (mean over layers)",
+            "applied trust ratio",
+            "‖m/√v‖",
+            "step / (lr·‖w‖)",
+            "‖w - w_prev‖ / ‖w_prev‖ since the last checkpoint",
         ),  # fmt: skip
         strict=True,
     ):
-        ax.set_title(title)
+        ax.set_title(title + " (median over layers)", fontsize=9)
         ax.set_xlabel("samples")
+    axes[3].set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "trust.png", dpi=110)
@@ -273,12 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         figures = plot(runs, out)
-        atomic_write_json(out / "mechanism.json", {"runs": runs, "figures": figures})
+        paired = pairs(runs)
+        atomic_write_json(
+            out / "mechanism.json", {"runs": runs, "pairs": paired, "figures": figures}
+        )
         for run in runs:
-            last = run["means"][max(run["means"])]
-            print(f"{run['name']}: last checkpoint {max(run['means'])}: {last}")
+            last = run["medians"][max(run["medians"])]
+            print(f"{run['name']}: last checkpoint {max(run['medians'])}, medians: {last}")
             for n in run["noise"]:
                 print(f"  B_simple at step {n['step']}: {n['b_simple']:.1f}")
+        for pair in paired:
+            print(f"{pair['candidate']} / {pair['reference']}, medians of per-layer ratios:")
+            for step, row in pair["ratios"].items():
+                print(f"  step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
         return f"mechanism: {out}/mechanism.json"
 
     return cli.run(parser, argv, write)
