@@ -18,18 +18,20 @@ setup: $(STAMP)
 # torch first and exactly pinned, with pip (which finds a local wheel where the machine has
 # one): an unpinned resolve could pull a multi-GB build. The rest with uv, pinned by
 # constraints.txt; the installed torch satisfies the project's range, so uv leaves it. uv
-# is several times faster than pip here; pip takes over if uv cannot be had. No bytecode
-# is compiled at install: Python writes it for the modules a process imports. EXTRAS: the
-# optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
+# is several times faster than pip here; pip takes over if uv cannot be had. Bytecode is
+# compiled once, for all of site-packages, in parallel: where PYTHONDONTWRITEBYTECODE is set,
+# a venv without it recompiles torch and transformers in every process. EXTRAS:
+# the optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
 # tests on the CPU (without it make test skips them). EXTRAS=dev leaves it out.
 EXTRAS ?= dev,gpu
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	( $(PIP) -c constraints.txt uv && \
-	  $(VENV)/bin/uv pip install --quiet --python $(PY) -c constraints.txt -e '.[$(EXTRAS)]' ) || \
-	  $(PIP) -c constraints.txt -e '.[$(EXTRAS)]'
+	( $(PIP) -c constraints.txt uv && $(VENV)/bin/uv pip install --quiet --compile-bytecode \
+	    --python $(PY) -c constraints.txt -e '.[$(EXTRAS)]' ) || \
+	  ( $(PIP) -c constraints.txt -e '.[$(EXTRAS)]' && { $(PY) -m compileall -qq -j 0 \
+	    "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true; } )
 	touch $(STAMP)
 
 # Tests in two tiers. make test: every test but the slow and CUDA ones, the quick check
