@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from onebit_bert.metrics_log import read_metrics
@@ -14,7 +15,26 @@ from pipeline import tune, tuning
 from tests.helpers.runs import tiny_config
 
 
-def test_a_recipe_is_tuned_by_halving_then_nothing_reruns(tiny_corpus, tmp_path):
+def _launch_in_process(tuner, config, name, steps):
+    """:meth:`tune.Tuner.launch` without a new process: the same run on one rank (the
+    launch commands have their own test; the subprocess launch runs in the slow tier)."""
+    from onebit_bert.config import load_config
+    from onebit_bert.distributed import init_distributed
+    from pretrain.config import PretrainConfig
+    from pretrain.train import train
+
+    train(load_config(PretrainConfig, config), init_distributed(backend="gloo", env={}))
+    tuner.launches += 1
+
+
+@pytest.mark.parametrize(
+    "launch", ["in_process", pytest.param("subprocess", marks=pytest.mark.slow)]
+)
+def test_a_recipe_is_tuned_by_halving_then_nothing_reruns(
+    tiny_corpus, tmp_path, monkeypatch, launch
+):
+    if launch == "in_process":
+        monkeypatch.setattr(tune.Tuner, "launch", _launch_in_process)
     base = tmp_path / "base.yaml"
     cfg = tiny_config(tiny_corpus, tmp_path / "unused", **{"schedule.max_steps": 4,
                                                            "checkpoint.every": 100})  # fmt: skip
@@ -102,9 +122,12 @@ def test_a_failed_agent_stops_the_others():
     assert tune._wait_all(ok, poll_s=0.05) == 0
 
 
-def test_a_recorded_setting_is_evaluated_again_on_other_data(tiny_corpus, tmp_path, capsys):
+def test_a_recorded_setting_is_evaluated_again_on_other_data(
+    tiny_corpus, tmp_path, capsys, monkeypatch
+):
     """--evaluate runs a record's chosen setting on fresh seeds with the data given, tunes
     nothing, states both data identities, and refuses records it cannot honour."""
+    monkeypatch.setattr(tune.Tuner, "launch", _launch_in_process)
     base = tmp_path / "base.yaml"
     cfg = tiny_config(tiny_corpus, tmp_path / "unused", **{"schedule.max_steps": 3,
                                                            "checkpoint.every": 100})  # fmt: skip
