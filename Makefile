@@ -19,8 +19,8 @@ setup: $(STAMP)
 # one): an unpinned resolve could pull a multi-GB build. The rest with uv, pinned by
 # constraints.txt; the installed torch satisfies the project's range, so uv leaves it. uv
 # is several times faster than pip here; pip takes over if uv cannot be had. Bytecode is
-# compiled once, for all of site-packages, in parallel: where PYTHONDONTWRITEBYTECODE is set,
-# a venv without it recompiles torch and transformers in every process. EXTRAS:
+# compiled once, for all of site-packages, on every core: where PYTHONDONTWRITEBYTECODE is
+# set, a venv without it recompiles torch and transformers in every process. EXTRAS:
 # the optional dependencies; gpu brings Triton, whose interpreter runs the fused kernels'
 # tests on the CPU (without it make test skips them). EXTRAS=dev leaves it out.
 EXTRAS ?= dev,gpu
@@ -28,10 +28,10 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	( $(PIP) -c constraints.txt uv && $(VENV)/bin/uv pip install --quiet --compile-bytecode \
-	    --python $(PY) -c constraints.txt -e '.[$(EXTRAS)]' ) || \
-	  ( $(PIP) -c constraints.txt -e '.[$(EXTRAS)]' && { $(PY) -m compileall -qq -j 0 \
-	    "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true; } )
+	( $(PIP) -c constraints.txt uv && $(VENV)/bin/uv pip install --quiet --python $(PY) \
+	    -c constraints.txt -e '.[$(EXTRAS)]' ) || $(PIP) -c constraints.txt -e '.[$(EXTRAS)]'
+	$(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	  > /dev/null || true  # a few files are for newer Pythons
 	touch $(STAMP)
 
 # Tests in two tiers. make test: every test but the slow and CUDA ones, the quick check
