@@ -88,10 +88,11 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
         self.accumulation = cfg.batch_plan(ctx.world_size)
-        # Signals are caught from here on: a preemption that arrives while the run is being
-        # built (resumed, its status written) is honoured at the first step.
-        self.preemption: Preemption | None = Preemption()
         self.lock = RunLock(cfg.run_dir) if ctx.rank == 0 else None
+        # Signals are caught from here on (release() gives them back): a preemption that
+        # arrives while the run is being built (resumed, its status written) is honoured at
+        # the first step.
+        self.preemption: Preemption | None = Preemption()
         try:
             take_run_lock(self.lock, ctx, cfg.run_dir)
             self._build()

@@ -162,20 +162,15 @@ def pairs(runs: list[dict]) -> list[dict]:
     for cand in runs:
         if cand["freeze_step"] is None:
             continue
-        for ref in runs:
-            same = (ref["global_batch_size"], ref["max_steps"]) == (
-                cand["global_batch_size"],
-                cand["max_steps"],
-            )
-            if ref["freeze_step"] is None and same:
-                out.append(
-                    {
-                        "candidate": cand["name"],
-                        "reference": ref["name"],
-                        "ratios": pair_ratios(ref, cand),
-                    }
-                )
-                break
+        shape = (cand["global_batch_size"], cand["max_steps"])
+        ref = next(
+            (r for r in runs
+             if r["freeze_step"] is None and (r["global_batch_size"], r["max_steps"]) == shape),
+            None,
+        )  # fmt: skip
+        if ref is not None:
+            ratios = pair_ratios(ref, cand)
+            out.append({"candidate": cand["name"], "reference": ref["name"], "ratios": ratios})
     return out
 
 

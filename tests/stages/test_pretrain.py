@@ -226,7 +226,12 @@ def test_a_preemption_while_the_run_is_built_stops_it_at_its_first_step(
     from pretrain.train import Trainer
 
     caught_here = []
-    previous = signal.signal(signal.SIGUSR1, lambda *_: caught_here.append(True))
+
+    def test_handler(*_):
+        caught_here.append(True)
+
+    previous = signal.signal(signal.SIGUSR1, test_handler)
+    term_before = signal.getsignal(signal.SIGTERM)
     start = outputs.RunStatus.start
 
     def start_then_preempt(self, *args, **kwargs):
@@ -241,13 +246,13 @@ def test_a_preemption_while_the_run_is_built_stops_it_at_its_first_step(
             summary = trainer.run()
         finally:
             trainer.release()
-        handler_after = signal.getsignal(signal.SIGUSR1)
+        handlers_after = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert not caught_here, "the trainer's handler was not installed when the signal came"
     assert summary["state"] == "preempted" and summary["step"] == 1
     assert (tmp_path / "run" / "checkpoints" / "step_00000001" / "complete.json").is_file()
-    assert handler_after is not None and handler_after not in (signal.SIG_DFL,)
+    assert handlers_after == (test_handler, term_before)  # release() gave both back
     assert not (tmp_path / "run" / "final").exists()
 
 
