@@ -41,6 +41,14 @@ summary also has ``wall_samples_per_s`` from the records' log times, which inclu
 the wait for the slowest rank it implies). Links are reshaped between bandwidths; the namespaces are
 rebuilt per world size and removed on success, failure, Ctrl-C or SIGTERM.
 
+``--repeats R`` measures the whole sweep R times over, interleaved: every repeat visits
+every bandwidth and measures every recipe there, in the listed order on even repeats and in
+reverse on odd ones, so a drift of the machine's speed during the sweep falls on every
+recipe alike. Each result row carries its ``repeat`` (0, 1, ...); reports average a point's
+repeats and keep their spread (:func:`pipeline.reports.timing.combine_repeats`). The
+summary's ``sweep_id`` names this invocation, so a report can say that its speeds come from
+one sweep.
+
 Prints one JSON object as its last line and writes it, with a PNG plot, to ``--out``.
 Needs root (``ip netns``, ``tc``).
 """
@@ -54,6 +62,8 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,6 +275,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--micro-batch", type=int, default=32, help="per forward/backward (accumulation)"
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the whole sweep this many times, interleaved (every repeat visits every "
+        "bandwidth and recipe; odd repeats take the recipes in reverse order)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="measured steps per stage")
     parser.add_argument("--warmup-steps", type=int, default=2, help="unmeasured first steps")
     parser.add_argument("--freeze-step", type=int, default=3, help="1-bit LAMB warmup steps")
@@ -404,6 +421,8 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPla
         parser.error("--bandwidths must be positive")
     if args.batch % min(args.micro_batch, args.batch):
         parser.error("--batch must be a multiple of --micro-batch")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.freeze_step < 2 or args.steps < 1 or args.warmup_steps < 0:
         parser.error("need --freeze-step >= 2 (one warmup step is skipped) and --steps >= 1")
     reason = check_privileges()
@@ -424,24 +443,50 @@ def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SweepPla
     return SweepPlan(bandwidths, worlds, strategies, data_root, run_steps)
 
 
+def repeat_order(strategies: list[str], repeat: int) -> list[str]:
+    """The order ``repeat`` measures the recipes in at each point: as listed on even
+    repeats, reversed on odd ones."""
+    return list(strategies) if repeat % 2 == 0 else list(reversed(strategies))
+
+
+def new_sweep_id() -> str:
+    """A name for one invocation: its UTC start time and a random suffix."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+
+
 def _sweep(args: argparse.Namespace, plan: SweepPlan) -> tuple[list[dict], int, int]:
-    """Measure every (world size, bandwidth) point in a temporary folder; returns the result
-    rows, the model's parameter count and the sequence length."""
+    """Measure every (world size, bandwidth) point ``--repeats`` times in a temporary folder;
+    returns the result rows (with their ``repeat`` where there are several), the model's
+    parameter count and the sequence length."""
     results = []
+    repeats = getattr(args, "repeats", 1)
     with tempfile.TemporaryDirectory(prefix="bench_netem_") as tmp:
         work = Path(tmp)
         data = args.data or prepare_wikipedia_seq128(plan.data_root, work / "data")
         for world in plan.worlds:
             with Cluster(world // args.ranks_per_host, mtu=args.mtu) as cluster:
-                for bandwidth in plan.bandwidths:
-                    results.append(measure(cluster, data, work, args, bandwidth, plan.strategies))
-                    print(json.dumps({k: v for k, v in results[-1].items() if k != "runs"}),
-                          file=sys.stderr, flush=True)  # fmt: skip
+                for repeat in range(repeats):
+                    for bandwidth in plan.bandwidths:
+                        order = repeat_order(plan.strategies, repeat)
+                        row = measure(cluster, data, work, args, bandwidth, order, repeat)
+                        row["runs"] = {k: row["runs"][k] for k in _listed(row["runs"], plan)}
+                        if repeats > 1:
+                            row["repeat"] = repeat
+                        results.append(row)
+                        print(json.dumps({k: v for k, v in row.items() if k != "runs"}),
+                              file=sys.stderr, flush=True)  # fmt: skip
         if args.keep:
             shutil.copytree(work, args.out / "work", dirs_exist_ok=True)
         params = _parameter_count(args.model, data)
         seq_length = _seq_length(data)
     return results, params, seq_length
+
+
+def _listed(runs: dict, plan: SweepPlan) -> list[str]:
+    """The keys of one row's ``runs`` in the order of ``--strategies`` (a recipe measured on
+    several graphs keeps its graphs' order), whatever order they were measured in."""
+    rank = {name: i for i, name in enumerate(plan.strategies)}
+    return sorted(runs, key=lambda k: rank.get(k.partition("/")[0], len(rank)))
 
 
 def _summary(
@@ -466,6 +511,8 @@ def _summary(
         "inner_by_recipe": getattr(args, "inner_by_recipe", None) or None,
         "topologies": args.topologies.split(","),
         "mtu": args.mtu,
+        "sweep_id": args.sweep_id,
+        "repeats": args.repeats,
         "why_communication_bound": WHY_COMM_BOUND.format(
             large=large,
             large_1g=large * 10,
@@ -477,7 +524,10 @@ def _summary(
             threads=threads,
         ),
     }
-    first = [r for r in results if r["bandwidth_mbit"] == plan.bandwidths[0]]
+    from pipeline.reports.timing import combine_repeats
+
+    combined = combine_repeats(results)
+    first = [r for r in combined if r["bandwidth_mbit"] == plan.bandwidths[0]]
     for name, key in (("onebit_lamb", "whole_run"), ("hybrid_onebit_lamb", "whole_run_hybrid")):
         if {"lamb", name} <= set(plan.strategies):
             summary[key] = {
@@ -499,10 +549,13 @@ def main(argv=None) -> dict:
 
     _terminate_on_sigterm()
     remove_stale_clusters()
+    args.sweep_id = new_sweep_id()
     results, params, seq_length = _sweep(args, plan)
     summary = _summary(args, plan, results, params, seq_length)
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, args.out / "netem.png")
+    from pipeline.reports.timing import combine_repeats
+
+    plot(combine_repeats(results), args.out / "netem.png")
     summary["plot"] = str(args.out / "netem.png")
     from onebit_bert.io import atomic_write_json
 

@@ -459,15 +459,17 @@ def measure(
     args: argparse.Namespace,
     bandwidth: float,
     strategies: list[str],
+    repeat: int = 0,
 ) -> dict:
     """Shape ``cluster`` to ``bandwidth`` Mbit/s and measure each of ``strategies``, then
-    the compute-only runs there: one result row."""
+    the compute-only runs there: one result row. Each ``repeat`` of a point runs in its own
+    folder."""
     ranks_per_host = getattr(args, "ranks_per_host", 1)
     world = cluster.hosts * ranks_per_host
     point = SweepPoint(
         cluster,
         data,
-        work / f"{bandwidth:g}mbit_p{world}",
+        work / (f"{bandwidth:g}mbit_p{world}" + (f"_r{repeat}" if repeat else "")),
         args,
         threads=args.threads or max(1, (os.cpu_count() or 1) // world),
         batch=args.batch * world,

@@ -87,7 +87,9 @@ from pipeline.reports.timing import (
     load_netem,
     rounds_of,
     seconds_by_bandwidth,
+    seconds_by_repeat,
     speeds,
+    speeds_by_repeat,
     stage_steps,
 )
 from pipeline.tuning import load_tuning, tuning_lines
@@ -221,6 +223,11 @@ def time_to_target(run: dict, target: float, netem: dict | None) -> dict:
     }
     out["stage_steps"] = stage_steps(run, step)
     out["seconds"] = seconds_by_bandwidth(out["stage_steps"], batch, measured)
+    repeated = seconds_by_repeat(
+        out["stage_steps"], batch, speeds_by_repeat(netem, run["strategy"], run["world_size"])
+    )
+    if repeated:
+        out["seconds_by_repeat"] = repeated
     out["measured_bandwidths"] = sorted(measured)
     return out
 
@@ -385,6 +392,7 @@ def report_json(data: dict, netem_paths: list[str], netem: dict | None) -> dict:
             "carried_runs_retimed": bool(data.get("retimed")),
             "netem_model": None if netem is None else netem.get("model"),
             "netem_seq_length": None if netem is None else netem.get("seq_length"),
+            "sweeps": None if netem is None else netem.get("sweeps"),
         },
         "prior": data["prior"],
         "runs": [_run_record(r) for r in data["runs"]],

@@ -190,6 +190,13 @@ def render_markdown(data: dict, netem_paths: list[str], netem: dict | None) -> s
             "strategy's measured samples/s in that step's stage at that bandwidth on the same "
             "number of ranks. A strategy the benchmark did not measure has no time."
         )
+        named = [s for s in netem.get("sweeps") or [] if s.get("sweep_id")]
+        if named:
+            lines += ["", "Sweeps: " + "; ".join(
+                f"`{s['sweep_id']}` ({s['repeats']} repeat{'s' if s['repeats'] > 1 else ''} of "
+                "every point, interleaved)" for s in named) + ". A point measured more than "
+                "once is timed at its mean step time; the intervals of the groups below span "
+                "every repeat's speeds."]  # fmt: skip
         by_file: dict[str, list[str]] = {}
         for recipe, files in (netem.get("runs_from") or {}).items():
             for path in files:

@@ -1,6 +1,7 @@
 """The step model of :mod:`pipeline.reports.linkmodel` against every netem point in the
 repository: each point (recipe, stage, link, sweep) predicted from the same recipe's other
-points, never from itself; the error of the modelled samples/s against the measured."""
+points, never from itself (a point measured several times by one sweep is one point, its
+repeats combined); the error of the modelled samples/s against the measured."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 from pipeline.reports.linkmodel import REPO, _stages, profiles_of, step_seconds
+from pipeline.reports.timing import combine_repeats
 
 
 def check(profiles_from: list[str] | None = None) -> dict:
@@ -21,7 +23,8 @@ def check(profiles_from: list[str] | None = None) -> dict:
     rows = []
     for path in paths:
         netem = json.loads((REPO / path).read_text())
-        for row in netem.get("results", []):
+        # a point's repeats are one measurement: never predicted from each other
+        for row in combine_repeats(netem.get("results", [])):
             rows.append((path, row))
     points = []
     for path, row in rows:

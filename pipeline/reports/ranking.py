@@ -14,6 +14,11 @@ could have found with :data:`POWER` (:func:`detectable_difference`): two seeds p
 detect only gaps of tens of per cent. A censored seed's lower bound makes its recipe look
 faster than it is, so "behind" stays a safe call for it; a leader with censored seeds is
 flagged, since against it "behind" may be too generous.
+
+**The sweep's spread.** Speeds measured more than once (``bench.netem --repeats``) give
+each seed one time per repeat. A recipe's interval is the union of its repeats' t
+intervals (:func:`interval`), and a recipe is behind only when it is behind at every pair
+of repeats: a difference the machine's run-to-run speed could make is not called.
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from __future__ import annotations
 import math
 
 from pipeline.reports.stats import mean_std, t_quantile, welch_t_test
-from pipeline.reports.timing import seconds_by_bandwidth, speeds, stage_steps
+from pipeline.reports.timing import (
+    seconds_by_bandwidth,
+    seconds_by_repeat,
+    speeds,
+    speeds_by_repeat,
+    stage_steps,
+)
 
 ALPHA = 0.05
 POWER = 0.8
@@ -29,7 +40,9 @@ TEST = (
     f"Welch's two-sided t-test on per-seed modelled times, alpha = {ALPHA}; detectable "
     f"difference at {POWER:.0%} power: (t(1 - alpha/2, df) + t(power, df)) · standard error, "
     "Welch–Satterthwaite df, in % of the first's mean; a seed that never reached the target "
-    "counts with its run's end as a lower bound (≥)"
+    "counts with its run's end as a lower bound (≥); where the speeds were measured more "
+    "than once, behind means slower at every pair of repeats, and the interval [lo, hi] of "
+    "a mean is the union of the repeats' 95 % t intervals over seeds"
 )
 
 
@@ -64,11 +77,17 @@ def run_end(run: dict, netem: dict | None, siblings: list[dict]) -> dict:
     batch = run["global_batch_size"]
     split = _run_stages(run, siblings)
     measured = speeds(netem, run.get("strategy"), run.get("world_size"))
-    return {
+    out = {
         "samples": float(run["steps"]) * batch,
         "stage_steps": split,
         "seconds": seconds_by_bandwidth(split, batch, measured),
     }
+    repeated = seconds_by_repeat(
+        split, batch, speeds_by_repeat(netem, run.get("strategy"), run.get("world_size"))
+    )
+    if repeated:
+        out["seconds_by_repeat"] = repeated
+    return out
 
 
 def attach_run_ends(arms: list[dict], netem: dict | None) -> None:
@@ -99,20 +118,26 @@ def detectable_difference(a: list[float], b: list[float], alpha: float = ALPHA,
 
 
 def _entry(arm: dict, key: str) -> dict | None:
-    """One recipe's per-seed times at bandwidth ``key``; None when no seed has a time."""
-    values, censored = [], []
+    """One recipe's per-seed times at bandwidth ``key``; None when no seed has a time.
+    Where the sweep measured the bandwidth more than once, ``by_repeat`` holds the seeds'
+    times at each repeat's speeds."""
+    values, censored, repeated = [], [], []
     for run in arm["seeds"]:
         block = run["time_to_target"]
-        if block.get("reached"):
-            value = (block.get("seconds") or {}).get(key)
-        else:
-            value = ((block.get("run_end") or {}).get("seconds") or {}).get(key)
+        if not block.get("reached"):
+            block = block.get("run_end") or {}
+        value = (block.get("seconds") or {}).get(key)
         if value is None:
             continue
         values.append(value)
-        censored.append(not block.get("reached"))
+        censored.append(not run["time_to_target"].get("reached"))
+        repeated.append((block.get("seconds_by_repeat") or {}).get(key))
     if not values:
         return None
+    counts = {len(r) if r else 0 for r in repeated}
+    by_repeat = None
+    if len(counts) == 1 and 0 not in counts:
+        by_repeat = [list(t) for t in zip(*repeated, strict=True)]
     return {
         "name": arm["name"],
         "seconds": values,
@@ -121,7 +146,25 @@ def _entry(arm: dict, key: str) -> dict | None:
         "seeds": len(arm["seeds"]),
         "mean": sum(values) / len(values),
         "lower_bound": any(censored),
+        **({"by_repeat": by_repeat} if by_repeat else {}),
+        "interval": interval(by_repeat or [values]),
     }
+
+
+def interval(samples: list[list[float]], level: float = 0.95) -> list[float]:
+    """The ``level`` confidence interval of the mean time, widened by the sweep: the union
+    over the repeats of the sweep (``samples``: the seeds' times at each repeat's speeds,
+    one list for a sweep measured once) of Student's t interval over the seeds (a single
+    seed's interval is its value)."""
+    lows, highs = [], []
+    for values in samples:
+        mean, std = mean_std(values)
+        half = 0.0
+        if len(values) > 1:
+            half = t_quantile(0.5 + level / 2, len(values) - 1) * std / math.sqrt(len(values))
+        lows.append(mean - half)
+        highs.append(mean + half)
+    return [min(lows), max(highs)]
 
 
 def groups(arms: list[dict], bandwidths: list[float]) -> list[dict]:
@@ -159,14 +202,22 @@ def groups(arms: list[dict], bandwidths: list[float]) -> list[dict]:
 
 
 def _compare(first: dict, entry: dict, row: dict) -> None:
+    """``entry`` against the first: behind when Welch's test finds it slower at every pair
+    of the sweep's repeats (the first's times at one repeat's speeds, ``entry``'s at
+    another), so that the run-to-run spread of the speeds cannot make a tie look like a
+    gap; ``p_vs_first`` is the largest p of those pairs (the one pair without repeats)."""
     if len(entry["seconds"]) < 2 or len(first["seconds"]) < 2:
         row["untested"].append(entry["name"])
         return
-    test = welch_t_test(first["seconds"], entry["seconds"])
+    slower, p_max = True, 0.0
+    for a in first.get("by_repeat") or [first["seconds"]]:
+        for b in entry.get("by_repeat") or [entry["seconds"]]:
+            p_max = max(p_max, welch_t_test(a, b).p)
+            slower = slower and sum(b) / len(b) > sum(a) / len(a)
     dd = detectable_difference(first["seconds"], entry["seconds"])
-    entry["p_vs_first"] = test.p
+    entry["p_vs_first"] = p_max
     entry["detectable_difference_pct"] = 100 * dd / first["mean"]
-    if test.p < ALPHA and entry["mean"] > first["mean"]:
+    if p_max < ALPHA and slower:
         row["behind"].append(entry["name"])
     else:
         row["leaders"].append(entry["name"])
@@ -189,10 +240,16 @@ def human_seconds(value: float) -> str:
 
 
 def entry_text(entry: dict) -> str:
-    """``name ≥ 3.85 h (3/4)``: mean (a lower bound when a seed is censored), reach rate."""
+    """``name ≥ 3.85 h [3.60 h, 4.10 h] (3/4)``: mean (a lower bound when a seed is
+    censored), its interval (:func:`interval`; left out for one seed measured once), reach
+    rate."""
     mark = "≥ " if entry["lower_bound"] else ""
     rate = f"{entry['reached']}/{entry['seeds']}"
-    return f"{entry['name']} {mark}{human_seconds(entry['mean'])} ({rate})"
+    text = f"{entry['name']} {mark}{human_seconds(entry['mean'])}"
+    lo, hi = entry.get("interval") or (entry["mean"], entry["mean"])
+    if hi > lo:
+        text += f" [{human_seconds(lo)}, {human_seconds(hi)}]"
+    return f"{text} ({rate})"
 
 
 def answer(row: dict) -> str:
@@ -227,8 +284,8 @@ def group_lines(rows: list[dict]) -> list[str]:
         "Per bandwidth of the netem benchmark, recipes by modelled time to the target: the "
         "mean over every seed (seeds at target / seeds), where a seed that never reached the "
         "target counts with its run's end as a lower bound, so the mean is one too (≥). "
-        f"Test: {TEST}. *Leaders*: the first and every recipe the test cannot tell from it; "
-        "*behind*: slower than the first at p < 0.05.",
+        f"Test: {rows[0].get('test', TEST)}. *Leaders*: the first and every recipe the test "
+        "cannot tell from it; *behind*: slower than the first at p < 0.05.",
         "",
         "| bandwidth | the answer | clearly behind | one seed (no test) | never reached "
         "| not measured |",

@@ -42,6 +42,62 @@ def inner_optimizer(netem: dict, recipe: str) -> str | None:
     return (netem.get("inner_by_recipe") or {}).get(recipe)
 
 
+# ----------------------------------------------------------------------------- repeats
+
+
+def _combine(values: list, key: str = "") -> object:
+    """One value from a point's repeats: dicts key by key (a dict with ``samples_per_s``
+    keeps each repeat's as ``samples_per_s_repeats``); speeds (keys ending in
+    ``samples_per_s``) by their harmonic mean, so that the time of a step is the mean of the
+    repeats' times; other numbers by their mean; anything else as the first repeat has it."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        out = {k: _combine([v[k] for v in present if k in v], k) for k in keys}
+        speeds_ = [v.get("samples_per_s") for v in present]
+        if all(isinstance(x, (int, float)) for x in speeds_):
+            out["samples_per_s_repeats"] = speeds_
+        return out
+    numbers = [v for v in present if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(numbers) < len(present) or all(v == present[0] for v in present):
+        return present[0]
+    if key.endswith("samples_per_s") and all(v > 0 for v in numbers):
+        return len(numbers) / sum(1 / v for v in numbers)
+    return sum(numbers) / len(numbers)
+
+
+def combine_repeats(rows: list[dict]) -> list[dict]:
+    """One row per point (bandwidth, world size, ranks per host) from one sweep's rows:
+    a point measured several times (``bench.netem --repeats``, rows numbered by ``repeat``)
+    becomes one row of their combined values (:func:`_combine`) with ``repeats``, the
+    number combined; each speed keeps its repeats (``samples_per_s_repeats``). Rows of a
+    point that are not numbered repeats are refused: two measurements of one point in one
+    file that no sweep marked as repeats."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        point = (float(row["bandwidth_mbit"]), int(row["world_size"]),
+                 int(row.get("ranks_per_host", 1)))  # fmt: skip
+        groups.setdefault(point, []).append(row)
+    out = []
+    for (bw, world, _), group in groups.items():
+        if len(group) == 1:
+            out.append({k: v for k, v in group[0].items() if k != "repeat"})
+            continue
+        numbers = [r.get("repeat") for r in group]
+        if None in numbers or len(set(numbers)) < len(numbers):
+            raise ValueError(
+                f"{bw:g} Mbit/s on {world} ranks is measured {len(group)} times but not as "
+                "numbered repeats of one sweep (bench.netem --repeats); keep one row per point"
+            )
+        group = sorted(group, key=lambda r: r["repeat"])
+        combined = _combine([{k: v for k, v in r.items() if k != "repeat"} for r in group])
+        combined["repeats"] = len(group)
+        out.append(combined)
+    return out
+
+
 def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> dict | None:
     """One netem table from one or more ``bench.netem`` JSONs (None for none): the first
     file's settings, every file's result rows. Files must agree on :data:`NETEM_MUST_AGREE`.
@@ -63,8 +119,14 @@ def load_netem(paths: list[str], ignore: dict[str, set[str]] | None = None) -> d
         netem = json.loads(path.read_text())
         if not isinstance(netem, dict) or "results" not in netem:
             raise ValueError(f"--netem {path}: not a bench.netem JSON (no 'results')")
+        try:
+            netem = {**netem, "results": combine_repeats(netem["results"])}
+        except ValueError as error:
+            raise ValueError(f"--netem {path}: {error}") from None
         if merged is None:
-            merged = {**netem, "results": [], "strategies": []}
+            merged = {**netem, "results": [], "strategies": [], "sweeps": []}
+        merged["sweeps"].append({"file": str(path), "sweep_id": netem.get("sweep_id"),
+                                 "repeats": netem.get("repeats", 1)})  # fmt: skip
         for field in NETEM_MUST_AGREE:
             if netem.get(field) != merged.get(field):
                 raise ValueError(
@@ -132,11 +194,28 @@ def speeds(netem: dict | None, key: str | None, world: int | None) -> dict[float
     """bandwidth -> {"default": samples/s, stage: samples/s, ...} of recipe ``key`` on
     ``world`` ranks in a netem JSON (empty when it was not measured, or ``key`` is None: a
     run no recipe describes)."""
+    return {bw: entries[0] for bw, entries in _speed_entries(netem, key, world, False).items()}
+
+
+def speeds_by_repeat(netem: dict | None, key: str | None, world: int | None
+                     ) -> dict[float, list[dict]]:  # fmt: skip
+    """As :func:`speeds`, one entry per repeat of the sweep (a list of one where the point
+    was measured once)."""
+    return _speed_entries(netem, key, world, True)
+
+
+def _speed_entries(netem, key, world, by_repeat: bool) -> dict[float, list[dict]]:
     if netem is None or key is None:
         return {}
     key, _, codec = key.partition(":")
     if codec and netem.get("hybrid_codec", "int8") != codec:
         return {}  # the benchmark's hybrid ran another codec
+
+    def speed(summary: dict, r: int | None) -> float:
+        if r is None or "samples_per_s_repeats" not in summary:
+            return summary["samples_per_s"]
+        return summary["samples_per_s_repeats"][r]
+
     out = {}
     for row in netem.get("results", []):
         if world is not None and row.get("world_size") != world:
@@ -144,13 +223,17 @@ def speeds(netem: dict | None, key: str | None, world: int | None) -> dict[float
         run = row.get("runs", {}).get(key)
         if run is None:
             continue
-        entry = {"default": run["samples_per_s"]}
-        if "warmup" in run:
-            entry["warmup"] = run["warmup"]["samples_per_s"]
-            entry["compression"] = run["samples_per_s"]
-        for kind, summary in run.get("kinds", {}).items():
-            entry[kind] = summary["samples_per_s"]
-        out[float(row["bandwidth_mbit"])] = entry
+        count = len(run.get("samples_per_s_repeats", [None])) if by_repeat else 1
+        entries = []
+        for r in range(count) if by_repeat and count > 1 else [None]:
+            entry = {"default": speed(run, r)}
+            if "warmup" in run:
+                entry["warmup"] = speed(run["warmup"], r)
+                entry["compression"] = speed(run, r)
+            for kind, summary in run.get("kinds", {}).items():
+                entry[kind] = speed(summary, r)
+            entries.append(entry)
+        out[float(row["bandwidth_mbit"])] = entries
     return out
 
 
@@ -186,6 +269,20 @@ def seconds_by_bandwidth(
     if steps_by_stage is None:
         return {}
     return {f"{bw:g}": seconds_for(steps_by_stage, batch, sp) for bw, sp in measured.items()}
+
+
+def seconds_by_repeat(
+    steps_by_stage: dict[str, float] | None, batch: int, measured: dict[float, list[dict]]
+) -> dict[str, list[float]]:
+    """:func:`seconds_for` at every bandwidth of ``measured`` (:func:`speeds_by_repeat`), one
+    time per repeat of the sweep; only the bandwidths measured more than once."""
+    if steps_by_stage is None:
+        return {}
+    return {
+        f"{bw:g}": [seconds_for(steps_by_stage, batch, sp) for sp in entries]
+        for bw, entries in measured.items()
+        if len(entries) > 1
+    }
 
 
 def infer_stage_steps(

@@ -281,15 +281,27 @@ def test_two_hosts_two_steps(tiny_corpus, tmp_path):
 def test_two_hosts_of_two_ranks_compare_flat_and_node_hierarchy(tiny_corpus, tmp_path):
     """4 ranks as 2 hosts x 2: only inter-host traffic crosses eth0; the hierarchy sends a
     third of the flat ring's counted bytes across hosts (a 2-rank ring of half the
-    gradients, against a 4-rank ring of all of them) and less on the wire."""
+    gradients, against a 4-rank ring of all of them) and less on the wire. Measured twice
+    (--repeats 2): two numbered rows of the point, one sweep id, one combined point."""
     out = tmp_path / "out"
     argv = [sys.executable, "-m", "bench.netem", "--data", str(tiny_corpus), "--model",
             "bert-tiny", "--batch", "8", "--bandwidths", "200", "--world-sizes", "4",
             "--ranks-per-host", "2", "--steps", "2", "--warmup-steps", "1", "--strategies",
-            "lamb,lamb_node", "--out", str(out)]  # fmt: skip
+            "lamb,lamb_node", "--repeats", "2", "--out", str(out)]  # fmt: skip
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads(result.stdout.strip().splitlines()[-1])["results"]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["repeats"] == 2 and summary["sweep_id"]
+    rows = summary["results"]
+    assert [r["repeat"] for r in rows] == [0, 1]
+    assert all(list(r["runs"]) == ["lamb", "lamb_node"] for r in rows)  # listed order kept
+    from pipeline.reports.timing import combine_repeats
+
+    (row,) = combine_repeats(rows)
+    assert row["repeats"] == 2
+    assert row["runs"]["lamb"]["samples_per_s_repeats"] == [
+        r["runs"]["lamb"]["samples_per_s"] for r in rows
+    ]
     assert (row["world_size"], row["hosts"], row["ranks_per_host"]) == (4, 2, 2)
     flat, node = row["runs"]["lamb"], row["runs"]["lamb_node"]
     assert flat["counted_bytes_per_step"] == pytest.approx(

@@ -298,7 +298,8 @@ def test_a_recipe_measured_alone_later_joins_the_same_points(runs, netem, tmp_pa
     }
     tau4["outer_every"] = 4
     tau8 = {**tau4, "outer_every_by_recipe": {"co2": 8},
-            "results": [{**r, "bandwidth_mbit": 1} for r in tau4["results"]]}  # fmt: skip
+            "results": [{**r, "bandwidth_mbit": r["bandwidth_mbit"] + 1}
+                         for r in tau4["results"]]}  # fmt: skip
     (tmp_path / "tau4.json").write_text(json.dumps(tau4))
     (tmp_path / "tau8.json").write_text(json.dumps(tau8))
     with pytest.raises(ValueError, match="co2 runs rounds of 8 steps but .* measured it at 4"):
@@ -348,8 +349,8 @@ def test_a_local_step_run_is_timed_only_at_its_own_setting(netem, tmp_path):
     compare.check_netem_setting({**run, "world_size": world + 1, "optimizer": "sgd"}, measured)
     first, second = tmp_path / "adamw.json", tmp_path / "lamb.json"
     first.write_text(json.dumps(measured))
-    second.write_text(json.dumps({**own, "results": [{**r, "bandwidth_mbit": 1}
-                                                     for r in own["results"]]}))  # fmt: skip
+    moved = [{**r, "bandwidth_mbit": r["bandwidth_mbit"] + 1} for r in own["results"]]
+    second.write_text(json.dumps({**own, "results": moved}))
     assert timing.load_netem([str(first)])["inner_by_recipe"] == {"slowmo_node": "adamw"}
     with pytest.raises(ValueError, match="steps its own optimizer inside but .* with adamw"):
         timing.load_netem([str(first), str(second)])
@@ -486,12 +487,19 @@ def test_the_answer_is_a_group_of_leaders_and_the_recipes_clearly_behind():
     assert tied["p_vs_first"] > 0.05
     text = "\n".join(ranking.group_lines([row]))
     assert "leaders not separable at this power (detectable difference" in text
-    assert "fast 10.5 s (2/2), tied 11.5 s (2/2) | slow ≥ 31.7 s (2/3) | one seed" in text
+    # each mean with its 95 % t interval over the seeds; one seed has none
+    lo, hi = ranking.interval([[10.0, 11.0]])
+    half = t_quantile(0.975, 1) * 0.5
+    assert (lo, hi) == pytest.approx((10.5 - half, 10.5 + half))
+    assert row["ranking"][0]["interval"] == pytest.approx([lo, hi])
+    assert "| slow ≥ 31.7 s [27.9 s, 35.5 s] (2/3) | one seed 12.0 s (1/1) |" in text
+    assert f"fast 10.5 s [{lo:.1f} s, {hi:.1f} s] (2/2), tied 11.5 s [" in text
     # without the tie, the first stands alone, and the answer says against what
     data["arms"] = [a for a in data["arms"] if a["name"] != "tied"]
     (alone,) = compare.winners(data)
     assert alone["leaders"] == ["fast"] and alone["behind"] == ["slow"]
-    assert ranking.answer(alone).startswith("fast 10.5 s (2/2) is ahead of every recipe tested")
+    assert ranking.answer(alone).startswith("fast 10.5 s [")
+    assert "(2/2) is ahead of every recipe tested" in ranking.answer(alone)
 
 
 def test_detectable_difference_shrinks_with_seeds_and_needs_two_a_side():
