@@ -7,13 +7,18 @@ mean over its seeds is then a lower bound too, marked ``≥``, and the reach rat
 the target / seeds) stands beside it.
 
 **Groups.** Per bandwidth the recipe with the lowest mean leads. Every other recipe is set
-against it by Welch's two-sided t-test on per-seed times (:data:`ALPHA`); one that is
-significantly slower is *behind*, one that is not is among the *leaders*: the data cannot
-tell it from the first. Each pair's detectable difference says how large a gap the test
-could have found with :data:`POWER` (:func:`detectable_difference`): two seeds per recipe
-detect only gaps of tens of per cent. A censored seed's lower bound makes its recipe look
-faster than it is, so "behind" stays a safe call for it; a leader with censored seeds is
-flagged, since against it "behind" may be too generous.
+against it (:data:`ALPHA`): by the paired t-test on the log ratio of the times of the
+seeds they share, seed k of every recipe starting from the same initialisation and data
+order (:func:`pairing_key` checks seed, data identity, batch and length; records without
+their data pair with nothing), or by Welch's two-sided t-test on every seed where fewer
+than two seeds pair. One that is significantly slower is *behind*, one that is not is
+among the *leaders*: the data cannot tell it from the first. Each pair's detectable
+difference says how large a gap the test could have found with :data:`POWER`
+(:func:`detectable_difference`, :func:`paired_detectable_difference`): two unpaired seeds
+per recipe detect only gaps of tens of per cent; pairs remove the spread the seeds share.
+A censored seed's lower bound makes its recipe look faster than it is, so "behind" stays a
+safe call for it; a leader with censored seeds is flagged, since against it "behind" may
+be too generous.
 
 **The sweep's spread.** Speeds measured more than once (``bench.netem --repeats``) give
 each seed one time per repeat. A recipe's interval is the union of its repeats' t
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.reports.stats import mean_std, t_quantile, welch_t_test
+from pipeline.reports.stats import mean_std, t_quantile, t_two_sided_p, welch_t_test
 from pipeline.reports.timing import (
     seconds_by_bandwidth,
     seconds_by_repeat,
@@ -37,9 +42,12 @@ from pipeline.reports.timing import (
 ALPHA = 0.05
 POWER = 0.8
 TEST = (
-    f"Welch's two-sided t-test on per-seed modelled times, alpha = {ALPHA}; detectable "
-    f"difference at {POWER:.0%} power: (t(1 - alpha/2, df) + t(power, df)) · standard error, "
-    "Welch–Satterthwaite df, in % of the first's mean; a seed that never reached the target "
+    "against the first, the paired two-sided t-test on the log ratio of per-seed modelled "
+    "times over the seeds the two share (same seed, data, batch and length; n - 1 df), or "
+    f"where fewer than two pair, Welch's two-sided t-test on every seed; alpha = {ALPHA}; "
+    f"detectable difference at {POWER:.0%} power: (t(1 - alpha/2, df) + t(power, df)) · "
+    "standard error (of the mean log ratio, or Welch's with Welch–Satterthwaite df, in % of "
+    "the first's mean); a seed that never reached the target "
     "counts with its run's end as a lower bound (≥); where the speeds were measured more "
     "than once, behind means slower at every pair of repeats, and the interval [lo, hi] of "
     "a mean is the union of the repeats' 95 % t intervals over seeds"
@@ -121,7 +129,7 @@ def _entry(arm: dict, key: str) -> dict | None:
     """One recipe's per-seed times at bandwidth ``key``; None when no seed has a time.
     Where the sweep measured the bandwidth more than once, ``by_repeat`` holds the seeds'
     times at each repeat's speeds."""
-    values, censored, repeated = [], [], []
+    values, censored, repeated, pairs = [], [], [], []
     for run in arm["seeds"]:
         block = run["time_to_target"]
         if not block.get("reached"):
@@ -132,6 +140,7 @@ def _entry(arm: dict, key: str) -> dict | None:
         values.append(value)
         censored.append(not run["time_to_target"].get("reached"))
         repeated.append((block.get("seconds_by_repeat") or {}).get(key))
+        pairs.append(pairing_key(run))
     if not values:
         return None
     counts = {len(r) if r else 0 for r in repeated}
@@ -148,7 +157,46 @@ def _entry(arm: dict, key: str) -> dict | None:
         "lower_bound": any(censored),
         **({"by_repeat": by_repeat} if by_repeat else {}),
         "interval": interval(by_repeat or [values]),
+        "pairing": pairs,
     }
+
+
+def pairing_key(run: dict) -> list | None:
+    """What makes seed k of two recipes a pair: the seed (initialisation and data order),
+    the data identity, the global batch and the run's length. None when the run does not
+    record its data (an earlier vocabulary's record) or its seed: it pairs with nothing."""
+    if run.get("seed") is None or not run.get("data"):
+        return None
+    data = run["data"]
+    return [run["seed"], data.get("tokenizer_sha256"), data.get("shards_sha256"),
+            run.get("global_batch_size"), run.get("steps")]  # fmt: skip
+
+
+def common_pairs(first: dict, entry: dict) -> list[tuple[int, int]]:
+    """(index in ``first``, index in ``entry``) of the seeds the two share by
+    :func:`pairing_key`."""
+    where = {tuple(k): i for i, k in enumerate(first.get("pairing") or []) if k is not None}
+    return [(where[tuple(k)], j) for j, k in enumerate(entry.get("pairing") or [])
+            if k is not None and tuple(k) in where]  # fmt: skip
+
+
+def paired_t_test(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """Two-sided paired t-test on log(b_i / a_i): (mean log ratio, its standard deviation,
+    p). With no spread, p is 1 for a zero mean and 0 otherwise."""
+    logs = [math.log(y / x) for x, y in zip(a, b, strict=True)]
+    mean, sd = mean_std(logs)
+    if sd == 0:
+        return mean, sd, 1.0 if mean == 0 else 0.0
+    return mean, sd, t_two_sided_p(mean / (sd / math.sqrt(len(logs))), len(logs) - 1)
+
+
+def paired_detectable_difference(sd: float, n: int, alpha: float = ALPHA,
+                                 power: float = POWER) -> float:  # fmt: skip
+    """The smallest ratio - 1 the paired test on ``n`` pairs with log-ratio spread ``sd``
+    detects with probability ``power``: exp((t(1 - alpha/2) + t(power)) · sd / sqrt(n)) - 1,
+    n - 1 df."""
+    return math.expm1((t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1))
+                      * sd / math.sqrt(n))  # fmt: skip
 
 
 def interval(samples: list[list[float]], level: float = 0.95) -> list[float]:
@@ -202,21 +250,39 @@ def groups(arms: list[dict], bandwidths: list[float]) -> list[dict]:
 
 
 def _compare(first: dict, entry: dict, row: dict) -> None:
-    """``entry`` against the first: behind when Welch's test finds it slower at every pair
-    of the sweep's repeats (the first's times at one repeat's speeds, ``entry``'s at
-    another), so that the run-to-run spread of the speeds cannot make a tie look like a
-    gap; ``p_vs_first`` is the largest p of those pairs (the one pair without repeats)."""
-    if len(entry["seconds"]) < 2 or len(first["seconds"]) < 2:
+    """``entry`` against the first. Where two or more of their seeds pair
+    (:func:`pairing_key`: same seed, data, batch and length), the paired t-test on the log
+    ratio of those seeds' times (``test``: "paired"); otherwise Welch's test on every
+    seed. Behind when the test finds it slower at every pair of the sweep's repeats (the
+    first's times at one repeat's speeds, ``entry``'s at another), so that the run-to-run
+    spread of the speeds cannot make a tie look like a gap; ``p_vs_first`` is the largest
+    p of those pairs (the one pair without repeats)."""
+    common = common_pairs(first, entry)
+    paired = len(common) >= 2
+    if not paired and (len(entry["seconds"]) < 2 or len(first["seconds"]) < 2):
         row["untested"].append(entry["name"])
         return
-    slower, p_max = True, 0.0
+    slower, p_max, sds = True, 0.0, []
     for a in first.get("by_repeat") or [first["seconds"]]:
         for b in entry.get("by_repeat") or [entry["seconds"]]:
-            p_max = max(p_max, welch_t_test(a, b).p)
-            slower = slower and sum(b) / len(b) > sum(a) / len(a)
-    dd = detectable_difference(first["seconds"], entry["seconds"])
+            if paired:
+                mean_log, sd, p = paired_t_test([a[i] for i, _ in common],
+                                                [b[j] for _, j in common])  # fmt: skip
+                sds.append(sd)
+                slower = slower and mean_log > 0
+            else:
+                p = welch_t_test(a, b).p
+                slower = slower and sum(b) / len(b) > sum(a) / len(a)
+            p_max = max(p_max, p)
+    entry["test"] = "paired" if paired else "welch"
     entry["p_vs_first"] = p_max
-    entry["detectable_difference_pct"] = 100 * dd / first["mean"]
+    if paired:
+        entry["pairs_vs_first"] = len(common)
+        dd = paired_detectable_difference(max(sds), len(common))
+        entry["detectable_difference_pct"] = 100 * dd
+    else:
+        dd = detectable_difference(first["seconds"], entry["seconds"])
+        entry["detectable_difference_pct"] = 100 * dd / first["mean"]
     if p_max < ALPHA and slower:
         row["behind"].append(entry["name"])
     else:

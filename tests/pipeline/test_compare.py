@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import yaml
 from onebit_bert.recipes import get_recipe
 from pipeline.experiment import ReportSpec
 from pipeline.reports import compare, compare_prior, gate, ranking, timing
-from pipeline.reports.stats import t_quantile
+from pipeline.reports.stats import t_quantile, welch_t_test
 from pipeline.tuning import data_identity as tuning_data
 from pipeline.tuning import successive_halving, trials, tuning_record
 
@@ -822,3 +823,42 @@ def test_a_carried_run_takes_its_data_from_the_tuning_that_evaluated_it():
     assign_data(runs, tuning)
     assert runs[0]["data"] == data and runs[1]["data"] is None
     assert runs[2]["data"]["shards_sha256"] == "c" * 64  # a recorded identity is kept
+
+
+def _paired_seed(seed, seconds, data="d1"):
+    return {"seed": seed, "global_batch_size": 128, "steps": 1400,
+            "data": {"tokenizer_sha256": data, "shards_sha256": "s"},
+            "time_to_target": {"reached": True, "measured_bandwidths": [25],
+                               "seconds": {"25": seconds}}}  # fmt: skip
+
+
+def test_seeds_that_share_initialisation_and_data_are_compared_in_pairs():
+    # seeds spread by +-20 % together: Welch cannot see a 5 % gap, the pairs can
+    lead = [100.0, 120.0, 80.0, 110.0, 90.0, 105.0]
+    slow = [t * f for t, f in zip(lead, (1.05, 1.06, 1.04, 1.05, 1.055, 1.045), strict=True)]
+    first = {"name": "first", "seeds": [_paired_seed(k + 1, t) for k, t in enumerate(lead)]}
+    other = {"name": "other", "seeds": [_paired_seed(k + 1, t) for k, t in enumerate(slow)]}
+    (row,) = ranking.groups([first, other], [25.0])
+    entry = row["ranking"][1]
+    assert entry["test"] == "paired" and entry["pairs_vs_first"] == 6
+    assert row["behind"] == ["other"] and entry["p_vs_first"] < 1e-4
+    logs = [math.log(b / a) for a, b in zip(lead, slow, strict=True)]
+    sd = statistics.stdev(logs)
+    assert entry["detectable_difference_pct"] == pytest.approx(
+        100 * math.expm1((t_quantile(0.975, 5) + t_quantile(0.8, 5)) * sd / math.sqrt(6))
+    )
+    assert welch_t_test(lead, slow).p > 0.5  # what the unpaired test would have said
+    # other data, or no data recorded (an earlier vocabulary): no pairs, Welch on every seed
+    for data in ("d2", None):
+        moved = {"name": "other", "seeds": [
+            {**_paired_seed(k + 1, t), "data": data and {"tokenizer_sha256": data}}
+            for k, t in enumerate(slow)]}  # fmt: skip
+        (row,) = ranking.groups([first, moved], [25.0])
+        assert row["ranking"][1]["test"] == "welch" and row["leaders"] == ["first", "other"]
+    # one shared seed is no pair test; one seed each and unpaired: untested
+    single = {"name": "other", "seeds": [_paired_seed(1, slow[0]), _paired_seed(9, 130.0)]}
+    (row,) = ranking.groups([first, single], [25.0])
+    assert row["ranking"][1]["test"] == "welch"
+    alone = {"name": "other", "seeds": [_paired_seed(9, 130.0)]}
+    (row,) = ranking.groups([first, alone], [25.0])
+    assert row["untested"] == ["other"]
