@@ -862,3 +862,42 @@ def test_seeds_that_share_initialisation_and_data_are_compared_in_pairs():
     alone = {"name": "other", "seeds": [_paired_seed(9, 130.0)]}
     (row,) = ranking.groups([first, alone], [25.0])
     assert row["untested"] == ["other"]
+
+
+def test_a_repeated_sweep_times_each_seed_at_every_repeat(runs, netem, tmp_path):
+    """The report from a sweep measured twice: one speed per point at the repeats' mean
+    step time, each seed's time at every repeat's speeds, the groups' intervals spanning
+    them and the sweep named in report.json."""
+    sweep = json.loads(netem.read_text())
+    rows = []
+    for repeat, scale in ((0, 0.8), (1, 1.25)):
+        for row in sweep["results"]:
+            scaled = {k: ({**v, "samples_per_s": v["samples_per_s"] * scale,
+                           **({"warmup": {"samples_per_s": v["warmup"]["samples_per_s"] * scale}}
+                              if "warmup" in v else {})})
+                      for k, v in row["runs"].items()}  # fmt: skip
+            rows.append({**row, "repeat": repeat, "runs": scaled})
+    repeated = tmp_path / "repeated.json"
+    repeated.write_text(json.dumps({**sweep, "sweep_id": "s1", "repeats": 2, "results": rows}))
+    report = compare.write_report(runs, tmp_path / "report", str(repeated))
+    assert report["time_model"]["sweeps"] == [
+        {"file": str(repeated), "sweep_id": "s1", "repeats": 2}
+    ]
+    by = {(r["name"], r["seed"]): r for r in report["runs"]}
+    lamb1 = by[("lamb", 1)]["time_to_target"]
+    step = 4 + 2 * 0.4 / 0.6
+    # 10 samples/s scaled by 0.8 and 1.25: timed at the mean of the two step times
+    assert lamb1["seconds"]["25"] == pytest.approx(step * BATCH * (1 / 8.0 + 1 / 12.5) / 2)
+    assert lamb1["seconds_by_repeat"]["25"] == pytest.approx(
+        [step * BATCH / 8.0, step * BATCH / 12.5]
+    )
+    # the censored seed's lower bound has its repeats too
+    end = by[("lamb", 3)]["time_to_target"]["run_end"]
+    assert end["seconds_by_repeat"]["25"] == pytest.approx([600 / 8.0, 600 / 12.5])
+    group = {g["bandwidth_mbit"]: g for g in report["groups"]}[25]
+    lamb = next(e for e in group["ranking"] if e["name"] == "lamb")
+    assert len(lamb["by_repeat"]) == 2
+    lo, hi = lamb["interval"]
+    assert lo < min(lamb["by_repeat"][1]) and hi > max(lamb["by_repeat"][0])
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "Sweeps: `s1` (2 repeats of every point, interleaved)" in text
