@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.reports.crossover_check import check
 from pipeline.reports.figures import pyplot
-from pipeline.reports.linkmodel import load_profiles, profile_key, step_seconds
+from pipeline.reports.linkmodel import load_profiles, profile_key, repeats_in, step_seconds
 from pipeline.reports.stats import mean_std
 
 LINKS_GBPS = (0.1, 1.0, 10.0, 25.0, 100.0)
@@ -105,19 +105,33 @@ def sweep(report: dict, profiles: dict, links_gbps=LINKS_GBPS, workers=WORKERS,
 
 
 def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_lamb",
-               workers=WORKERS, gpus_per_node: int = 2) -> list[dict]:  # fmt: skip
+               workers=WORKERS, gpus_per_node: int = 2,
+               by_repeat: list[dict] = ()) -> list[dict]:  # fmt: skip
     """Per cluster size: the link below which ``b`` reaches the target first, for the
     means and for the seeds' spread (``b``'s mean + std against ``a``'s mean - std, and the
-    other way round: the range the crossing can lie in)."""
+    other way round: the range the crossing can lie in). ``by_repeat``: the profiles of
+    each repeat of a sweep measured more than once; the crossing at each repeat's speeds is
+    given too, and the range spans every repeat's."""
     out = []
     for p in workers:
-        found = {}
-        for label, shift in (("mean", 0.0), ("low", 1.0), ("high", -1.0)):
-            bps = crossover(report, profiles, a, b, p, gpus_per_node, shift=shift)
-            found[label] = None if bps is None else bps / 1e9
-        out.append({"ranks": p, "gpus_per_node": gpus_per_node, "pair": [a, b],
-                    "crossover_gbps": found["mean"],
-                    "crossover_range_gbps": [found["low"], found["high"]]})  # fmt: skip
+        found, lows, highs, each = {}, [], [], []
+        for k, prof in enumerate([profiles, *by_repeat]):
+            for label, shift in (("mean", 0.0), ("low", 1.0), ("high", -1.0)):
+                bps = crossover(report, prof, a, b, p, gpus_per_node, shift=shift)
+                value = None if bps is None else bps / 1e9
+                if k == 0:
+                    found[label] = value
+                if label == "mean" and k > 0:
+                    each.append(value)
+                elif value is not None:
+                    (lows if label == "low" else highs).append(value)
+        row = {"ranks": p, "gpus_per_node": gpus_per_node, "pair": [a, b],
+               "crossover_gbps": found["mean"],
+               "crossover_range_gbps": [found["low"], found["high"]]}  # fmt: skip
+        if by_repeat:
+            row["crossover_by_repeat_gbps"] = each
+            row["crossover_range_gbps"] = [min(lows, default=None), max(highs, default=None)]
+        out.append(row)
     return out
 
 
@@ -136,17 +150,31 @@ def crossover_lines(rows: list[dict]) -> list[str]:
         f"The link per node (Gbit/s) below which {b} reaches the target before {a}, from "
         "each recipe's compute per step, bytes per step and overlap in the netem files "
         "(`pipeline/linkmodel.py`), on nodes of 2 ranks; the range: "
-        f"{b}'s mean ∓ std against {a}'s ± std over their seeds. A seed that missed the "
-        "target counts at its run's end, so a recipe with one is modelled too fast.",
+        f"{b}'s mean ∓ std against {a}'s ± std over their seeds"
+        + (", at every repeat of the sweep" if "crossover_by_repeat_gbps" in rows[0] else "")
+        + ". A seed that missed the target counts at its run's end, so a recipe with one is "
+        "modelled too fast.",
         "",
-        "| ranks | crossover | range |",
-        "|---:|---:|---|",
     ]
+    repeated = "crossover_by_repeat_gbps" in rows[0]
+    if repeated:
+        lines += ["| ranks | crossover | at each repeat | range |", "|---:|---:|---|---|"]
+    else:
+        lines += ["| ranks | crossover | range |", "|---:|---:|---|"]
     for row in rows:
         low, high = row["crossover_range_gbps"]
-        lines.append(f"| {row['ranks']} | {gbps(row['crossover_gbps'])} | "
+        each = (" | " + ", ".join(gbps(v) for v in row["crossover_by_repeat_gbps"])
+                if repeated else "")  # fmt: skip
+        lines.append(f"| {row['ranks']} | {gbps(row['crossover_gbps'])}{each} | "
                      f"{gbps(low)}–{gbps(high)} |")  # fmt: skip
     return [*lines, ""]
+
+
+def repeat_profiles(netem_paths: list[str]) -> list[dict]:
+    """The profiles of each repeat where a file measured its points more than once (empty
+    otherwise)."""
+    count = repeats_in(netem_paths)
+    return [load_profiles(netem_paths, r)[0] for r in range(count)] if count > 1 else []
 
 
 def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> list[dict]:
@@ -159,34 +187,42 @@ def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> l
     names = {r["name"]: r for r in report["runs"] if r["time_to_target"].get("reached")}
     if a not in times or b not in times or a not in names or b not in names:
         return []
-    return crossovers(report, profiles, a, b)
+    return crossovers(report, profiles, a, b, by_repeat=repeat_profiles(netem_paths))
 
 
-def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2) -> None:
+def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2,
+         by_repeat: list[dict] = ()) -> None:  # fmt: skip
     """Time to the target against the link per recipe, the band its seeds' spread gives
-    (mean ± std), one panel per cluster size."""
+    (mean ± std; with ``by_repeat``, widened to span every repeat's mean ± std), one panel
+    per cluster size."""
     plt = pyplot()
     grid = [10 ** (7 + 5 * i / 50) for i in range(51)]  # 10 Mbit/s .. 1 Tbit/s
     fig, axes = plt.subplots(1, len(ranks), figsize=(7 * len(ranks), 5), squeeze=False)
     for ax, p in zip(axes[0], ranks, strict=True):
         series: dict[str, list] = {}
         for bps in grid:
+            spans: dict[str, list] = {}
+            for prof in by_repeat:
+                for name, t in recipe_times(report, prof, bps, p, gpus_per_node).items():
+                    spans.setdefault(name, []).append(t)
             for name, t in recipe_times(report, profiles, bps, p, gpus_per_node).items():
                 if not all(t["censored"]):
+                    every = [t, *spans.get(name, [])]
+                    low = min(x["mean"] - x["std"] for x in every)
+                    high = max(x["mean"] + x["std"] for x in every)
                     series.setdefault(name, []).append((bps / 1e9, t["mean"] / 3600,
-                                                        t["std"] / 3600))  # fmt: skip
+                                                        low / 3600, high / 3600))  # fmt: skip
         for name, points in series.items():
-            xs, ys, ss = zip(*points, strict=True)
+            xs, ys, lows, highs = zip(*points, strict=True)
             style = "-" if name in ("lamb", "onebit_lamb") else ":"
             (line,) = ax.plot(xs, ys, style, label=name, linewidth=2 if style == "-" else 1)
-            ax.fill_between(xs, [y - s for y, s in zip(ys, ss, strict=True)],
-                            [y + s for y, s in zip(ys, ss, strict=True)],
-                            color=line.get_color(), alpha=0.12)  # fmt: skip
+            ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.12)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("link per node (Gbit/s)")
         ax.set_ylabel("modelled time to the target (h)")
-        ax.set_title(f"{p} ranks, {gpus_per_node} per node; band: mean ± std over seeds")
+        band = "mean ± std over seeds" + (", every repeat" if by_repeat else "")
+        ax.set_title(f"{p} ranks, {gpus_per_node} per node; band: {band}")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -209,12 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     if not netem:
         parser.error(f"{args.report} has no netem files (time_model.netem): no speeds to model")
     profiles, _ = load_profiles(netem)
+    each = repeat_profiles(netem)
     checked = check()
     result = {
         "report": args.report,
         "netem": netem,
         "check": checked["summary"],
-        "crossover": crossovers(report, profiles),
+        "crossover": crossovers(report, profiles, by_repeat=each),
         "sweep": sweep(report, profiles),
     }
     if args.out:
@@ -222,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "crossover.json").write_text(
             json.dumps({**result, "check_points": checked["points"]}, indent=1) + "\n"
         )
-        plot(report, profiles, args.out / "crossover.png")
+        plot(report, profiles, args.out / "crossover.png", by_repeat=each)
     print(json.dumps({k: v for k, v in result.items() if k != "sweep"}))
     return 0
 

@@ -148,12 +148,25 @@ def profiles_of(rows: list[dict], source: str, key: str,
     return out
 
 
-def load_profiles(netem_paths: list[str]) -> tuple[dict, float]:
+def repeats_in(netem_paths: list[str]) -> int:
+    """The most repeats any of the files measured its points (``bench.netem --repeats``)."""
+    return max((json.loads(_resolve(p).read_text()).get("repeats") or 1 for p in netem_paths),
+               default=1)  # fmt: skip
+
+
+def load_profiles(netem_paths: list[str], repeat: int | None = None) -> tuple[dict, float]:
     """recipe key -> stage -> :class:`Profile`, each recipe from the file the report took its
     speeds from (the last that measured it), and the reference machine speed (compute-only
-    samples/s of the first file's fastest row)."""
+    samples/s of the first file's fastest row). A point measured several times is taken at
+    its repeats combined (:func:`pipeline.reports.timing.combine_repeats`), or with
+    ``repeat`` at that repeat alone (a file measured once is the same at every repeat)."""
     files = [(p, json.loads(_resolve(p).read_text())) for p in netem_paths]
-    files = [(p, {**f, "results": combine_repeats(f["results"])}) for p, f in files]
+    if repeat is None:
+        files = [(p, {**f, "results": combine_repeats(f["results"])}) for p, f in files]
+    else:
+        files = [(p, {**f, "results": [r for r in f["results"]
+                                       if r.get("repeat", repeat) == repeat]})
+                 for p, f in files]  # fmt: skip
     first_rows = sorted(files[0][1]["results"], key=lambda r: r["bandwidth_mbit"])
     reference = first_rows[-1].get("compute_only_samples_per_s")
     out: dict[str, dict] = {}

@@ -137,3 +137,36 @@ def test_the_benchmark_alternates_the_recipes_order_and_names_its_sweep(capsys):
     with pytest.raises(SystemExit):
         bench_netem.main(["--repeats", "0", "--data", "/nonexistent"])
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_the_crossover_is_given_at_every_repeat_and_its_range_spans_them(tmp_path):
+    from pipeline.reports import crossover, linkmodel
+
+    # the second repeat ran 1-bit LAMB's compression stage slower: it pays on slower links
+    rows = [{**_row(25, 8.0, 8.5), "repeat": 0}, {**_row(10000, 8.0, 8.5), "repeat": 0},
+            {**_row(25, 8.0, 9.5), "repeat": 1}, {**_row(10000, 8.0, 9.5), "repeat": 1}]  # fmt: skip
+    path = tmp_path / "netem.json"
+    path.write_text(json.dumps({"repeats": 2, "sweep_id": "s", "results": rows}))
+    assert linkmodel.repeats_in([str(path)]) == 2
+
+    def run(name, seed, stages):
+        return {"name": name, "strategy": name, "seed": seed, "global_batch_size": 128,
+                "time_to_target": {"reached": True, "stage_steps": stages}}  # fmt: skip
+
+    report = {"runs": [run("lamb", 1, {"default": 2000}), run("lamb", 2, {"default": 2200}),
+                       run("onebit_lamb", 1, {"warmup": 400, "compression": 2000}),
+                       run("onebit_lamb", 2, {"warmup": 400, "compression": 2200})]}  # fmt: skip
+    (first, *_) = crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
+    fast, slow = first["crossover_by_repeat_gbps"]
+    assert slow < first["crossover_gbps"] < fast
+    # each repeat alone is that repeat's crossing
+    alone, _ = linkmodel.load_profiles([str(path)], repeat=1)
+    assert slow == pytest.approx(crossover.crossover(report, alone, "lamb", "onebit_lamb", 4, 2)
+                                 / 1e9)  # fmt: skip
+    low, high = first["crossover_range_gbps"]
+    assert low < slow and high > fast
+    text = "\n".join(crossover.crossover_lines([first]))
+    assert "at every repeat of the sweep" in text and "| ranks | crossover | at each repeat |" in text
+    crossover.plot(report, linkmodel.load_profiles([str(path)])[0], tmp_path / "c.png",
+                   by_repeat=crossover.repeat_profiles([str(path)]))  # fmt: skip
+    assert (tmp_path / "c.png").stat().st_size > 1000
