@@ -143,8 +143,11 @@ def test_the_crossover_is_given_at_every_repeat_and_its_range_spans_them(tmp_pat
     from pipeline.reports import crossover, linkmodel
 
     # the second repeat ran 1-bit LAMB's compression stage slower: it pays on slower links
-    rows = [{**_row(25, 8.0, 8.5), "repeat": 0}, {**_row(10000, 8.0, 8.5), "repeat": 0},
-            {**_row(25, 8.0, 9.5), "repeat": 1}, {**_row(10000, 8.0, 9.5), "repeat": 1}]  # fmt: skip
+    rows = [
+        {**_row(bw, 8.0, onebit), "repeat": r}
+        for r, onebit in ((0, 8.5), (1, 9.5))
+        for bw in (25, 10000)
+    ]
     path = tmp_path / "netem.json"
     path.write_text(json.dumps({"repeats": 2, "sweep_id": "s", "results": rows}))
     assert linkmodel.repeats_in([str(path)]) == 2
@@ -166,7 +169,8 @@ def test_the_crossover_is_given_at_every_repeat_and_its_range_spans_them(tmp_pat
     low, high = first["crossover_range_gbps"]
     assert low < slow and high > fast
     text = "\n".join(crossover.crossover_lines([first]))
-    assert "at every repeat of the sweep" in text and "| ranks | crossover | at each repeat |" in text
+    assert "at every repeat of the sweep" in text
+    assert "| ranks | crossover | at each repeat |" in text
     crossover.plot(report, linkmodel.load_profiles([str(path)])[0], tmp_path / "c.png",
                    by_repeat=crossover.repeat_profiles([str(path)]))  # fmt: skip
     assert (tmp_path / "c.png").stat().st_size > 1000
