@@ -15,7 +15,9 @@ from pipeline.reports.timing import (
     load_netem,
     rounds_of,
     seconds_by_bandwidth,
+    seconds_by_repeat,
     speeds,
+    speeds_by_repeat,
 )
 
 
@@ -183,6 +185,12 @@ def retime(prior: list[dict], netem: dict | None) -> None:
                 retimed = split is not None
                 block["stage_steps"] = split
                 block["seconds"] = seconds_by_bandwidth(split, batch, new_speeds)
+                block.pop("seconds_by_repeat", None)
+                repeated = seconds_by_repeat(
+                    split, batch, speeds_by_repeat(netem, run["strategy"], run["world_size"])
+                )
+                if repeated:
+                    block["seconds_by_repeat"] = repeated
             block["measured_bandwidths"] = sorted(new_speeds) if retimed else []
             run["time_to_target"] = block
             if run.get("curve"):

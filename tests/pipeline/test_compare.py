@@ -864,21 +864,27 @@ def test_seeds_that_share_initialisation_and_data_are_compared_in_pairs():
     assert row["untested"] == ["other"]
 
 
-def test_a_repeated_sweep_times_each_seed_at_every_repeat(runs, netem, tmp_path):
-    """The report from a sweep measured twice: one speed per point at the repeats' mean
-    step time, each seed's time at every repeat's speeds, the groups' intervals spanning
-    them and the sweep named in report.json."""
+def _repeated_sweep(netem, path, scales=(0.8, 1.25)):
+    """``netem``'s sweep measured once per scale, every speed scaled: a sweep with repeats."""
     sweep = json.loads(netem.read_text())
     rows = []
-    for repeat, scale in ((0, 0.8), (1, 1.25)):
+    for repeat, scale in enumerate(scales):
         for row in sweep["results"]:
             scaled = {k: ({**v, "samples_per_s": v["samples_per_s"] * scale,
                            **({"warmup": {"samples_per_s": v["warmup"]["samples_per_s"] * scale}}
                               if "warmup" in v else {})})
                       for k, v in row["runs"].items()}  # fmt: skip
             rows.append({**row, "repeat": repeat, "runs": scaled})
-    repeated = tmp_path / "repeated.json"
-    repeated.write_text(json.dumps({**sweep, "sweep_id": "s1", "repeats": 2, "results": rows}))
+    path.write_text(json.dumps({**sweep, "sweep_id": "s1", "repeats": len(scales),
+                                "results": rows}))  # fmt: skip
+    return path
+
+
+def test_a_repeated_sweep_times_each_seed_at_every_repeat(runs, netem, tmp_path):
+    """The report from a sweep measured twice: one speed per point at the repeats' mean
+    step time, each seed's time at every repeat's speeds, the groups' intervals spanning
+    them and the sweep named in report.json."""
+    repeated = _repeated_sweep(netem, tmp_path / "repeated.json")
     report = compare.write_report(runs, tmp_path / "report", str(repeated))
     assert report["time_model"]["sweeps"] == [
         {"file": str(repeated), "sweep_id": "s1", "repeats": 2}
@@ -901,3 +907,21 @@ def test_a_repeated_sweep_times_each_seed_at_every_repeat(runs, netem, tmp_path)
     assert lo < min(lamb["by_repeat"][1]) and hi > max(lamb["by_repeat"][0])
     text = (tmp_path / "report" / "report.md").read_text()
     assert "Sweeps: `s1` (2 repeats of every point, interleaved)" in text
+
+
+def test_carried_runs_are_retimed_at_every_repeat(runs, netem, tmp_path):
+    runs = [spec.rsplit(":", 1)[0] for spec in runs]
+    compare.write_report(runs[:4], tmp_path / "earlier", str(netem))
+    repeated = _repeated_sweep(netem, tmp_path / "repeated.json")
+    retimed = compare.write_report(runs[4:], tmp_path / "retimed", str(repeated),
+                                   prior_paths=[str(tmp_path / "earlier" / "report.json")],
+                                   retime_prior=True)  # fmt: skip
+    direct = compare.write_report(runs, tmp_path / "direct", str(repeated))
+
+    def per_repeat(report):
+        return {(r["name"], r["seed"]): r["time_to_target"].get("seconds_by_repeat")
+                for r in report["runs"]}  # fmt: skip
+
+    assert per_repeat(retimed) == per_repeat(direct)
+    assert per_repeat(direct)[("lamb", 1)]["25"][0] > per_repeat(direct)[("lamb", 1)]["25"][1]
+    assert retimed["groups"] == direct["groups"]
