@@ -40,7 +40,7 @@ LAMB's BERT-Large step at sequence length 128, 64 sequences per GPU, bf16, on an
 PROBE_BYTES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
 CAVEAT = (
     "The evidence comes from a small regime: bert-tiny pretrained on 4 gloo workers (CPU), "
-    "{steps:,} steps of {batch} sequences, 2 fresh seeds per recipe ({ref} {ref_n}); speeds "
+    "{steps:,} steps of {batch} sequences, {seeds} fresh seeds per recipe; speeds "
     "of bert-mini measured on emulated links of 25 Mbit/s and 10 Gbit/s (2 hosts × 2 ranks). "
     "The model moves the link, the cluster size, the compute and the bytes; each recipe's "
     "compute relative to LAMB's stays the benchmark's (on an H200, 1-bit LAMB's compression "
@@ -75,11 +75,20 @@ def advise(report: dict, profiles: dict, nodes: int, gpus_per_node: int, link_gb
     arms = []
     for name, entry in times.items():
         seeds = []
-        for seconds, censored in zip(entry["seconds"], entry["censored"], strict=True):
+        for seconds, censored, pair in zip(entry["seconds"], entry["censored"],
+                                           entry["pairing"], strict=True):  # fmt: skip
             block = {"reached": not censored, "seconds": {key: seconds}}
             if censored:
                 block = {"reached": False, "seconds": {}, "run_end": {"seconds": {key: seconds}}}
-            seeds.append({"time_to_target": block})
+            seed = {"time_to_target": block}
+            if pair is not None:  # what ranking.pairing_key reads, so seeds pair as in the report
+                seed.update(
+                    seed=pair[0],
+                    global_batch_size=pair[3],
+                    steps=pair[4],
+                    data={"tokenizer_sha256": pair[1], "shards_sha256": pair[2]},
+                )
+            seeds.append(seed)
         arms.append({"name": name, "seeds": seeds})
     (groups,) = ranking.groups(arms, [link_gbps * 1000])
     return {
@@ -92,7 +101,10 @@ def advise(report: dict, profiles: dict, nodes: int, gpus_per_node: int, link_gb
         },  # fmt: skip
         "scales": scales,
         "recipes": {
-            name: {**entry, "evidence": evidence(report, name, profiles)}
+            name: {
+                **{k: v for k, v in entry.items() if k != "pairing"},
+                "evidence": evidence(report, name, profiles),
+            }
             for name, entry in times.items()
         },  # fmt: skip
         "groups": groups,
@@ -126,9 +138,12 @@ def evidence(report: dict, name: str, profiles: dict) -> dict:
 
 def caveat(report: dict) -> str:
     first = report["runs"][0]
-    ref_n = sum(1 for r in report["runs"] if r["name"] == first["name"])
-    return CAVEAT.format(steps=first["steps"], batch=first["global_batch_size"],
-                         ref=first["name"], ref_n=f"{ref_n} seeds")  # fmt: skip
+    counts: dict[str, int] = {}
+    for run in report["runs"]:
+        counts[run["name"]] = counts.get(run["name"], 0) + 1
+    low, high = min(counts.values()), max(counts.values())
+    seeds = f"{low}" if low == high else f"{low} to {high}"
+    return CAVEAT.format(steps=first["steps"], batch=first["global_batch_size"], seeds=seeds)
 
 
 def render(advice: dict) -> str:

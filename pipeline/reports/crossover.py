@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from pipeline.reports import ranking
 from pipeline.reports.crossover_check import check
 from pipeline.reports.figures import pyplot
 from pipeline.reports.linkmodel import load_profiles, profile_key, repeats_in, step_seconds
@@ -45,7 +46,8 @@ def seed_seconds(run: dict, profiles: dict, link_bps: float, p: int, g: int,
 
 def recipe_times(report: dict, profiles: dict, link_bps: float, p: int, g: int,
                  **scales) -> dict[str, dict]:  # fmt: skip
-    """Per report name: per-seed modelled seconds, mean, std, reach rate."""
+    """Per report name: per-seed modelled seconds, mean, std, reach rate, and each seed's
+    pairing key (:func:`pipeline.reports.ranking.pairing_key`)."""
     out: dict[str, dict] = {}
     for run in report["runs"]:
         seconds = seed_seconds(run, profiles, link_bps, p, g, **scales)
@@ -55,6 +57,7 @@ def recipe_times(report: dict, profiles: dict, link_bps: float, p: int, g: int,
                                              run["strategy"]})  # fmt: skip
         entry["seconds"].append(seconds)
         entry["censored"].append(not run["time_to_target"].get("reached"))
+        entry.setdefault("pairing", []).append(ranking.pairing_key(run))
     for entry in out.values():
         entry["mean"], entry["std"] = mean_std(entry["seconds"])
     return out

@@ -92,3 +92,21 @@ def test_measure_fits_the_link_on_two_gloo_ranks():
     assert advice["cluster"]["nodes"] == 2 and advice["cluster"]["gpus_per_node"] == 1
     assert advice["cluster"]["link_gbps"] == pytest.approx(advice["measured"]["link_gbps"])
     assert advice["groups"]["leaders"]
+
+
+def test_seeds_pair_in_the_advice_as_they_pair_in_the_report():
+    report = json.loads(REPORT.read_text())
+    profiles, _ = linkmodel.load_profiles(report["time_model"]["netem"])
+    recorded = {r["name"] for r in report["runs"] if r.get("data")}  # the data is known
+    tests = []
+    for link in (0.025, 10.0):
+        groups = advise.advise(report, profiles, 1, 4, link)["groups"]
+        first, *others = groups["ranking"]
+        tested = [e for e in others if "test" in e]
+        assert tested
+        for entry in tested:
+            both = {first["name"], entry["name"]} <= recorded
+            assert entry["test"] == ("paired" if both else "welch"), (link, entry["name"])
+            tests.append(entry["test"])
+    assert {"paired", "welch"} <= set(tests)
+    assert "2 to 6 fresh seeds per recipe" in advise.caveat(report)
