@@ -10,8 +10,8 @@ import math
 import pytest
 
 from pipeline.reports import crossover, crossover_check, linkmodel
-
-V = 45e6  # bytes of payload per rank per step
+from tests.helpers.netem_rows import V
+from tests.helpers.netem_rows import model_row as _row
 
 
 def test_bytes_per_node_follow_each_collective():
@@ -40,21 +40,6 @@ def test_each_recipe_stage_gets_its_collective():
     assert linkmodel.pattern_of("hybrid_onebit_lamb_node", "warmup") == ("node_compressed", 0)
     assert linkmodel.pattern_of("decentlam/ring", "default") == ("neighbours", 2)
     assert linkmodel.pattern_of("dmsgd/one_peer_exponential", "default") == ("neighbours", 1)
-
-
-def _row(bw, lamb_compute, onebit_compute, compute_only=30.0):
-    """A sweep row on 2 hosts of 2 ranks whose speeds are the model's own."""
-
-    def run(compute, pattern, payload):
-        step = compute + linkmodel.link_factor(pattern, 4, 2) * payload * 8 / (bw * 1e6)
-        wire = linkmodel.link_factor(pattern, 4, 2) * payload
-        return {"step_seconds": step, "samples_per_s": 256 / step, "wire_bytes_per_step": wire}
-
-    onebit = run(onebit_compute, "compressed", V / 32)
-    onebit["warmup"] = run(lamb_compute, "ring", V)
-    return {"bandwidth_mbit": bw, "world_size": 4, "ranks_per_host": 2, "global_batch": 256,
-            "compute_only_samples_per_s": compute_only,
-            "runs": {"lamb": run(lamb_compute, "ring", V), "onebit_lamb": onebit}}  # fmt: skip
 
 
 def test_a_sweep_made_by_the_model_is_predicted_exactly(tmp_path):

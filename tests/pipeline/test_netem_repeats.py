@@ -11,7 +11,7 @@ import pytest
 
 from bench import netem as bench_netem
 from pipeline.reports import crossover_check, ranking, timing
-from tests.pipeline.test_crossover import _row
+from tests.helpers.netem_rows import model_row as _row
 
 
 def _point(bw, repeat, lamb, onebit, warmup, world=4):
