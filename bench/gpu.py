@@ -68,6 +68,7 @@ import tempfile
 import time
 import traceback
 from functools import partial
+from itertools import product
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
             "eager, torch.compile, or both (default: both)",
         ),
         "--model": (MODELS, "bert-large", "the model preset (default: bert-large)"),
+        "--packing": (
+            ("off", "on", "both"),
+            "off",
+            "our loop with each micro-batch's sequences packed into as few rows as fit "
+            "(data.packing), without, or both (default: off)",
+        ),
         "--device": (
             ("cuda", "cpu"),
             "cuda",
@@ -327,10 +334,19 @@ def rate(step_seconds: list[float], batch: int) -> dict:
 
 
 def our_loop(
-    data: Path, run_dir: Path, optimizer: str, precision: str, compiled: bool, batch, args, device
+    data: Path,
+    run_dir: Path,
+    optimizer: str,
+    precision: str,
+    compiled: bool,
+    batch,
+    args,
+    device,
+    packing: bool = False,
 ) -> dict:
     """Samples/s of the project's loop on the device (see the module docstring), per
-    implementation: ``{"impls": {impl: figures}, ...}``."""
+    implementation: ``{"impls": {impl: figures}, ...}``; with ``packing``, the micro-batch's
+    sequences packed into as few rows as fit (``data.packing``)."""
     from bench.common import pretrain_config
     from bench.host_syncs import count_host_syncs
     from bench.yardstick import StepClock, model_flops, optimizer_figures
@@ -354,6 +370,7 @@ def our_loop(
         strategy={"force_compression": True} if optimizer == "onebit_lamb" else None,
     )
     settings["precision"] = precision
+    settings["data"]["packing"] = packing
     ctx = init_distributed(backend=None if device.cuda else "gloo", env={})
     trainer = Trainer(from_dict(PretrainConfig, settings), ctx)
     try:
@@ -446,6 +463,7 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
 
     args.bandwidth = args.bandwidth_gbs or measure_bandwidth(device.torch, device.type)
     compile_settings = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    packings = {"off": [False], "on": [True], "both": [False, True]}[args.packing]
     runs = []
     for seq_length, shards in data.items():
         batch = batch_for(seq_length, args.batch_size)
@@ -463,8 +481,9 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                     )
                     hf = measure(name, run, device)
                     runs.append({"loop": "hf_trainer", "optimizer": "adamw", **common, **hf})
-                for optimizer in args.optimizers:
+                for optimizer, packing in product(args.optimizers, packings):
                     name = f"ours_{optimizer}_{seq_length}_{precision}_{mode}"
+                    name += "_packed" if packing else ""
                     run = partial(
                         our_loop,
                         shards,
@@ -475,10 +494,12 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                         batch,
                         args,
                         device,
+                        packing,
                     )
                     result = measure(name, run, device)
                     for impl, figures in result.pop("impls", {"-": {}}).items():
                         row = {"loop": "ours", "optimizer": optimizer, "impl": impl, **common}
+                        row["packing"] = packing
                         row.update(result, **figures)
                         if "model_tflops_per_s" in row and peak:
                             row["peak_tflops"] = peak

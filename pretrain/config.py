@@ -70,6 +70,12 @@ class DataConfig:
     The ranks share the work: about 3.2 s per GB on one busy CPU core (BERT-Large's 41 GB
     of phase-1 shards: about 2 s per rank at 64 ranks). false: only the sizes are checked
     at start, and token ids as rows are read."""
+    packing: bool = False
+    """Pack each micro-batch's sequences end to end into as few rows as fit (MLPerf's BERT
+    packing, :mod:`pretrain.packing`): attention stays within each sequence, positions
+    start again at 0, and the losses are the same means over the same tokens, so the model
+    does no work on padding. The number of rows then varies between micro-batches. false:
+    one sequence per row, padded to the sequence length."""
     prefetch: bool = True
     """Build the next training micro-batch on a background thread while this one trains
     (host work only; pinned and copied without blocking on CUDA). false: build each on

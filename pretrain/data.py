@@ -25,6 +25,7 @@ import torch
 
 from onebit_bert.shards import PretrainingShards
 from pretrain.config import DataConfig
+from pretrain.packing import pack_batch
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def make_batch(
     ``mlm_positions`` (the masked tokens' flat indices, row by row) and ``nsp_rows`` (the
     rows with an NSP label) are found here, on the host, so the model selects them by index
     on the device instead of by a boolean mask, which would make the host wait for the
-    GPU to learn how many there are."""
+    GPU to learn how many there are. With ``data.packing`` the micro-batch comes packed
+    (:func:`pretrain.packing.pack_batch`), after masking, so the same tokens are masked."""
     features = shards.batch(rows)
     rng = np.random.default_rng([seed, step + 1, micro])  # step -1 marks validation
     masked, labels = mask_tokens(
@@ -144,7 +146,7 @@ def make_batch(
         data.random_prob,
     )
     nsp_labels = np.where(features["next_sentence_label"] < 0, -1, features["next_sentence_label"])
-    return {
+    batch = {
         "input_ids": masked,
         "token_type_ids": features["token_type_ids"],
         "attention_mask": features["attention_mask"],
@@ -153,6 +155,7 @@ def make_batch(
         "mlm_positions": np.flatnonzero(labels != -100),
         "nsp_rows": np.flatnonzero(nsp_labels >= 0),
     }
+    return pack_batch(batch) if data.packing else batch
 
 
 def to_device(batch: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:

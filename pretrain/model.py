@@ -11,6 +11,7 @@ from torch import nn
 from transformers import BertConfig, BertForPreTraining
 
 from pretrain.config import ModelConfig
+from pretrain.packing import attention_mask as packed_attention_mask
 
 # (layers, hidden, heads); intermediate = 4 x hidden, as in Google's BERT releases.
 PRESET_SHAPES = {
@@ -81,15 +82,49 @@ class PretrainingLoss(nn.Module):
         nsp_labels,
         mlm_positions=None,
         nsp_rows=None,
+        position_ids=None,
+        sequence_ids=None,
+        nsp_positions=None,
     ):
         """``mlm_positions`` (flat indices of the labelled tokens, in row order) and
         ``nsp_rows`` (rows with an NSP label) are found on the host by ``make_batch``;
         without them they are found here from the labels, which makes the host wait for
-        the device. Either way the same elements are selected in the same order."""
+        the device. Either way the same elements are selected in the same order.
+
+        A packed micro-batch (:mod:`pretrain.packing`) gives ``position_ids`` and
+        ``sequence_ids`` instead of ``attention_mask``, and ``nsp_positions`` (each labelled
+        sequence's ``[CLS]``, flat) with one ``nsp_labels`` entry per sequence: attention
+        stays within each sequence and the NSP head pools each sequence's own ``[CLS]``."""
+        if sequence_ids is not None:
+            return self._packed(
+                input_ids, token_type_ids, mlm_labels, nsp_labels, mlm_positions,
+                position_ids, sequence_ids, nsp_positions,
+            )  # fmt: skip
         bert = self.model.bert(
             input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask
         )
         sequence, pooled = bert[0], bert[1]
+        return self._heads(sequence, pooled, input_ids, mlm_labels, nsp_labels, mlm_positions,
+                           nsp_rows)  # fmt: skip
+
+    def _packed(self, input_ids, token_type_ids, mlm_labels, nsp_labels, mlm_positions,
+                position_ids, sequence_ids, nsp_positions):  # fmt: skip
+        eager = self.model.config._attn_implementation == "eager"
+        mask = packed_attention_mask(sequence_ids, self.model.dtype if eager else None)
+        bert = self.model.bert(input_ids=input_ids, token_type_ids=token_type_ids,
+                               attention_mask=mask, position_ids=position_ids)  # fmt: skip
+        sequence = bert[0]
+        if nsp_positions is None:
+            nsp_positions = torch.zeros(0, dtype=torch.long, device=input_ids.device)
+        cls = sequence.reshape(-1, sequence.shape[-1]).index_select(0, nsp_positions)
+        pooler = self.model.bert.pooler
+        pooled = pooler.activation(pooler.dense(cls))
+        rows = torch.arange(nsp_labels.numel(), device=input_ids.device)
+        return self._heads(sequence, pooled, input_ids, mlm_labels, nsp_labels, mlm_positions,
+                           rows)  # fmt: skip
+
+    def _heads(self, sequence, pooled, input_ids, mlm_labels, nsp_labels, mlm_positions,
+               nsp_rows):  # fmt: skip
         if mlm_positions is None:
             mlm_positions = (mlm_labels.reshape(-1) != -100).nonzero().squeeze(1)
         if nsp_rows is None:

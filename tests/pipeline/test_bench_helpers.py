@@ -206,6 +206,7 @@ def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert status == 0 and summary["failures"] == 0
     assert summary["corpus"] == "generated" and summary["seq_lengths"] == [128, 512]
+    assert not any(r["packing"] for r in summary["runs"])
     assert summary["tokenizer_vocab_size"] < summary["model_vocab_size"] == 30522
     assert [(r["seq_length"], r["batch_size"]) for r in summary["runs"]] == [(128, 8), (512, 2)]
     assert all(r["samples_per_s"] > 0 for r in summary["runs"])
@@ -294,3 +295,22 @@ def test_gloo_benchmarks_refuse_a_single_rank_while_parsing(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--world-size: must be at least 2 (one rank sends nothing), not 1" in err
+
+
+def test_gpu_benchmark_times_packed_sequences_beside_padded_ones(tiny_corpus, tmp_path):
+    """--packing both: our loop with and without data.packing, one row each (CPU dry run;
+    what packing gains is the GPU's figure)."""
+    from bench import gpu
+
+    parser = gpu.build_parser()
+    args = parser.parse_args(
+        shlex.split(
+            "--device cpu --model bert-tiny --precisions fp32 --compile off --impl reference "
+            "--steps 1 --repeats 1 --warmup-steps 2 --batch-size 8 --vocab-size 2000 "
+            "--optimizers lamb --no-hf-baseline --packing both --bandwidth-gbs 10"
+        )
+    )
+    gpu.check_arguments(parser, args)
+    runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
+    assert [(r["optimizer"], r["packing"]) for r in runs] == [("lamb", False), ("lamb", True)]
+    assert all("error" not in r and r["samples_per_s"] > 0 for r in runs)
