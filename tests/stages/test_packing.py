@@ -5,6 +5,8 @@ run with packing follows the unpacked run's trajectory."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -99,3 +101,21 @@ def test_a_packed_run_follows_the_unpacked_trajectory(tiny_corpus, tmp_path):
         runs[packing] = mlm_losses(run_dir)
     assert len(runs[True]) == len(runs[False]) == 12
     torch.testing.assert_close(runs[True], runs[False], rtol=1e-4, atol=0)
+
+
+def test_the_packing_benchmark_reports_padding_and_rows_saved(tiny_corpus, tmp_path, capsys):
+    from bench.packing import main, padding_figures
+
+    figures = padding_figures(np.array([64, 32, 32, 16, 16, 16]), 64, 3)
+    # the first micro-batch packs into 2 rows (64 | 32 + 32), the second into 1 (16 x 3)
+    assert figures["padding_share"] == pytest.approx(1 - 176 / 6 / 64, abs=1e-4)
+    assert figures["packed_rows_per_micro_batch"] == 1.5
+    assert figures["rows_saved_share"] == 0.5
+    (tmp_path / "seq64").symlink_to(tiny_corpus)
+    out = main(["--prepared", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out) == out
+    (length,) = out["lengths"]
+    row = out["lengths"][length]
+    assert 0 < row["padding_share"] < 1 and 0 < row["rows_saved_share"] < 1
+    with pytest.raises(SystemExit):
+        main(["--prepared", str(tmp_path / "seq64")])  # a seq folder, not its parent
