@@ -6,7 +6,9 @@
 #      alternating on one trainer per configuration (--impl reference,fused): eager at
 #      lengths 128 and 512 with the optimizers timed alone, then compiled at 128, then
 #      compiled at 512 (three invocations, so that a late one running out of time keeps
-#      the earlier figures).
+#      the earlier figures);
+#   3. LAMB with packed sequences (data.packing) beside padded rows, eager, both lengths,
+#      in the time the others left (skipped with under 45 s).
 # Usage: OUT=dir bash bench/gpu_check.sh   (PY: the Python to use; default: the project's
 # .venv if there is one, else python3, e.g. a machine's own CUDA build of torch).
 # Writes to $OUT (default runs/gpu_check): test-gpu.log, bench-*.json (the JSON line of each
@@ -51,5 +53,18 @@ bench() {
 bench eager 120 --compile off --seq-lengths 128,512
 bench compiled-128 120 --compile on --seq-lengths 128 --no-optimizer-steps
 bench compiled-512 110 --compile on --seq-lengths 512 --no-optimizer-steps
+# packed sequences (data.packing) against padded rows, LAMB, eager, both lengths: in what
+# is left of 570 s, so that the whole script stays inside a 10-minute call
+left=$((570 - ($(date +%s) - started)))
+if [ "$left" -ge 45 ]; then
+    say "bench packing (${left} s left)"
+    timeout "$((left < 90 ? left : 90))" "$PY" -m bench.gpu --prepared "$DATA" --precisions bf16 \
+        --optimizers lamb --impl fused --no-hf-baseline --no-optimizer-steps --steps 6 \
+        --warmup-steps 4 --repeats 1 --compile off --seq-lengths 128,512 --packing both \
+        >"$OUT/bench-packing.out" 2>"$OUT/bench-packing.log" || status=1
+    tail -n 1 "$OUT/bench-packing.out" >"$OUT/bench-packing.json"
+else
+    say "bench packing skipped: ${left} s left"
+fi
 say "done, status $status"
 exit $status
