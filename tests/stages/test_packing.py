@@ -15,7 +15,7 @@ from onebit_bert.shards import PretrainingShards
 from pretrain.config import DataConfig, ModelConfig
 from pretrain.data import make_batch
 from pretrain.model import PretrainingLoss, build_model
-from pretrain.packing import pack_order
+from pretrain.packing import pack_batch, pack_order
 from pretrain.startup import token_ids
 from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import mlm_losses, tiny_config, train_in_process
@@ -88,6 +88,29 @@ def test_packed_and_unpacked_batches_give_the_same_losses_and_gradients(tiny_cor
     assert stats_a["nsp_examples"] > 0  # the corpus has next-sentence labels: NSP is checked
     for a, b in zip(grads_a, grads_b, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_mlm_only_rows_pack_and_keep_the_nsp_head_in_the_graph(tiny_corpus):
+    plain, shards = _batch(tiny_corpus, packing=False, n=12)
+    plain["nsp_labels"] = np.full_like(plain["nsp_labels"], -1)  # as full-sentence data
+    plain["nsp_rows"] = np.flatnonzero(plain["nsp_labels"] >= 0)
+    packed = pack_batch(plain)
+    assert packed["nsp_labels"].size == 0 and packed["nsp_positions"].size == 0
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(preset="bert-tiny", max_position_embeddings=64, dropout=0.0),
+                        token_ids(shards).vocab_size)  # fmt: skip
+    loss_module = PretrainingLoss(model)
+    losses = []
+    for batch in (plain, packed):
+        model.zero_grad()
+        loss, stats = loss_module(**{k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()})
+        loss.backward()
+        assert "nsp_examples" not in stats
+        # every parameter gets a gradient (DDP needs them all in the graph): zeros for NSP's
+        assert all(p.grad is not None for p in model.parameters())
+        assert not model.cls.seq_relationship.weight.grad.any()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
