@@ -21,3 +21,16 @@ def model_row(bw, lamb_compute, onebit_compute, compute_only=30.0):
     return {"bandwidth_mbit": bw, "world_size": 4, "ranks_per_host": 2, "global_batch": 256,
             "compute_only_samples_per_s": compute_only,
             "runs": {"lamb": run(lamb_compute, "ring", V), "onebit_lamb": onebit}}  # fmt: skip
+
+
+def two_seed_report() -> dict:
+    """A comparison report of LAMB and 1-bit LAMB, two seeds each, that both reached the
+    target (steps per stage only: what the crossover reads)."""
+
+    def run(name, seed, stages):
+        return {"name": name, "strategy": name, "seed": seed, "global_batch_size": 128,
+                "time_to_target": {"reached": True, "stage_steps": stages}}  # fmt: skip
+
+    return {"runs": [run("lamb", 1, {"default": 2000}), run("lamb", 2, {"default": 2200}),
+                     run("onebit_lamb", 1, {"warmup": 400, "compression": 2000}),
+                     run("onebit_lamb", 2, {"warmup": 400, "compression": 2200})]}  # fmt: skip

@@ -108,6 +108,13 @@ def test_giant_document_benchmark_runs_small():
     assert result["peak_rss_main_mb"] > 0 and result["seconds"] >= 0
 
 
+CPU_DRY_RUN = (
+    "--device cpu --model bert-tiny --precisions fp32 --compile off --impl reference "
+    "--steps 1 --warmup-steps 2 --batch-size 8 --vocab-size 2000 --bandwidth-gbs 10"
+)
+"""bench.gpu on the CPU, a dry run of its plumbing at the smallest sizes."""
+
+
 def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
     """bench/gpu.py's loops, timing, host-sync count, HF Trainer baseline, MFU and the
     optimizer's floor, on the CPU (its --device cpu dry run): every configuration yields
@@ -116,13 +123,7 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
     from bench import gpu
 
     parser = gpu.build_parser()
-    args = parser.parse_args(
-        shlex.split(
-            "--device cpu --model bert-tiny --precisions fp32 --compile off --impl reference "
-            "--steps 1 --repeats 2 --warmup-steps 2 --batch-size 8 --vocab-size 2000 "
-            "--peak-tflops 1 --bandwidth-gbs 10"
-        )
-    )
+    args = parser.parse_args(shlex.split(CPU_DRY_RUN + " --repeats 2 --peak-tflops 1"))
     gpu.check_arguments(parser, args)
     runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
     assert [(r["loop"], r["optimizer"], r.get("impl")) for r in runs] == [
@@ -302,14 +303,9 @@ def test_gpu_benchmark_times_packed_sequences_beside_padded_ones(tiny_corpus, tm
     what packing gains is the GPU's figure)."""
     from bench import gpu
 
+    command = CPU_DRY_RUN + " --repeats 1 --optimizers lamb --no-hf-baseline --packing both"
     parser = gpu.build_parser()
-    args = parser.parse_args(
-        shlex.split(
-            "--device cpu --model bert-tiny --precisions fp32 --compile off --impl reference "
-            "--steps 1 --repeats 1 --warmup-steps 2 --batch-size 8 --vocab-size 2000 "
-            "--optimizers lamb --no-hf-baseline --packing both --bandwidth-gbs 10"
-        )
-    )
+    args = parser.parse_args(shlex.split(command))
     gpu.check_arguments(parser, args)
     runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
     assert [(r["optimizer"], r["packing"]) for r in runs] == [("lamb", False), ("lamb", True)]

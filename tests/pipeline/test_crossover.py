@@ -10,7 +10,7 @@ import math
 import pytest
 
 from pipeline.reports import crossover, crossover_check, linkmodel
-from tests.helpers.netem_rows import V
+from tests.helpers.netem_rows import V, two_seed_report
 from tests.helpers.netem_rows import model_row as _row
 
 
@@ -59,13 +59,7 @@ def test_the_crossover_is_where_the_times_meet(tmp_path):
     path.write_text(json.dumps({"results": [_row(25, 8.0, 8.5), _row(10000, 8.0, 8.5)]}))
     profiles, _ = linkmodel.load_profiles([str(path)])
 
-    def run(name, seed, stages):
-        return {"name": name, "strategy": name, "seed": seed, "global_batch_size": 128,
-                "time_to_target": {"reached": True, "stage_steps": stages}}  # fmt: skip
-
-    report = {"runs": [run("lamb", 1, {"default": 2000}), run("lamb", 2, {"default": 2200}),
-                       run("onebit_lamb", 1, {"warmup": 400, "compression": 2000}),
-                       run("onebit_lamb", 2, {"warmup": 400, "compression": 2200})]}  # fmt: skip
+    report = two_seed_report()
     bps = crossover.crossover(report, profiles, "lamb", "onebit_lamb", 4, 2)
     # 2100 (8 + 1.5 V 8/B) = 400 (8 + 1.5 V 8/B) + 2100 (8.5 + 1.75 V/32 8/B), solved for B
     saved = (2100 - 400) * 1.5 * V * 8 - 2100 * 1.75 * V / 32 * 8

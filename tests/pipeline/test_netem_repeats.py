@@ -12,6 +12,7 @@ import pytest
 from bench import netem as bench_netem
 from pipeline.reports import crossover_check, ranking, timing
 from tests.helpers.netem_rows import model_row as _row
+from tests.helpers.netem_rows import two_seed_report
 
 
 def _point(bw, repeat, lamb, onebit, warmup, world=4):
@@ -152,13 +153,7 @@ def test_the_crossover_is_given_at_every_repeat_and_its_range_spans_them(tmp_pat
     path.write_text(json.dumps({"repeats": 2, "sweep_id": "s", "results": rows}))
     assert linkmodel.repeats_in([str(path)]) == 2
 
-    def run(name, seed, stages):
-        return {"name": name, "strategy": name, "seed": seed, "global_batch_size": 128,
-                "time_to_target": {"reached": True, "stage_steps": stages}}  # fmt: skip
-
-    report = {"runs": [run("lamb", 1, {"default": 2000}), run("lamb", 2, {"default": 2200}),
-                       run("onebit_lamb", 1, {"warmup": 400, "compression": 2000}),
-                       run("onebit_lamb", 2, {"warmup": 400, "compression": 2200})]}  # fmt: skip
+    report = two_seed_report()
     (first, *_) = crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
     fast, slow = first["crossover_by_repeat_gbps"]
     assert slow < first["crossover_gbps"] < fast
