@@ -367,3 +367,63 @@ def group_lines(rows: list[dict]) -> list[str]:
             f"{', '.join(row['not_measured']) or '–'} |"
         )
     return [*lines, ""]
+
+
+# ----------------------------------------------------------------------------- seeds owed
+
+
+def seeds_owed(report: dict, within: float = 0.25, seeds: int = 6) -> list[dict]:
+    """The recipes a comparison owes more seeds: every recipe whose mean time to the target
+    at some bandwidth of ``report["groups"]`` is within ``within`` of that bandwidth's
+    first and that has fewer than ``seeds`` seeds. One entry per recipe: its seeds now, the
+    bandwidths that put it there, and the ``--nodes`` its tuning ran with (so that
+    ``pipeline.tune --evaluate`` can run the rest the same way)."""
+    owed: dict[str, dict] = {}
+    for row in report.get("groups") or []:
+        if not row["ranking"]:
+            continue
+        first = row["ranking"][0]["mean"]
+        for entry in row["ranking"]:
+            if entry["mean"] <= (1 + within) * first and entry["seeds"] < seeds:
+                item = owed.setdefault(entry["name"], {
+                    "name": entry["name"], "seeds": entry["seeds"], "bandwidths_mbit": [],
+                    "nodes": ((report.get("tuning") or {}).get(entry["name"]) or {}).get(
+                        "nodes", 1),
+                })  # fmt: skip
+                item["bandwidths_mbit"].append(row["bandwidth_mbit"])
+    return sorted(owed.values(), key=lambda e: e["name"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.reports.ranking --report R [--within 0.25] [--seeds 6]``: the
+    recipes that owe seeds (:func:`seeds_owed`), one ``RECIPE NODES`` line each."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m pipeline.reports.ranking",
+                                     description=main.__doc__)  # fmt: skip
+    parser.add_argument("--report", default="docs/results/compare/tuned/report.json")
+    parser.add_argument(
+        "--within",
+        type=float,
+        default=0.25,
+        help="share of the first's time that counts as close (default 0.25)",
+    )
+    parser.add_argument("--seeds", type=int, default=6, help="seeds each close recipe needs")
+    parser.add_argument("--json", action="store_true", help="the entries as JSON instead")
+    args = parser.parse_args(argv)
+    path = Path(args.report)
+    if not path.is_file():
+        parser.error(f"--report {path}: no such file (a pipeline.reports.compare report.json)")
+    owed = seeds_owed(json.loads(path.read_text()), args.within, args.seeds)
+    if args.json:
+        print(json.dumps(owed))
+    else:
+        for entry in owed:
+            print(entry["name"], entry["nodes"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -925,3 +925,30 @@ def test_carried_runs_are_retimed_at_every_repeat(runs, netem, tmp_path):
     assert per_repeat(retimed) == per_repeat(direct)
     assert per_repeat(direct)[("lamb", 1)]["25"][0] > per_repeat(direct)[("lamb", 1)]["25"][1]
     assert retimed["groups"] == direct["groups"]
+
+
+def test_the_recipes_close_to_a_leader_that_owe_seeds(tmp_path, capsys):
+    def entry(name, mean, seeds):
+        return {"name": name, "mean": mean, "seeds": seeds}
+
+    report = {
+        "groups": [
+            {"bandwidth_mbit": 25.0, "ranking": [entry("a", 100.0, 2), entry("b", 110.0, 2),
+                                                 entry("c", 125.0, 6), entry("d", 126.0, 2)]},
+            {"bandwidth_mbit": 10000.0, "ranking": [entry("d", 10.0, 2), entry("a", 30.0, 2)]},
+            {"bandwidth_mbit": 100.0, "ranking": []},
+        ],
+        "tuning": {"b": {"nodes": 2}},
+    }  # fmt: skip
+    owed = ranking.seeds_owed(report)
+    # c is close but has its 6 seeds; d is 26 % behind at 25 Mbit/s but first at 10 Gbit/s
+    assert [(e["name"], e["nodes"], e["bandwidths_mbit"]) for e in owed] == [
+        ("a", 1, [25.0]), ("b", 2, [25.0]), ("d", 1, [10000.0])]  # fmt: skip
+    assert [e["name"] for e in ranking.seeds_owed(report, within=0.3, seeds=3)] == ["a", "b", "d"]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert ranking.main(["--report", str(path)]) == 0
+    assert capsys.readouterr().out == "a 1\nb 2\nd 1\n"
+    with pytest.raises(SystemExit):
+        ranking.main(["--report", str(tmp_path / "none.json")])
+    assert "no such file" in capsys.readouterr().err
