@@ -1,13 +1,13 @@
 """What packing saves on a prepared corpus: the padding share of its rows and the rows a
 micro-batch needs packed (``data.packing``, :func:`pretrain.packing.pack_order`).
 
-``python -m bench.packing --prepared DIR`` reads the training shards of every ``seq<N>``
-folder under ``DIR`` (a data stage output) and prints one JSON object: per sequence length,
-the mean tokens per row, the padding share, and the mean rows per packed micro-batch (of
-``--batch-size`` sequences at length 128, as many tokens at other lengths, as bench-gpu
-sizes them). The model's work per step scales with the rows, so ``1 - rows / micro-batch``
-is the share of the encoder's work packing removes; what that is in samples/s is
-``bench.gpu --packing both``'s figure.
+``python -m bench.packing --prepared DIR`` reads the first ``--sequences`` rows of the
+training shards of every ``seq<N>`` folder under ``DIR`` (a data stage output) and prints
+one JSON object: per sequence length, the mean tokens per row, the padding share, and the
+mean rows per packed micro-batch (of ``--batch-size`` sequences at length 128, as many
+tokens at other lengths, as bench-gpu sizes them). The model's work per step scales with
+the rows, so ``1 - rows / micro-batch`` is the share of the encoder's work packing
+removes; what that is in samples/s is ``bench.gpu --packing both``'s figure.
 """
 
 from __future__ import annotations
@@ -42,7 +42,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.packing", description=__doc__)
     parser.add_argument("--prepared", type=Path, required=True, help="a data stage output")
     parser.add_argument("--batch-size", type=int, default=64, help="sequences at length 128")
+    parser.add_argument(
+        "--sequences",
+        type=int,
+        default=65536,
+        help="training sequences read from the start of each length's shards (default "
+        "65,536: enough for the shares, without reading a whole corpus)",
+    )
     args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.sequences < 1:
+        parser.error("--batch-size and --sequences must be >= 1")
     from onebit_bert.shards import PretrainingShards
 
     folders = sorted(args.prepared.glob("seq*"), key=lambda p: int(p.name[3:] or 0))
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"prepared": str(args.prepared), "lengths": {}}
     for folder in folders:
         shards = PretrainingShards(folder, "train")
-        lengths = shards.rows(np.arange(len(shards)))["length"]
+        lengths = shards.rows(np.arange(min(len(shards), args.sequences)))["length"]
         micro = max(1, args.batch_size * 128 // shards.seq_length)
         out["lengths"][str(shards.seq_length)] = padding_figures(lengths, shards.seq_length, micro)
     print(json.dumps(out))

@@ -75,20 +75,13 @@ def advise(report: dict, profiles: dict, nodes: int, gpus_per_node: int, link_gb
     arms = []
     for name, entry in times.items():
         seeds = []
-        for seconds, censored, pair in zip(entry["seconds"], entry["censored"],
-                                           entry["pairing"], strict=True):  # fmt: skip
+        for seconds, censored, fields in zip(entry["seconds"], entry["censored"],
+                                             entry["pairing"], strict=True):  # fmt: skip
             block = {"reached": not censored, "seconds": {key: seconds}}
             if censored:
                 block = {"reached": False, "seconds": {}, "run_end": {"seconds": {key: seconds}}}
-            seed = {"time_to_target": block}
-            if pair is not None:  # what ranking.pairing_key reads, so seeds pair as in the report
-                seed.update(
-                    seed=pair[0],
-                    global_batch_size=pair[3],
-                    steps=pair[4],
-                    data={"tokenizer_sha256": pair[1], "shards_sha256": pair[2]},
-                )
-            seeds.append(seed)
+            # the fields ranking.pairing_key reads, so that seeds pair as in the report
+            seeds.append({"time_to_target": block, **fields})
         arms.append({"name": name, "seeds": seeds})
     (groups,) = ranking.groups(arms, [link_gbps * 1000])
     return {

@@ -47,7 +47,7 @@ def seed_seconds(run: dict, profiles: dict, link_bps: float, p: int, g: int,
 def recipe_times(report: dict, profiles: dict, link_bps: float, p: int, g: int,
                  **scales) -> dict[str, dict]:  # fmt: skip
     """Per report name: per-seed modelled seconds, mean, std, reach rate, and each seed's
-    pairing key (:func:`pipeline.reports.ranking.pairing_key`)."""
+    fields that pair it (:data:`pipeline.reports.ranking.PAIRING_FIELDS`)."""
     out: dict[str, dict] = {}
     for run in report["runs"]:
         seconds = seed_seconds(run, profiles, link_bps, p, g, **scales)
@@ -57,7 +57,7 @@ def recipe_times(report: dict, profiles: dict, link_bps: float, p: int, g: int,
                                              run["strategy"]})  # fmt: skip
         entry["seconds"].append(seconds)
         entry["censored"].append(not run["time_to_target"].get("reached"))
-        entry.setdefault("pairing", []).append(ranking.pairing_key(run))
+        entry.setdefault("pairing", []).append({k: run.get(k) for k in ranking.PAIRING_FIELDS})
     for entry in out.values():
         entry["mean"], entry["std"] = mean_std(entry["seconds"])
     return out
@@ -107,6 +107,17 @@ def sweep(report: dict, profiles: dict, links_gbps=LINKS_GBPS, workers=WORKERS,
     return out
 
 
+def _crossings(report: dict, profiles: dict, a: str, b: str, p: int,
+               gpus_per_node: int) -> dict[str, float | None]:  # fmt: skip
+    """The crossing (Gbit/s) for the means, and its low and high ends from the seeds'
+    spread (None: no crossing in the searched links)."""
+    out = {}
+    for label, shift in (("mean", 0.0), ("low", 1.0), ("high", -1.0)):
+        bps = crossover(report, profiles, a, b, p, gpus_per_node, shift=shift)
+        out[label] = None if bps is None else bps / 1e9
+    return out
+
+
 def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_lamb",
                workers=WORKERS, gpus_per_node: int = 2,
                by_repeat: list[dict] = ()) -> list[dict]:  # fmt: skip
@@ -117,22 +128,15 @@ def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_l
     given too, and the range spans every repeat's."""
     out = []
     for p in workers:
-        found, lows, highs, each = {}, [], [], []
-        for k, prof in enumerate([profiles, *by_repeat]):
-            for label, shift in (("mean", 0.0), ("low", 1.0), ("high", -1.0)):
-                bps = crossover(report, prof, a, b, p, gpus_per_node, shift=shift)
-                value = None if bps is None else bps / 1e9
-                if k == 0:
-                    found[label] = value
-                if label == "mean" and k > 0:
-                    each.append(value)
-                elif value is not None:
-                    (lows if label == "low" else highs).append(value)
+        found = _crossings(report, profiles, a, b, p, gpus_per_node)
         row = {"ranks": p, "gpus_per_node": gpus_per_node, "pair": [a, b],
                "crossover_gbps": found["mean"],
                "crossover_range_gbps": [found["low"], found["high"]]}  # fmt: skip
         if by_repeat:
-            row["crossover_by_repeat_gbps"] = each
+            each = [_crossings(report, prof, a, b, p, gpus_per_node) for prof in by_repeat]
+            row["crossover_by_repeat_gbps"] = [c["mean"] for c in each]
+            lows = [c["low"] for c in (found, *each) if c["low"] is not None]
+            highs = [c["high"] for c in (found, *each) if c["high"] is not None]
             row["crossover_range_gbps"] = [min(lows, default=None), max(highs, default=None)]
         out.append(row)
     return out

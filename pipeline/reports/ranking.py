@@ -161,6 +161,10 @@ def _entry(arm: dict, key: str) -> dict | None:
     }
 
 
+PAIRING_FIELDS = ("seed", "data", "global_batch_size", "steps")
+"""The fields of a run record that :func:`pairing_key` reads."""
+
+
 def pairing_key(run: dict) -> list | None:
     """What makes seed k of two recipes a pair: the seed (initialisation and data order),
     the data identity, the global batch and the run's length. None when the run does not

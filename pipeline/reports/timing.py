@@ -223,9 +223,9 @@ def _speed_entries(netem, key, world, by_repeat: bool) -> dict[float, list[dict]
         run = row.get("runs", {}).get(key)
         if run is None:
             continue
-        count = len(run.get("samples_per_s_repeats", [None])) if by_repeat else 1
+        count = len(run.get("samples_per_s_repeats") or []) if by_repeat else 0
         entries = []
-        for r in range(count) if by_repeat and count > 1 else [None]:
+        for r in range(count) if count > 1 else [None]:
             entry = {"default": speed(run, r)}
             if "warmup" in run:
                 entry["warmup"] = speed(run["warmup"], r)

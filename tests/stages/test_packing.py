@@ -140,5 +140,7 @@ def test_the_packing_benchmark_reports_padding_and_rows_saved(tiny_corpus, tmp_p
     (length,) = out["lengths"]
     row = out["lengths"][length]
     assert 0 < row["padding_share"] < 1 and 0 < row["rows_saved_share"] < 1
+    first = main(["--prepared", str(tmp_path), "--sequences", "16"])["lengths"][length]
+    assert first["sequences"] == 16 < row["sequences"]  # the start of the shards only
     with pytest.raises(SystemExit):
         main(["--prepared", str(tmp_path / "seq64")])  # a seq folder, not its parent
