@@ -163,6 +163,11 @@ def test_the_crossover_is_given_at_every_repeat_and_its_range_spans_them(tmp_pat
                                  / 1e9)  # fmt: skip
     low, high = first["crossover_range_gbps"]
     assert low < slow and high > fast
+    # the range's ends are the seeds' ends at the combined speeds and at each repeat's
+    sets = [linkmodel.load_profiles([str(path)])[0], *crossover.repeat_profiles([str(path)])]
+    ends = {shift: [crossover.crossover(report, prof, "lamb", "onebit_lamb", 4, 2, shift=shift)
+                    / 1e9 for prof in sets] for shift in (1.0, -1.0)}  # fmt: skip
+    assert (low, high) == pytest.approx((min(ends[1.0]), max(ends[-1.0])))
     text = "\n".join(crossover.crossover_lines([first]))
     assert "at every repeat of the sweep" in text
     assert "| ranks | crossover | at each repeat |" in text
