@@ -17,6 +17,11 @@ reads the weights and the optimizer state and, per parameter tensor ("layer"), g
   layer went over that interval: steps whose noise cancels make ``step`` large and
   ``moved`` small.
 
+From the run's ``metrics.jsonl``, ``intervals`` gives per kept checkpoint the mean of the
+logged training figures :data:`LOGGED` over the steps since the previous one (1-bit LAMB's
+``compression_error``, ‖worker error‖ / ‖scaled momentum‖, and its ``factor_mean``; the
+trust ratio LAMB logs): what the optimizer did between two checkpoints, not only at them.
+
 Per checkpoint the figures are summarised over layers by their mean (``means``) and their
 median (``medians``; a few layers with tiny ‖w‖, biases early on, dominate the mean). Each
 1-bit LAMB run is set against the LAMB run of the same batch and length (``pairs``): per
@@ -46,6 +51,7 @@ import yaml
 
 from onebit_bert.checkpoint import load_file
 from onebit_bert.io import atomic_write_json
+from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim.build import weight_decay_groups
 from onebit_bert.shards import PretrainingShards
 from pipeline.reports import cli
@@ -53,7 +59,7 @@ from pipeline.reports.figures import pyplot
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, make_batch
 from pretrain.model import PretrainingLoss, build_model
-from pretrain.outputs import config_path
+from pretrain.outputs import config_path, metrics_path
 from pretrain.train import token_ids
 
 SHARED = "shared.pt"
@@ -123,6 +129,30 @@ def layer_statistics(
                 row["moved"] = float((w - before).norm() / before.norm())
         rows[name] = row
     return rows
+
+
+LOGGED = ("compression_error", "factor_mean", "trust_ratio_mean")
+"""The per-step figures of ``metrics.jsonl`` averaged between kept checkpoints."""
+
+
+def interval_means(records: list[dict], steps: list[int]) -> dict:
+    """For each of ``steps`` (ascending checkpoint steps), the mean of each :data:`LOGGED`
+    figure over the training records with a step after the previous checkpoint (0 for the
+    first) and up to this one; figures no record in the interval logs are left out."""
+    out, previous = {}, 0
+    for step in steps:
+        row = {}
+        for key in LOGGED:
+            values = [
+                float(r[key]) for r in records
+                if previous < r.get("step", -1) <= step and r.get(key) is not None
+                and math.isfinite(float(r[key]))
+            ]  # fmt: skip
+            if values:
+                row[key] = float(np.mean(values))
+        out[step] = row
+        previous = step
+    return out
 
 
 def _summary(rows: dict, reduce=np.mean) -> dict:
@@ -239,6 +269,9 @@ def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: in
         rows = layer_statistics(state, names, previous)
         layers[step], means[step], medians[step] = rows, _summary(rows), _summary(rows, np.median)
         previous = state["model"]
+    metrics = metrics_path(run_dir)
+    records = read_metrics(metrics) if metrics.is_file() else []
+    intervals = interval_means(records, [step for step, _ in points])
     noise = []
     for wanted in noise_at:
         step, path = min(points, key=lambda p: abs(p[0] - wanted))
@@ -254,6 +287,7 @@ def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: in
         "max_steps": cfg.schedule.max_steps,
         "means": means,
         "medians": medians,
+        "intervals": intervals,
         "layers": layers,
         "noise": noise,
     }

@@ -3,13 +3,23 @@ the per-layer figures of a checkpoint against the optimizers' own numbers."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from onebit_bert.optim import Lamb
 from onebit_bert.optim.build import weight_decay_groups
-from pipeline.reports.mechanism import estimate_noise_scale, layer_statistics, pairs
+from pipeline.reports.mechanism import (
+    estimate_noise_scale,
+    interval_means,
+    layer_statistics,
+    pairs,
+)
+from pipeline.reports.mechanism_pairs import analyse, critical_r
+from pipeline.reports.mechanism_pairs import main as mechanism_pairs_main
 
 
 def test_noise_scale_estimator_recovers_a_known_noise():
@@ -80,3 +90,73 @@ def test_each_onebit_run_is_set_against_the_lamb_run_of_its_batch_by_median_rati
     assert row["mv"] == 3.0  # median of 4, 2; layer c left out (the reference's 0)
     assert row["w"] == 2.0 and "moved" not in row
     assert pairs(runs[:2]) == []  # no 1-bit LAMB run: nothing to pair
+
+
+def test_logged_figures_are_averaged_over_the_steps_since_the_last_checkpoint():
+    records = [{"step": s, "compression_error": float(s), "factor_mean": 1.0} for s in range(1, 11)]
+    records[2]["compression_error"] = float("nan")  # step 3: a non-finite value is left out
+    records.append({"step": 10, "val_mlm_loss": 3.0})  # a validation record adds nothing
+    out = interval_means(records, [4, 10, 12])
+    assert out[4] == {"compression_error": (1 + 2 + 4) / 3, "factor_mean": 1.0}
+    assert out[10]["compression_error"] == sum(range(5, 11)) / 6
+    assert "trust_ratio_mean" not in out[4]  # not logged: not invented
+    assert out[12] == {}  # no records in (10, 12]
+
+
+def _mechanism(seed_moved: dict, seed_error: float) -> dict:
+    return {
+        "runs": [
+            {"name": "lamb", "medians": {"1500": {"lamb_ratio": 0.3}}, "intervals": {}},
+            {
+                "name": "onebit_lamb",
+                "medians": {"1500": {"cf": 0.12}},
+                "intervals": {"1500": {"compression_error": seed_error}},
+            },
+        ],  # fmt: skip
+        "pairs": [{"candidate": "onebit_lamb", "reference": "lamb", "ratios": seed_moved}],
+    }
+
+
+def _gate(seeds, logs):
+    return {"gate": {"gates": {"onebit_lamb": {"seeds": seeds, "log_ratios": logs}}}}
+
+
+def test_pair_figures_are_correlated_with_the_gates_log_ratios(tmp_path):
+    logs = [0.15, 0.10, -0.04, -0.09, 0.09]
+    moved = [1.0 - 0.5 * v for v in logs]  # exactly linear: r = -1
+    error = [1.5, 1.9, 1.6, 1.8, 1.7]
+    mechs = {
+        seed: _mechanism({"1500": {"moved": m, "step": 2.0}, "1250": {"moved": 1.0}}, e)
+        for seed, m, e in zip(range(1, 6), moved, error, strict=True)
+    }
+    out = analyse(_gate([1, 2, 3, 4, 5], logs), "onebit_lamb", mechs, "onebit_lamb")
+    assert out["critical_r"] == pytest.approx(0.8783, abs=1e-4)  # tabled value for n = 5
+    assert out["figures"]["moved"][1500]["r"] == pytest.approx(-1.0)
+    assert out["figures"]["moved"][1250]["r"] is None  # no spread: no correlation
+    assert out["figures"]["step"][1500]["r"] is None
+    assert out["figures"]["compression_error"][1500]["r"] == pytest.approx(
+        float(np.corrcoef(error, logs)[0, 1])
+    )
+    assert out["figures"]["lamb_ratio"][1500]["values"] == [0.3] * 5
+    # one pair's seed the gate does not have, a gate that is not paired, a missing candidate
+    with pytest.raises(ValueError, match=r"no pair for seed\(s\) \[5\]"):
+        analyse(_gate([1, 2, 3, 4], logs[:4]), "onebit_lamb", mechs, "onebit_lamb")
+    with pytest.raises(ValueError, match="not a paired one"):
+        analyse({"gate": {"gates": {"onebit_lamb": {"verdict": "pass"}}}}, "onebit_lamb", mechs,
+                "onebit_lamb")  # fmt: skip
+    with pytest.raises(ValueError, match="pass --candidate"):
+        analyse(_gate([1, 2, 3, 4, 5], logs), "onebit_lamb", mechs, "other")
+    with pytest.raises(ValueError, match="at least 3 pairs"):
+        critical_r(2)
+    # the command line: mechanism reports in folders, a gate report, one table per figure
+    for seed, mech in mechs.items():
+        (tmp_path / f"p{seed}").mkdir()
+        (tmp_path / f"p{seed}" / "mechanism.json").write_text(json.dumps(mech))
+    gate = tmp_path / "report.json"
+    gate.write_text(json.dumps(_gate([1, 2, 3, 4, 5], logs)))
+    argv = ["--gate", str(gate), "--arm", "onebit_lamb", "--out", str(tmp_path / "out")]
+    argv += [a for s in mechs for a in ("--run", f"{s}={tmp_path / f'p{s}'}")]
+    assert mechanism_pairs_main(argv) == 0
+    text = (tmp_path / "out" / "pairs.md").read_text()
+    assert "## moved" in text and "| r | | +0.00" not in text and "| 1 | 1.162 |" in text
+    assert mechanism_pairs_main(argv[:-2] + ["--run", f"6={tmp_path / 'none'}"]) == 2
