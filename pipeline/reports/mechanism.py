@@ -20,7 +20,8 @@ reads the weights and the optimizer state and, per parameter tensor ("layer"), g
 From the run's ``metrics.jsonl``, ``intervals`` gives per kept checkpoint the mean of the
 logged training figures :data:`LOGGED` over the steps since the previous one (1-bit LAMB's
 ``compression_error``, ‖worker error‖ / ‖scaled momentum‖, and its ``factor_mean``; the
-trust ratio LAMB logs): what the optimizer did between two checkpoints, not only at them.
+trust ratio LAMB logs; the gradient norm before clipping, with its largest value): what
+the optimizer did between two checkpoints, not only at them.
 
 Per checkpoint the figures are summarised over layers by their mean (``means``) and their
 median (``medians``; a few layers with tiny ‖w‖, biases early on, dominate the mean). Each
@@ -131,14 +132,18 @@ def layer_statistics(
     return rows
 
 
-LOGGED = ("compression_error", "factor_mean", "trust_ratio_mean")
+LOGGED = ("compression_error", "factor_mean", "trust_ratio_mean", "grad_norm")
 """The per-step figures of ``metrics.jsonl`` averaged between kept checkpoints."""
+PEAKS = ("grad_norm",)
+"""Those whose largest value between kept checkpoints is also given (``<name>_max``): a
+gradient norm (before clipping) that spikes."""
 
 
 def interval_means(records: list[dict], steps: list[int]) -> dict:
     """For each of ``steps`` (ascending checkpoint steps), the mean of each :data:`LOGGED`
-    figure over the training records with a step after the previous checkpoint (0 for the
-    first) and up to this one; figures no record in the interval logs are left out."""
+    figure (and the largest value of each of :data:`PEAKS`) over the training records with
+    a step after the previous checkpoint (0 for the first) and up to this one; figures no
+    record in the interval logs are left out."""
     out, previous = {}, 0
     for step in steps:
         row = {}
@@ -150,6 +155,8 @@ def interval_means(records: list[dict], steps: list[int]) -> dict:
             ]  # fmt: skip
             if values:
                 row[key] = float(np.mean(values))
+                if key in PEAKS:
+                    row[f"{key}_max"] = float(max(values))
         out[step] = row
         previous = step
     return out

@@ -13,7 +13,8 @@ number of figures and checkpoints read. The figures:
   LAMB (the mechanism report's ``pairs``);
 * ``cf``: the candidate's median c·f, ``lamb_ratio``: LAMB's median trust ratio;
 * ``compression_error``, ``factor_mean``: the candidate's logged figures averaged over the
-  steps since the previous checkpoint (the mechanism report's ``intervals``).
+  steps since the previous checkpoint, ``grad_norm_max`` its largest gradient norm before
+  clipping there (the mechanism report's ``intervals``).
 
 It describes; it does not test a hypothesis fixed in advance.
 
@@ -36,7 +37,7 @@ from pipeline.reports.stats import t_quantile
 PAIR_FIGURES = ("moved", "step", "mv")
 CANDIDATE_MEDIANS = ("cf",)
 REFERENCE_MEDIANS = ("lamb_ratio",)
-CANDIDATE_INTERVALS = ("compression_error", "factor_mean")
+CANDIDATE_INTERVALS = ("compression_error", "factor_mean", "grad_norm_max")
 FIGURES = PAIR_FIGURES + CANDIDATE_MEDIANS + REFERENCE_MEDIANS + CANDIDATE_INTERVALS
 
 

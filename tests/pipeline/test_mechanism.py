@@ -95,10 +95,13 @@ def test_each_onebit_run_is_set_against_the_lamb_run_of_its_batch_by_median_rati
 def test_logged_figures_are_averaged_over_the_steps_since_the_last_checkpoint():
     records = [{"step": s, "compression_error": float(s), "factor_mean": 1.0} for s in range(1, 11)]
     records[2]["compression_error"] = float("nan")  # step 3: a non-finite value is left out
+    records[5]["grad_norm"] = 9.0  # step 6: a spike
+    records[6]["grad_norm"] = 1.0  # step 7
     records.append({"step": 10, "val_mlm_loss": 3.0})  # a validation record adds nothing
     out = interval_means(records, [4, 10, 12])
     assert out[4] == {"compression_error": (1 + 2 + 4) / 3, "factor_mean": 1.0}
     assert out[10]["compression_error"] == sum(range(5, 11)) / 6
+    assert out[10]["grad_norm"] == 5.0 and out[10]["grad_norm_max"] == 9.0
     assert "trust_ratio_mean" not in out[4]  # not logged: not invented
     assert out[12] == {}  # no records in (10, 12]
 
