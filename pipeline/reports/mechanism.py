@@ -5,6 +5,8 @@ For every kept checkpoint (``<run>/checkpoints/step_*``) of a LAMB or 1-bit LAMB
 reads the weights and the optimizer state and, per parameter tensor ("layer"), gives
 
 * ``w``: ‖w‖;
+* ``sqrt_v``: ‖√v‖, the second moment's size (1-bit LAMB's frozen one after the freeze,
+  so against LAMB's it shows how stale the frozen one has become);
 * ``mv``: ‖m / (√v + eps)‖, the update direction's size before the trust ratio (for 1-bit
   LAMB after the freeze, ``v`` is the frozen second moment its steps divide by);
 * ``lamb_ratio``: LAMB's trust ratio for that state, ``clamp(‖w‖ / ‖m/(√v+eps) + wd·w‖,
@@ -117,7 +119,13 @@ def layer_statistics(
         update = direction + wd * w if wd else direction
         w_norm, u_norm = float(w.norm()), float(update.norm())
         ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, lo), hi)
-        row = {"w": w_norm, "mv": float(direction.norm()), "u": u_norm, "lamb_ratio": ratio}
+        row = {
+            "w": w_norm,
+            "mv": float(direction.norm()),
+            "u": u_norm,
+            "lamb_ratio": ratio,
+            "sqrt_v": float(st["exp_avg_sq"].float().sqrt().norm()),
+        }
         applied = ratio
         if "last_factor" in st:  # 1-bit LAMB after the freeze
             c, f = float(st["lamb_coeff"]), float(st["last_factor"])
@@ -168,7 +176,7 @@ def _summary(rows: dict, reduce=np.mean) -> dict:
     return {k: float(reduce([r[k] for r in rows.values() if k in r])) for k in sorted(keys)}
 
 
-PAIRED = ("step", "mv", "moved", "w")
+PAIRED = ("step", "mv", "moved", "w", "sqrt_v")
 """The per-layer figures a 1-bit LAMB run is set against its LAMB twin on."""
 
 

@@ -9,7 +9,7 @@ correlation across pairs between the figure and that log ratio, beside the |r| a
 correlation of that many pairs needs for p < 0.05 (two-sided), before any allowance for the
 number of figures and checkpoints read. The figures:
 
-* ``moved``, ``step``, ``mv``: the median over layers of the per-layer ratio candidate /
+* ``moved``, ``step``, ``mv``, ``sqrt_v``: the median over layers of the per-layer ratio candidate /
   LAMB (the mechanism report's ``pairs``);
 * ``cf``: the candidate's median c·f, ``lamb_ratio``: LAMB's median trust ratio;
 * ``compression_error``, ``factor_mean``: the candidate's logged figures averaged over the
@@ -34,7 +34,7 @@ from onebit_bert.io import atomic_write_json, atomic_write_text
 from pipeline.reports import cli
 from pipeline.reports.stats import t_quantile
 
-PAIR_FIGURES = ("moved", "step", "mv")
+PAIR_FIGURES = ("moved", "step", "mv", "sqrt_v")
 CANDIDATE_MEDIANS = ("cf",)
 REFERENCE_MEDIANS = ("lamb_ratio",)
 CANDIDATE_INTERVALS = ("compression_error", "factor_mean", "grad_norm_max")

@@ -56,6 +56,9 @@ def test_layer_statistics_give_lambs_own_trust_ratios():
     torch.testing.assert_close(ratios, opt.last_trust_ratios, rtol=1e-5, atol=0)
     assert all("cf" not in row for row in rows.values())
     assert all("moved" not in row for row in rows.values())  # no checkpoint before
+    sd = opt.state_dict()["state"]
+    for index, (n, _) in enumerate(order):  # the second moment's size, in the same order
+        assert rows[n]["sqrt_v"] == pytest.approx(float(sd[index]["exp_avg_sq"].sqrt().norm()))
     # how far each layer went from an earlier checkpoint's weights
     earlier = {n: w + 0.5 for n, w in before.items()}
     moved = layer_statistics(state, order, earlier)
