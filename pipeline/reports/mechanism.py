@@ -314,7 +314,8 @@ def plot(runs: list[dict], out: Path) -> list[str]:
     plt = pyplot()
     written = []
     fig, axes = plt.subplots(1, 4, figsize=(19, 4))
-    for run in runs:
+    for index, run in enumerate(runs):
+        color = f"C{index}"  # one colour per run in every panel
         batch = run["global_batch_size"]
         steps = sorted(int(s) for s in run["medians"])
         x = [s * batch for s in steps]
@@ -322,14 +323,15 @@ def plot(runs: list[dict], out: Path) -> list[str]:
         onebit = run["freeze_step"] is not None
         applied = [m["cf"] if onebit and "cf" in m else m["lamb_ratio"] for m in medians]
         label = f"{run['name']} (batch {batch})"
-        axes[0].plot(x, applied, label=label + (": c·f" if onebit else ": r"))
+        axes[0].plot(x, applied, color=color, label=label + (": c·f" if onebit else ": r"))
         if onebit:
-            axes[0].plot(x, [m["lamb_ratio"] for m in medians], ls=":", label=label + ": LAMB's r")
-        axes[1].plot(x, [m["mv"] for m in medians], label=label)
-        axes[2].plot(x, [m["step"] for m in medians], label=label)
+            lamb_r = [m["lamb_ratio"] for m in medians]
+            axes[0].plot(x, lamb_r, color=color, ls=":", label=label + ": LAMB's r")
+        axes[1].plot(x, [m["mv"] for m in medians], color=color, label=label)
+        axes[2].plot(x, [m["step"] for m in medians], color=color, label=label)
         moved = [(xi, m["moved"]) for xi, m in zip(x, medians, strict=True) if "moved" in m]
         if moved:
-            axes[3].plot(*zip(*moved, strict=True), label=label)
+            axes[3].plot(*zip(*moved, strict=True), color=color, label=label)
     for ax, title in zip(
         axes,
         (

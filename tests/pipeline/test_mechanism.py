@@ -17,6 +17,7 @@ from pipeline.reports.mechanism import (
     interval_means,
     layer_statistics,
     pairs,
+    plot,
 )
 from pipeline.reports.mechanism_pairs import analyse, critical_r
 from pipeline.reports.mechanism_pairs import main as mechanism_pairs_main
@@ -166,3 +167,17 @@ def test_pair_figures_are_correlated_with_the_gates_log_ratios(tmp_path):
     text = (tmp_path / "out" / "pairs.md").read_text()
     assert "## moved" in text and "| r | | +0.00" not in text and "| 1 | 1.162 |" in text
     assert mechanism_pairs_main(argv[:-2] + ["--run", f"6={tmp_path / 'none'}"]) == 2
+
+
+def test_the_figures_are_written_for_runs_of_two_batches(tmp_path):
+    lamb_rows = {s: {"lamb_ratio": 0.3, "mv": 2.0, "step": 0.5, "moved": 0.1} for s in (250, 500)}
+    onebit_rows = {s: {**row, "cf": 0.1} for s, row in lamb_rows.items()}
+    runs = [
+        {"name": "lamb", "global_batch_size": 128, "freeze_step": None, "medians": lamb_rows,
+         "noise": [{"step": 250, "b_simple": 400.0}, {"step": 500, "b_simple": 900.0}]},
+        {"name": "onebit_lamb_b512", "global_batch_size": 512, "freeze_step": 100,
+         "medians": onebit_rows, "noise": []},
+    ]  # fmt: skip
+    assert plot(runs, tmp_path) == ["trust.png", "noise.png"]
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("trust.png", "noise.png"))
+    assert plot([{**runs[1], "noise": []}], tmp_path / ".") == ["trust.png"]  # no noise: one
