@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import NormalDist
 
-from pipeline.reports.stats import mean_std, t_cdf, t_quantile
+from pipeline.reports.stats import correlation, mean_std, t_cdf, t_quantile
 
 TEST = (
     "one-sided Welch t-test of non-inferiority on per-seed samples to target: pass when the "
@@ -443,7 +443,7 @@ def paired_gate(
         "sd_log_ratio": sd,
         "ratio": math.exp(mean),
         "df": n - 1,
-        "correlation": _correlation(refs, cands),
+        "correlation": correlation(refs, cands),
     }
     if sd == 0.0:
         verdict = "pass" if mean < limit else "fail" if mean > limit else "undecided"
@@ -490,17 +490,6 @@ def paired_gate(
         else f"{need} pairs decide with power {POWER:.0%} if the observed mean and spread hold"
     )
     return PairedGateResult("undecided", reason, **base, **stats)
-
-
-def _correlation(a: list[float], b: list[float]) -> float | None:
-    """Pearson's r of two equal-length lists; None when either has no spread."""
-    if len(a) < 2:
-        return None
-    ma, mb = sum(a) / len(a), sum(b) / len(b)
-    sab = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
-    saa = sum((x - ma) ** 2 for x in a)
-    sbb = sum((y - mb) ** 2 for y in b)
-    return None if saa == 0 or sbb == 0 else sab / math.sqrt(saa * sbb)
 
 
 # ---------------------------------------------------------------------------- re-analysis

@@ -28,11 +28,9 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
-
 from onebit_bert.io import atomic_write_json, atomic_write_text
 from pipeline.reports import cli
-from pipeline.reports.stats import t_quantile
+from pipeline.reports.stats import correlation, t_quantile
 
 PAIR_FIGURES = ("moved", "step", "mv", "sqrt_v")
 CANDIDATE_MEDIANS = ("cf",)
@@ -94,24 +92,17 @@ def pair_figures(mechanism: dict, candidate: str) -> dict[str, dict[int, float]]
     return out
 
 
-def correlate(per_seed: dict[int, dict], ratios: dict[int, float]) -> dict:
-    """Per figure and step every pair has: the values, seed for seed, and their Pearson r
-    with the log ratio."""
+def correlate(per_seed: dict[int, dict], log_ratio: list[float]) -> dict:
+    """Per figure and step every pair has: the values, seed for seed (ascending), and their
+    Pearson r with ``log_ratio`` (in the same order; None where either has no spread)."""
     seeds = sorted(per_seed)
-    missing = [s for s in seeds if s not in ratios]
-    if missing:
-        raise ValueError(f"the gate report has no pair for seed(s) {missing}")
-    y = np.array([ratios[s] for s in seeds])
     out = {}
     for figure in FIGURES:
         steps = set.intersection(*(set(per_seed[s][figure]) for s in seeds))
         rows = {}
         for step in sorted(steps):
-            x = np.array([per_seed[s][figure][step] for s in seeds])
-            r = None
-            if np.std(x) > 0 and np.std(y) > 0:
-                r = float(np.corrcoef(x, y)[0, 1])
-            rows[step] = {"values": x.tolist(), "r": r}
+            values = [per_seed[s][figure][step] for s in seeds]
+            rows[step] = {"values": values, "r": correlation(values, log_ratio)}
         if rows:
             out[figure] = rows
     return out
@@ -144,15 +135,20 @@ def markdown(result: dict) -> str:
 def analyse(gate_report: dict, arm: str, pairs: dict[int, dict], candidate: str) -> dict:
     """The correlation tables for ``pairs`` (seed -> mechanism report)."""
     ratios = log_ratios(gate_report, arm)
-    per_seed = {seed: pair_figures(mech, candidate) for seed, mech in pairs.items()}
-    seeds = sorted(per_seed)
+    seeds = sorted(pairs)
+    missing = [s for s in seeds if s not in ratios]
+    if missing:
+        raise ValueError(f"the gate report has no pair for seed(s) {missing}")
+    critical = critical_r(len(seeds))
+    per_seed = {seed: pair_figures(pairs[seed], candidate) for seed in seeds}
+    log_ratio = [ratios[s] for s in seeds]
     return {
         "arm": arm,
         "candidate": candidate,
         "seeds": seeds,
-        "log_ratios": [ratios[s] for s in seeds] if all(s in ratios for s in seeds) else [],
-        "critical_r": critical_r(len(seeds)),
-        "figures": correlate(per_seed, ratios),
+        "log_ratios": log_ratio,
+        "critical_r": critical,
+        "figures": correlate(per_seed, log_ratio),
     }
 
 

@@ -86,3 +86,14 @@ def t_quantile(p: float, df: float) -> float:
     if df <= 0:
         raise ValueError(f"degrees of freedom must be positive, got {df}")
     return float(student_t.ppf(p, df))
+
+
+def correlation(a: list[float], b: list[float]) -> float | None:
+    """Pearson's r of two equal-length lists; None when either has no spread."""
+    if len(a) < 2:
+        return None
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    sab = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    saa = sum((x - ma) ** 2 for x in a)
+    sbb = sum((y - mb) ** 2 for y in b)
+    return None if saa == 0 or sbb == 0 else sab / math.sqrt(saa * sbb)
