@@ -29,7 +29,14 @@ Per checkpoint the figures are summarised over layers by their mean (``means``) 
 median (``medians``; a few layers with tiny ‖w‖, biases early on, dominate the mean). Each
 1-bit LAMB run is set against the LAMB run of the same batch and length (``pairs``): per
 checkpoint, the median over layers of the per-layer ratio 1-bit LAMB / LAMB of ``step``,
-``mv``, ``moved`` and ``w``.
+``mv``, ``moved``, ``w`` and ``sqrt_v``.
+
+Whether the stale second moment turns the step, not only shrinks it: per pair and kept
+checkpoint after the freeze, ``cosines`` gives the cosine between the candidate's direction
+``m/(√v+eps)`` under its own ``v`` and under LAMB's ``v`` at the same step (``v_cos``), and
+the same for LAMB's momentum (``v_cos_reference``), each a mean over layers weighted by
+their element counts. 1 is no turn: a frozen ``v`` that lags LAMB's by one factor per
+layer gives 1; one that lags by different factors in different coordinates gives less.
 
 The **gradient noise scale** ``B_simple = tr(Σ) / ‖G‖²`` (McCandlish et al., 2018, appendix
 A) is estimated at chosen checkpoints from ``micro_batches`` gradients of ``micro_batch``
@@ -200,9 +207,51 @@ def pair_ratios(reference: dict, candidate: dict) -> dict:
     return out
 
 
-def pairs(runs: list[dict]) -> list[dict]:
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    denominator = float(a.norm() * b.norm())
+    return float((a * b).sum()) / denominator if denominator > 0 else 1.0
+
+
+def preconditioner_cosines(reference: dict, candidate: dict, eps: float) -> dict:
+    """``v_cos`` and ``v_cos_reference`` (module docstring) of two optimizer state dicts of
+    one model at one step, entries matched by index."""
+    totals = {"v_cos": 0.0, "v_cos_reference": 0.0}
+    count = 0
+    for index, cand in candidate["state"].items():
+        ref = reference["state"].get(index)
+        if not ref or "exp_avg" not in cand or "exp_avg" not in ref:
+            continue
+        if ref["exp_avg"].shape != cand["exp_avg"].shape:
+            raise ValueError(
+                f"optimizer entry {index} has shape {tuple(cand['exp_avg'].shape)} in the "
+                f"candidate and {tuple(ref['exp_avg'].shape)} in the reference: not one model"
+            )
+        own, theirs = (st["exp_avg_sq"].float().sqrt() + eps for st in (cand, ref))
+        n = cand["exp_avg"].numel()
+        for key, st in (("v_cos", cand), ("v_cos_reference", ref)):
+            m = st["exp_avg"].float()
+            totals[key] += n * _cosine(m / own, m / theirs)
+        count += n
+    return {key: total / count for key, total in totals.items()} if count else {}
+
+
+def pair_cosines(reference: dict, candidate: dict) -> dict:
+    """:func:`preconditioner_cosines` at every checkpoint after the candidate's freeze that
+    both runs kept, read from their ``run_dir``."""
+    kept = dict(checkpoint_dirs(Path(reference["run_dir"])))
+    out = {}
+    for step, path in checkpoint_dirs(Path(candidate["run_dir"])):
+        if step <= candidate["freeze_step"] or step not in kept:
+            continue
+        cand = load_file(path / SHARED)["optimizer"]
+        ref = load_file(kept[step] / SHARED)["optimizer"]
+        out[step] = preconditioner_cosines(ref, cand, cand["param_groups"][0]["eps"])
+    return out
+
+
+def pairs(runs: list[dict], cosines: bool = False) -> list[dict]:
     """Each 1-bit LAMB run against the first LAMB run of the same global batch and
-    length."""
+    length; with ``cosines``, also :func:`pair_cosines` from the runs' checkpoints."""
     out = []
     for cand in runs:
         if cand["freeze_step"] is None:
@@ -214,8 +263,11 @@ def pairs(runs: list[dict]) -> list[dict]:
             None,
         )  # fmt: skip
         if ref is not None:
-            ratios = pair_ratios(ref, cand)
-            out.append({"candidate": cand["name"], "reference": ref["name"], "ratios": ratios})
+            pair = {"candidate": cand["name"], "reference": ref["name"],
+                    "ratios": pair_ratios(ref, cand)}  # fmt: skip
+            if cosines:
+                pair["cosines"] = pair_cosines(ref, cand)
+            out.append(pair)
     return out
 
 
@@ -391,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         figures = plot(runs, out)
-        paired = pairs(runs)
+        paired = pairs(runs, cosines=True)
         atomic_write_json(
             out / "mechanism.json", {"runs": runs, "pairs": paired, "figures": figures}
         )
@@ -403,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         for pair in paired:
             print(f"{pair['candidate']} / {pair['reference']}, medians of per-layer ratios:")
             for step, row in pair["ratios"].items():
+                print(f"  step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
+            for step, row in pair["cosines"].items():
                 print(f"  step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()))
         return f"mechanism: {out}/mechanism.json"
 

@@ -11,6 +11,8 @@ number of figures and checkpoints read. The figures:
 
 * ``moved``, ``step``, ``mv``, ``sqrt_v``: the median over layers of the per-layer ratio candidate /
   LAMB (the mechanism report's ``pairs``);
+* ``v_cos``, ``v_cos_reference``: how far the candidate's second moment turns its own and
+  LAMB's direction against LAMB's second moment (the mechanism report's ``cosines``);
 * ``cf``: the candidate's median c·f, ``lamb_ratio``: LAMB's median trust ratio;
 * ``compression_error``, ``factor_mean``: the candidate's logged figures averaged over the
   steps since the previous checkpoint, ``grad_norm_max`` its largest gradient norm before
@@ -33,10 +35,11 @@ from pipeline.reports import cli
 from pipeline.reports.stats import correlation, t_quantile
 
 PAIR_FIGURES = ("moved", "step", "mv", "sqrt_v")
+PAIR_COSINES = ("v_cos", "v_cos_reference")
 CANDIDATE_MEDIANS = ("cf",)
 REFERENCE_MEDIANS = ("lamb_ratio",)
 CANDIDATE_INTERVALS = ("compression_error", "factor_mean", "grad_norm_max")
-FIGURES = PAIR_FIGURES + CANDIDATE_MEDIANS + REFERENCE_MEDIANS + CANDIDATE_INTERVALS
+FIGURES = PAIR_FIGURES + PAIR_COSINES + CANDIDATE_MEDIANS + REFERENCE_MEDIANS + CANDIDATE_INTERVALS
 
 
 def critical_r(n: int, alpha: float = 0.05) -> float:
@@ -76,10 +79,11 @@ def pair_figures(mechanism: dict, candidate: str) -> dict[str, dict[int, float]]
         )
     cand, ref = runs[candidate], runs[pair["reference"]]
     out: dict[str, dict[int, float]] = {f: {} for f in FIGURES}
-    for step, row in pair["ratios"].items():
-        for key in PAIR_FIGURES:
-            if key in row:
-                out[key][int(step)] = float(row[key])
+    for field, keys in (("ratios", PAIR_FIGURES), ("cosines", PAIR_COSINES)):
+        for step, row in (pair.get(field) or {}).items():
+            for key in keys:
+                if key in row:
+                    out[key][int(step)] = float(row[key])
     for source, keys, field in (
         (cand, CANDIDATE_MEDIANS, "medians"),
         (ref, REFERENCE_MEDIANS, "medians"),

@@ -16,8 +16,10 @@ from pipeline.reports.mechanism import (
     estimate_noise_scale,
     interval_means,
     layer_statistics,
+    pair_cosines,
     pairs,
     plot,
+    preconditioner_cosines,
 )
 from pipeline.reports.mechanism_pairs import analyse, critical_r
 from pipeline.reports.mechanism_pairs import main as mechanism_pairs_main
@@ -96,6 +98,42 @@ def test_each_onebit_run_is_set_against_the_lamb_run_of_its_batch_by_median_rati
     assert pairs(runs[:2]) == []  # no 1-bit LAMB run: nothing to pair
 
 
+def _state(m: list[torch.Tensor], v: list[torch.Tensor]) -> dict:
+    entries = enumerate(zip(m, v, strict=True))
+    return {"state": {i: {"exp_avg": a, "exp_avg_sq": b} for i, (a, b) in entries},
+            "param_groups": [{"eps": 0.0}]}  # fmt: skip
+
+
+def test_a_second_moment_that_lags_by_one_factor_per_layer_turns_nothing(tmp_path):
+    torch.manual_seed(2)
+    m = [torch.randn(30), torch.randn(4, 5)]
+    v = [torch.rand(30) + 0.1, torch.rand(4, 5) + 0.1]
+    lagging = _state(m, [v[0] / 9, v[1] / 25])  # one factor per layer: no turn
+    out = preconditioner_cosines(_state(m, v), lagging, eps=0.0)
+    assert out == pytest.approx({"v_cos": 1.0, "v_cos_reference": 1.0})
+    # per-coordinate lags turn the direction: the element-weighted mean of the layers' cosines
+    turned = [v[0] * torch.linspace(0.1, 10, 30), v[1]]
+    cand, ref = _state([m[0] * 2, m[1]], turned), _state(m, v)
+    out = preconditioner_cosines(ref, cand, eps=0.0)
+    first = m[0] / turned[0].sqrt(), m[0] / v[0].sqrt()
+    cos = float((first[0] @ first[1]) / (first[0].norm() * first[1].norm()))
+    assert cos < 0.95
+    assert out["v_cos"] == pytest.approx((30 * cos + 20 * 1.0) / 50, rel=1e-6)
+    assert out["v_cos_reference"] == pytest.approx(out["v_cos"], rel=1e-6)  # m scaled by 2
+    with pytest.raises(ValueError, match="not one model"):
+        preconditioner_cosines(ref, _state([m[1], m[0]], [v[1], v[0]]), eps=0.0)
+    # read from two runs' kept checkpoints after the candidate's freeze, those both kept
+    for run, steps in (("lamb", (10, 20, 30)), ("onebit", (10, 20, 40))):
+        for step in steps:
+            folder = tmp_path / run / "checkpoints" / f"step_{step:08d}"
+            folder.mkdir(parents=True)
+            (folder / "complete.json").write_text("{}")
+            torch.save({"optimizer": ref if run == "lamb" else cand}, folder / "shared.pt")
+    reference = {"run_dir": str(tmp_path / "lamb")}
+    candidate = {"run_dir": str(tmp_path / "onebit"), "freeze_step": 15}
+    assert pair_cosines(reference, candidate) == {20: out}
+
+
 def test_logged_figures_are_averaged_over_the_steps_since_the_last_checkpoint():
     records = [{"step": s, "compression_error": float(s), "factor_mean": 1.0} for s in range(1, 11)]
     records[2]["compression_error"] = float("nan")  # step 3: a non-finite value is left out
@@ -136,7 +174,13 @@ def test_pair_figures_are_correlated_with_the_gates_log_ratios(tmp_path):
         seed: _mechanism({"1500": {"moved": m, "step": 2.0}, "1250": {"moved": 1.0}}, e)
         for seed, m, e in zip(range(1, 6), moved, error, strict=True)
     }
+    turn = [0.91, 0.92, 0.96, 0.93, 0.91]  # the preconditioner cosines, where a report has them
+    for mech, c in zip(mechs.values(), turn, strict=True):
+        mech["pairs"][0]["cosines"] = {"1500": {"v_cos": c, "v_cos_reference": 0.9}}
     out = analyse(_gate([1, 2, 3, 4, 5], logs), "onebit_lamb", mechs, "onebit_lamb")
+    assert out["figures"]["v_cos"][1500]["values"] == turn
+    assert out["figures"]["v_cos"][1500]["r"] == pytest.approx(float(np.corrcoef(turn, logs)[0, 1]))
+    assert out["figures"]["v_cos_reference"][1500]["r"] is None
     assert out["critical_r"] == pytest.approx(0.8783, abs=1e-4)  # tabled value for n = 5
     assert out["figures"]["moved"][1500]["r"] == pytest.approx(-1.0)
     assert out["figures"]["moved"][1250]["r"] is None  # no spread: no correlation
