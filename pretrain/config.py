@@ -241,6 +241,14 @@ class PretrainConfig:
     resume: ResumeConfig = field(default_factory=ResumeConfig)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPUs that have it (fp16 + loss scaling on older ones), fp32 on CPU."""
+    flush_denormal: bool = False
+    """Flush subnormal floats to zero in the CPU's arithmetic (``torch.set_flush_denormal``).
+    On a CPU, subnormal activations and gradients, which grow in number as training goes
+    on, can make the forward and backward pass several times slower
+    (``python -m bench.denormals`` measures it on a run's checkpoint). Flushing them changes
+    only values below 1.2e-38 in fp32, but it changes them, so a run with it does not repeat
+    a run without it step for step: keep one setting within an experiment. Off by default;
+    CUDA kernels are not affected."""
     clip_grad_norm: float = 1.0
     """Clip the gradient norm (0: off). In 1-bit LAMB's compression stage gradients are
     local, so each rank clips its own."""

@@ -514,11 +514,38 @@ def one_line(err: BaseException, limit: int = 500) -> str:
     return f"{type(err).__name__}: {text}"[:limit]
 
 
+class flushed_denormals:
+    """Within the block, CPU arithmetic flushes subnormal floats to zero when ``flush``
+    (``PretrainConfig.flush_denormal``); on leaving it, the default (no flushing) again.
+    A CPU that cannot flush them is an error that names the option."""
+
+    def __init__(self, flush: bool):
+        self.flush = flush
+
+    def __enter__(self):
+        if self.flush and not torch.set_flush_denormal(True):
+            raise ValueError(
+                "flush_denormal: true, but this CPU cannot flush subnormal floats (it lacks "
+                "SSE3); set flush_denormal: false"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.flush:
+            torch.set_flush_denormal(False)
+        return False
+
+
 def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     """Run (or resume) the phase; returns the final summary (also in the run directory).
     A run that raises is marked ``failed`` in its status before the error propagates, by
     whichever rank failed first (:meth:`~pretrain.outputs.RunStatus.fail`): a rank whose
     collective broke because another rank left keeps that rank's message."""
+    with flushed_denormals(cfg.flush_denormal):
+        return _train(cfg, ctx)
+
+
+def _train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     trainer = Trainer(cfg, ctx)
     try:
         return trainer.run()
