@@ -243,9 +243,9 @@ class PretrainConfig:
     """auto: bf16 on GPUs that have it (fp16 + loss scaling on older ones), fp32 on CPU."""
     flush_denormal: bool = False
     """Flush subnormal floats to zero in the CPU's arithmetic (``torch.set_flush_denormal``).
-    On a CPU, subnormal activations and gradients, which grow in number as training goes
-    on, can make the forward and backward pass several times slower
-    (``python -m bench.denormals`` measures it on a run's checkpoint). Flushing them changes
+    On a CPU, subnormal values inside the forward and backward pass take a slow path; some
+    runs produce many of them as they train, and their steps slow down (measured up to
+    2.2x; ``python -m bench.denormals`` measures it on a run's checkpoint). Flushing them changes
     only values below 1.2e-38 in fp32, but it changes them, so a run with it does not repeat
     a run without it step for step: keep one setting within an experiment. Off by default;
     CUDA kernels are not affected."""
