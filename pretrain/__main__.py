@@ -23,7 +23,7 @@ from onebit_bert.distributed.env import (
 from onebit_bert.io import NoSpaceError
 from onebit_bert.run_lock import RunLocked
 from pretrain.config import PretrainConfig
-from pretrain.train import TrainingDiverged, train
+from pretrain.train import TrainingDiverged, flush_denormals, train
 
 
 def export_main(argv: list[str]) -> int:
@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(PretrainConfig, args.config, args.overrides)
     except ConfigError as err:
         return report_error(err, 2)
+    if cfg.flush_denormal:  # before torch starts its threads: the flag is per thread
+        try:
+            flush_denormals()
+        except ValueError as err:
+            return report_error(err, 2)
     backend = None if cfg.backend == "auto" else cfg.backend
     ctx = init_distributed(backend=backend, timeout_s=cfg.collective_timeout_s)
     is_main, rank, world_size = ctx.is_main, ctx.rank, ctx.world_size

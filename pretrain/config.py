@@ -242,13 +242,14 @@ class PretrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPUs that have it (fp16 + loss scaling on older ones), fp32 on CPU."""
     flush_denormal: bool = False
-    """Flush subnormal floats to zero in the CPU's arithmetic (``torch.set_flush_denormal``).
-    On a CPU, subnormal values inside the forward and backward pass take a slow path; some
-    runs produce many of them as they train, and their steps slow down (measured up to
-    2.2x; ``python -m bench.denormals`` measures it on a run's checkpoint). Flushing them changes
-    only values below 1.2e-38 in fp32, but it changes them, so a run with it does not repeat
-    a run without it step for step: keep one setting within an experiment. Off by default;
-    CUDA kernels are not affected."""
+    """Flush subnormal floats to zero in the CPU's arithmetic on every torch thread
+    (``torch.set_flush_denormal``, applied by ``python -m pretrain`` at start-up). On a CPU,
+    subnormal values inside the forward and backward pass take a slow path; some runs
+    produce many of them as they train, and their steps slow down (``python -m
+    bench.denormals`` measures it on a run's checkpoint). Flushing them changes only values
+    below 1.2e-38 in fp32, but it changes them, so a run with it does not repeat a run
+    without it step for step: keep one setting within an experiment. Off by default; CUDA
+    kernels are not affected."""
     clip_grad_norm: float = 1.0
     """Clip the gradient norm (0: off). In 1-bit LAMB's compression stage gradients are
     local, so each rank clips its own."""

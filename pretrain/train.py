@@ -514,38 +514,45 @@ def one_line(err: BaseException, limit: int = 500) -> str:
     return f"{type(err).__name__}: {text}"[:limit]
 
 
-class flushed_denormals:
-    """Within the block, CPU arithmetic flushes subnormal floats to zero when ``flush``
-    (``PretrainConfig.flush_denormal``); on leaving it, the default (no flushing) again.
-    A CPU that cannot flush them is an error that names the option."""
+def denormals_flushed() -> bool:
+    """Whether every torch thread flushes subnormal floats to zero: a product that is
+    subnormal unless flushed, over enough elements for torch to split it across its
+    intra-op threads."""
+    return not bool((torch.full((1 << 20,), 1e-30) * 1e-10).any())
 
-    def __init__(self, flush: bool):
-        self.flush = flush
 
-    def __enter__(self):
-        if self.flush and not torch.set_flush_denormal(True):
-            raise ValueError(
-                "flush_denormal: true, but this CPU cannot flush subnormal floats (it lacks "
-                "SSE3); set flush_denormal: false"
-            )
-        return self
-
-    def __exit__(self, *exc):
-        if self.flush:
-            torch.set_flush_denormal(False)
-        return False
+def flush_denormals() -> None:
+    """Flush subnormal floats to zero on every torch thread of this process
+    (``PretrainConfig.flush_denormal``; ``python -m pretrain`` calls it at start-up). The
+    CPU's flag is per thread, and torch's intra-op threads take it from the thread that
+    starts them, so this must run before torch's first parallel operation; a CPU without the
+    flag, or threads already started, is an error that says so."""
+    if not torch.set_flush_denormal(True):
+        raise ValueError(
+            "flush_denormal: true, but this CPU cannot flush subnormal floats (it lacks "
+            "SSE3); set flush_denormal: false"
+        )
+    if not denormals_flushed():
+        torch.set_flush_denormal(False)
+        raise ValueError(
+            "flush_denormal: true, but torch's threads were started before it was set, so "
+            "only some of them would flush; call pretrain.train.flush_denormals() before any "
+            "torch operation (python -m pretrain does), or run with one thread"
+        )
 
 
 def train(cfg: PretrainConfig, ctx: DistContext) -> dict:
     """Run (or resume) the phase; returns the final summary (also in the run directory).
     A run that raises is marked ``failed`` in its status before the error propagates, by
     whichever rank failed first (:meth:`~pretrain.outputs.RunStatus.fail`): a rank whose
-    collective broke because another rank left keeps that rank's message."""
-    with flushed_denormals(cfg.flush_denormal):
-        return _train(cfg, ctx)
-
-
-def _train(cfg: PretrainConfig, ctx: DistContext) -> dict:
+    collective broke because another rank left keeps that rank's message. With
+    ``flush_denormal``, :func:`flush_denormals` must have run in this process."""
+    if cfg.flush_denormal and not denormals_flushed():
+        raise ValueError(
+            "flush_denormal: true, but this process does not flush subnormal floats: call "
+            "pretrain.train.flush_denormals() before any torch operation (python -m pretrain "
+            "does)"
+        )
     trainer = Trainer(cfg, ctx)
     try:
         return trainer.run()

@@ -1,7 +1,12 @@
-"""Flushing subnormal floats: the pretraining option sets and restores it, and the bench
-that measures what it buys times both settings and counts what it flushes."""
+"""Flushing subnormal floats: the pretraining option reaches every torch thread when set at
+start-up and refuses to run half-set, and the bench that measures what it buys times both
+settings and counts what it flushes."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +16,10 @@ from bench.denormals import main as denormals_main
 from bench.denormals import subnormal_count, time_passes
 from onebit_bert.config import from_dict
 from pretrain.config import PretrainConfig
-from pretrain.train import flushed_denormals
+from pretrain.train import denormals_flushed, train
 
 TINY = torch.finfo(torch.float32).tiny
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _product() -> float:
@@ -21,18 +27,30 @@ def _product() -> float:
     return float(torch.tensor([1e-30]) * torch.tensor([1e-10]))
 
 
-def test_the_option_flushes_inside_the_run_and_restores_the_default_after():
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with two torch threads: the CPU's flag is per thread
+    and stays set, so it is never switched in the test process itself."""
+    prelude = "import torch; torch.set_num_threads(2); "
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)  # fmt: skip
+
+
+def test_the_option_flushes_on_every_thread_when_set_before_they_start():
     assert PretrainConfig().flush_denormal is False
     assert from_dict(PretrainConfig, {"flush_denormal": True}).flush_denormal is True
-    assert 0 < _product() < TINY
-    with flushed_denormals(True):
-        assert _product() == 0.0
-    assert 0 < _product() < TINY
-    with flushed_denormals(False):  # the default: nothing changes
-        assert 0 < _product() < TINY
-    with pytest.raises(RuntimeError), flushed_denormals(True):
-        raise RuntimeError("a failing run")
-    assert 0 < _product() < TINY  # restored on the way out of a failure too
+    assert 0 < _product() < TINY and not denormals_flushed()
+    # set at start-up, as python -m pretrain does: every thread flushes
+    done = _python("from pretrain.train import flush_denormals, denormals_flushed; "
+                   "flush_denormals(); print(denormals_flushed())")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
+    # set after torch started its threads: only the main thread's share would flush
+    late = _python("torch.full((1 << 20,), 1.0).mul(2).sum(); "
+                   "from pretrain.train import flush_denormals; flush_denormals()")  # fmt: skip
+    assert late.returncode != 0 and "threads were started before it was set" in late.stderr
+    # a run asked to flush in a process that does not is refused before any work
+    with pytest.raises(ValueError, match="does not flush subnormal floats"):
+        train(PretrainConfig(flush_denormal=True), ctx=None)
 
 
 class _Tiny(nn.Module):
