@@ -16,6 +16,28 @@ from pretrain.model import PretrainingLoss
 from pretrain.records import STAT_KEYS
 
 
+def validation_batch_count(cfg: PretrainConfig, n_rows: int, world_size: int) -> int:
+    """How many validation micro-batches each of ``world_size`` ranks evaluates."""
+    micro = cfg.batch.micro_batch_size
+    return min(cfg.data.validation_batches, n_rows // (micro * world_size))
+
+
+def validation_batch(
+    rows: PretrainingShards,
+    ids: TokenIds,
+    cfg: PretrainConfig,
+    index: int,
+    rank: int,
+    world_size: int,
+) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s validation micro-batch ``index`` (of
+    :func:`validation_batch_count`): the same rows and masks every time."""
+    micro = cfg.batch.micro_batch_size
+    k = index * world_size + rank
+    indices = np.arange(k * micro, (k + 1) * micro)
+    return make_batch(rows, indices, ids, cfg.data, seed=cfg.seed, step=-1, micro=k)
+
+
 @torch.no_grad()
 def validate(
     loss_module: PretrainingLoss,
@@ -30,11 +52,9 @@ def validate(
     loss_module.eval()
     micro = cfg.batch.micro_batch_size
     totals = torch.zeros(len(STAT_KEYS), device=ctx.device, dtype=torch.float64)
-    n_batches = min(cfg.data.validation_batches, len(rows) // (micro * ctx.world_size))
+    n_batches = validation_batch_count(cfg, len(rows), ctx.world_size)
     for b in range(n_batches):
-        k = b * ctx.world_size + ctx.rank
-        indices = np.arange(k * micro, (k + 1) * micro)
-        raw = make_batch(rows, indices, ids, cfg.data, seed=cfg.seed, step=-1, micro=k)
+        raw = validation_batch(rows, ids, cfg, b, ctx.rank, ctx.world_size)
         batch = to_device(raw, ctx.device)
         with autocast(precision, ctx.device):
             _, stats = loss_module(**batch)
