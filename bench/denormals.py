@@ -92,16 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    import yaml
-
-    from onebit_bert.checkpoint import load_file
-    from onebit_bert.config import from_dict
+    from onebit_bert.checkpoint import SHARED, load_file
     from onebit_bert.shards import PretrainingShards
-    from pipeline.reports.mechanism import SHARED, checkpoint_dirs
-    from pretrain.config import PretrainConfig
+    from pipeline.reports.mechanism import checkpoint_dirs, run_config
     from pretrain.data import BatchSchedule, make_batch
     from pretrain.model import PretrainingLoss, build_model
-    from pretrain.outputs import config_path
     from pretrain.train import token_ids
 
     points = dict(checkpoint_dirs(args.run))
@@ -113,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.set_flush_denormal(False):
         parser.error("this CPU cannot flush subnormal floats: nothing to compare")
     torch.set_num_threads(1)
-    cfg = from_dict(PretrainConfig, yaml.safe_load(config_path(args.run).read_text()))
+    cfg = run_config(args.run)
     shards = PretrainingShards(cfg.data.path, "train")
     ids = token_ids(shards)
     model = build_model(cfg.model, ids.vocab_size, ids.pad)

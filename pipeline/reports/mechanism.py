@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import yaml
 
-from onebit_bert.checkpoint import load_file
+from onebit_bert.checkpoint import COMPLETE, SHARED, load_file
 from onebit_bert.io import atomic_write_json
 from onebit_bert.metrics_log import read_metrics
 from onebit_bert.optim.build import weight_decay_groups
@@ -72,19 +72,18 @@ from pretrain.model import PretrainingLoss, build_model
 from pretrain.outputs import config_path, metrics_path
 from pretrain.train import token_ids
 
-SHARED = "shared.pt"
-
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, directory) of every finished checkpoint of a run, ascending."""
     out = []
     for path in sorted((run_dir / "checkpoints").glob("step_*")):
-        if (path / "complete.json").is_file() and (path / SHARED).is_file():
+        if (path / COMPLETE).is_file() and (path / SHARED).is_file():
             out.append((int(path.name.split("_")[1]), path))
     return out
 
 
-def _config(run_dir: Path) -> PretrainConfig:
+def run_config(run_dir: Path) -> PretrainConfig:
+    """The resolved config a pretraining run saved in its directory."""
     from onebit_bert.config import from_dict
 
     return from_dict(PretrainConfig, yaml.safe_load(config_path(run_dir).read_text()))
@@ -322,7 +321,7 @@ def estimate_noise_scale(grads: torch.Tensor, micro_batch: int) -> dict:
 def analyse_run(name: str, run_dir: Path, noise_at: list[int], micro_batches: int) -> dict:
     """Every checkpoint's per-layer figures and their means, and the noise scale at the
     checkpoints nearest to ``noise_at``."""
-    cfg = _config(run_dir)
+    cfg = run_config(run_dir)
     shards = PretrainingShards(cfg.data.path, "train")
     ids = token_ids(shards)
     model = PretrainingLoss(build_model(cfg.model, ids.vocab_size, ids.pad))

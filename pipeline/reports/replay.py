@@ -25,6 +25,7 @@ read, unless ``--keep``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -34,42 +35,31 @@ from pathlib import Path
 import torch
 import yaml
 
-from onebit_bert.checkpoint import load_file
-from onebit_bert.io import atomic_write_json
+from onebit_bert.checkpoint import COMPLETE, SHARED, load_file
+from onebit_bert.io import atomic_write_json, atomic_write_text
 from onebit_bert.shards import PretrainingShards
 from pipeline.reports import cli
+from pipeline.reports.mechanism import run_config
 from pretrain.evaluation import validation_batch, validation_batch_count
 from pretrain.model import PretrainingLoss, build_model
 from pretrain.outputs import config_path
 from pretrain.train import token_ids
-
-SHARED = "shared.pt"
 
 
 def _step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
-def _config(run_dir: Path):
-    from onebit_bert.config import from_dict
-    from pretrain.config import PretrainConfig
-
-    return from_dict(PretrainConfig, yaml.safe_load(config_path(run_dir).read_text()))
-
-
 def world_size_of(checkpoint: Path) -> int:
-    """How many ranks wrote ``checkpoint`` (one ``rank*.pt`` file each)."""
-    ranks = sorted(checkpoint.glob("rank*.pt"))
-    if not ranks:
-        raise FileNotFoundError(f"{checkpoint} has no rank files: not a finished checkpoint")
-    return len(ranks)
+    """How many ranks wrote ``checkpoint`` (its ``complete.json`` records it)."""
+    return int(json.loads((checkpoint / COMPLETE).read_text())["world_size"])
 
 
 def replay(run_dir: Path, step: int, steps: int, work: Path) -> list[dict[str, torch.Tensor]]:
     """The weights at ``step`` and after each of the next ``steps`` steps of ``run_dir``,
     replayed in ``work`` (emptied first) on as many local ranks as wrote the checkpoint."""
     source = _step_dir(run_dir, step)
-    if not (source / "complete.json").is_file():
+    if not (source / COMPLETE).is_file():
         raise FileNotFoundError(
             f"{source} is not a finished checkpoint of {run_dir}: pick a step from "
             f"{run_dir / 'checkpoints'}"
@@ -82,7 +72,7 @@ def replay(run_dir: Path, step: int, steps: int, work: Path) -> list[dict[str, t
     cfg = yaml.safe_load(config_path(run_dir).read_text())
     cfg["run_dir"] = str(work)
     config = work / "replay.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    atomic_write_text(config, yaml.safe_dump(cfg, sort_keys=False))
     shutil.copytree(source, _step_dir(work, step))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -158,7 +148,7 @@ def validation_loss(
 ) -> list[float]:
     """The validation MLM loss of each of ``states`` (model state dicts), on the rows and
     masks the run validates on, summed over its ``world_size`` ranks' micro-batches."""
-    cfg = _config(run_dir)
+    cfg = run_config(run_dir)
     ids = token_ids(PretrainingShards(cfg.data.path, "train"))
     rows = PretrainingShards(cfg.data.path, "validation")
     loss_module = PretrainingLoss(build_model(cfg.model, ids.vocab_size, ids.pad))
