@@ -159,6 +159,10 @@ class ReportSpec:
     """parity gate: when the test, margin, alpha and seed count were fixed (ISO 8601 UTC,
     e.g. "2026-11-28T21:41:00Z"); the report prints it and checks that it precedes every
     candidate arm's first step. Required with test: paired."""
+    arms_fixed: dict[str, str] = field(default_factory=dict)
+    """parity gate: candidate arm name -> when it was added under the pre-registered test
+    (ISO 8601 UTC), for an arm added after ``preregistered``; the report checks each against
+    that arm's first steps."""
     finetune_baseline: bool = False
     """parity: also fine-tune a randomly initialised model of the reference's architecture
     (stage ``finetune/random-init``): tasks where pretraining does not beat it by several
@@ -173,6 +177,8 @@ class ReportSpec:
             )
         if self.preregistered is not None:
             parse_utc(self.preregistered, "report.preregistered")
+        for name, stamp in self.arms_fixed.items():
+            parse_utc(stamp, f"report.arms_fixed.{name}")
         if not 0 < self.target_fraction <= 1:
             raise ValueError(
                 f"report.target_fraction must lie in (0, 1], got {self.target_fraction}"
@@ -196,6 +202,8 @@ class ReportSpec:
                    "--min-seeds", str(self.min_seeds), "--test", self.test]  # fmt: skip
             if self.preregistered is not None:
                 out += ["--preregistered", self.preregistered]
+            for name, stamp in self.arms_fixed.items():
+                out += ["--arm-fixed", f"{name}={stamp}"]
             return out
         out = []
         for path in [self.netem] if isinstance(self.netem, str) else self.netem or []:
@@ -232,6 +240,11 @@ class ExperimentConfig:
             raise ValueError(f"runs must have unique names, got {names}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct, got {self.seeds}")
+        if unknown := sorted(set(self.report.arms_fixed) - set(names[1:])):
+            raise ValueError(
+                f"report.arms_fixed names {', '.join(unknown)}, not a candidate run "
+                f"(candidates: {', '.join(names[1:])})"
+            )
 
     def instances(self) -> list[tuple[RunSpec, str, int | None]]:
         """(run, instance name, seed) for every run × pretraining seed."""

@@ -149,14 +149,23 @@ def gate_table(
     min_seeds: int = gating.MIN_SEEDS,
     test: str = "welch",
     preregistered: str | None = None,
+    arms_fixed: dict[str, str] | None = None,
 ) -> dict:
     """Samples to ``target`` per seed, the gate for every arm against the first, the final
     validation loss difference with its 95 % interval, and the reference's seed spread.
     ``test``: the primary test, ``welch`` or ``paired`` (then
     :func:`pipeline.reports.gate.paired_gate` over seed-matched pairs, ``min_seeds`` the
     pre-registered pairs, with Welch's verdict and the olympic means as secondary lines);
-    ``preregistered``: when the test was fixed."""
+    ``preregistered``: when the test was fixed; ``arms_fixed``: arm name -> when that
+    candidate arm was added under the test, for an arm added after ``preregistered``
+    (each is checked against its own runs' first steps)."""
     value = target["value"]
+    names = {arm["name"] for arm in arms[1:]}
+    if unknown := sorted(set(arms_fixed or {}) - names):
+        raise ValueError(
+            f"pre-registration of arm(s) {', '.join(unknown)}: no such candidate arm "
+            f"(candidates: {', '.join(sorted(names))})"
+        )
     per_seed = {
         arm["name"]: [
             {
@@ -215,6 +224,13 @@ def gate_table(
         "preregistered_before": None
         if preregistered is None
         else started_after(arms[1:], preregistered),
+        "arms_fixed": {
+            name: {
+                "at": stamp,
+                "before": started_after([a for a in arms if a["name"] == name], stamp),
+            }  # fmt: skip
+            for name, stamp in (arms_fixed or {}).items()
+        },
         "welch": welch if test == "paired" else None,
         "olympic_ratio": olympic,
         "margin": margin,
@@ -387,6 +403,18 @@ def write_report(
     return report
 
 
+def arms_fixed(specs: list[str]) -> dict[str, str]:
+    """``NAME=UTC`` pairs (``--arm-fixed``) as a dict, each time checked."""
+    out = {}
+    for spec in specs:
+        name, sep, stamp = spec.partition("=")
+        if not (sep and name and stamp):
+            raise ValueError(f"--arm-fixed {spec!r} is not of the form NAME=UTC")
+        parse_utc(stamp, f"--arm-fixed {name}")
+        out[name] = stamp
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.reports.parity --run NAME=PRETRAIN_DIR:FINETUNE_DIR ... --out DIR``."""
     parser = cli.report_parser(
@@ -415,6 +443,13 @@ def main(argv: list[str] | None = None) -> int:
         "--preregistered", help="UTC time the test was fixed (e.g. 2026-11-28T21:41:00Z)"
     )
     parser.add_argument(
+        "--arm-fixed",
+        action="append",
+        default=[],
+        metavar="NAME=UTC",
+        help="when candidate arm NAME was added under the pre-registered test, if later",
+    )
+    parser.add_argument(
         "--sensitivity", action="append", default=[], help="NAME=PRETRAIN_RUN_DIR (not gated)"
     )
     parser.add_argument("--baseline", help="NAME=FINETUNE_DIR of a randomly initialised model")
@@ -427,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{args.target} is missing or unreadable: fix the target first")
         write_report(args.run, args.out, target, args.sensitivity, args.baseline,
                      margin=args.margin, alpha=args.alpha, min_seeds=args.min_seeds,
-                     test=args.test, preregistered=args.preregistered)  # fmt: skip
+                     test=args.test, preregistered=args.preregistered,
+                     arms_fixed=arms_fixed(args.arm_fixed))  # fmt: skip
         return f"report: {args.out}/report.md"
 
     return cli.run(parser, argv, write)

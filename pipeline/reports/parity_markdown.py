@@ -196,10 +196,13 @@ def _test_lines(gate: dict) -> list[str]:
         if when
         else "**not pre-registered**"
     )
-    return [
+    lines = [
         f"Test: {gate.get('test_text', gating.PAIRED_TEST)}; margin {gate['margin']:.0%}, "
         f"alpha {gate['alpha']}, {gate['min_seeds']} seed pairs; {fixed}.",
     ]
+    for name, added in (gate.get("arms_fixed") or {}).items():
+        lines += ["", f"Arm {name} added under this test at {added['at']} ({added['before']})."]
+    return lines
 
 
 def _verdict_lines(gate: dict, ref: str) -> list[str]:

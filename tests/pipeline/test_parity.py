@@ -365,6 +365,48 @@ def test_the_paired_report_checks_pairing_and_the_preregistration(tmp_path):
     assert "not seed-matched" in missing["reason"] and "[1, 2, 3, 4, 5]" in missing["reason"]
 
 
+def test_an_arm_added_later_is_checked_against_its_own_time(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 1.1, 0.35, 0.85])
+    late = [
+        f"late={_pretrain(tmp_path / f'late{s}', 'onebit_lamb', s, d)}"
+        for s, d in zip(range(1, 6), [0.1, 0.6, 1.1, 0.35, 0.85], strict=True)
+    ]
+    target = fix_target(lamb, 0.8)
+    test, added = "2026-09-01T00:00:00Z", "2026-12-01T00:00:00Z"  # runs start in September
+    report = write_report([*lamb, *onebit, *late], tmp_path / "r", target, min_seeds=5,
+                          test="paired", preregistered=test,
+                          arms_fixed={"late": added})  # fmt: skip
+    gate = report["gate"]
+    assert gate["preregistered_before"] == "before any of the other arms' 10 runs started"
+    assert gate["arms_fixed"] == {
+        "late": {
+            "at": added,
+            "before": "**after** late seed 1, late seed 2, late seed 3, "
+            "late seed 4, late seed 5 had started",
+        }  # fmt: skip
+    }
+    markdown = (tmp_path / "r" / "report.md").read_text()
+    assert f"Arm late added under this test at {added} (**after** late seed 1" in markdown
+    with pytest.raises(ValueError, match="no such candidate arm"):
+        write_report([*lamb, *onebit], tmp_path / "r2", target, test="paired",
+                     preregistered=test, arms_fixed={"lamb": added})  # fmt: skip
+    from pipeline.reports.parity import main
+
+    args = [a for spec in [*lamb, *onebit] for a in ("--run", spec)]
+    assert main([*args, "--out", str(tmp_path / "r3"), "--target", str(_write_target(
+        tmp_path, target)), "--test", "paired", "--preregistered", test,
+        "--arm-fixed", "onebit=2026-09-02T00:00:00Z"]) == 0  # fmt: skip
+    written = json.loads((tmp_path / "r3" / "report.json").read_text())["gate"]
+    assert written["arms_fixed"]["onebit"]["at"] == "2026-09-02T00:00:00Z"
+    assert main([*args, "--out", str(tmp_path / "r4"), "--arm-fixed", "onebit=soon"]) != 0
+
+
+def _write_target(tmp_path: Path, target: dict) -> Path:
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps(target))
+    return path
+
+
 def test_the_authors_regime_scales_their_recipe_onto_the_stretched_regime(tmp_path):
     exp = load_experiment(REPO / "configs/experiments/parity_authors.yaml", [f"workdir={tmp_path}"])
     arms = {s.name: s.stage_config() for s in exp.resolve(write=False) if s.kind == "pretrain"}
@@ -404,6 +446,8 @@ def test_the_authors_regime_scales_their_recipe_onto_the_stretched_regime(tmp_pa
     report_stage = exp.stage("report")
     assert report_stage.args[report_stage.args.index("--test") + 1] == "paired"
     assert "--preregistered" in report_stage.args
+    fixed = report_stage.args[report_stage.args.index("--arm-fixed") + 1]
+    assert fixed == "onebit_lamb_refresh=2026-11-28T22:07:00Z"
 
 
 @pytest.mark.parametrize(
@@ -412,6 +456,8 @@ def test_the_authors_regime_scales_their_recipe_onto_the_stretched_regime(tmp_pa
         ("report.preregistered=null", "needs report.preregistered"),
         ("report.preregistered=yesterday", "UTC"),
         ("report.preregistered=2026-11-28", "string"),
+        ("report.arms_fixed={onebit_lamb_refresh: tomorrow}", "arms_fixed.onebit_lamb_refresh"),
+        ("report.arms_fixed={lamb: '2026-11-28T22:07:00Z'}", "not a candidate run"),
     ],
 )
 def test_a_paired_gate_must_say_when_it_was_fixed(tmp_path, override, message):
