@@ -22,7 +22,9 @@ averaged exactly (an fp32 all-reduce instead of the 1-bit one) and every layer's
 reset so that ``c·f`` equals LAMB's clipped trust ratio of that exact momentum against the
 frozen second moment: that step has LAMB's step norm, and ``f`` carries on from it. With
 16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times. A refresh step runs
-the reference update (not the fused kernels).
+the reference update (not the fused kernels). It failed its pre-registered parity gate in
+the stretched regime, where it needed more samples than the authors' algorithm
+(docs/results/parity_long_refresh/README.md).
 """
 
 from __future__ import annotations
