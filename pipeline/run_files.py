@@ -14,8 +14,13 @@ from pathlib import Path
 import yaml
 
 from finetune import outputs as finetune_outputs
+from onebit_bert.io import read_json_object
 from onebit_bert.metrics_log import read_metrics
 from pretrain import outputs as pretrain_outputs
+
+TOTALS = "totals.json"
+"""An archived record's sums over every step (:mod:`pipeline.reports.archive`): the thinned
+``metrics.jsonl`` beside it no longer adds up to them."""
 
 
 @dataclass
@@ -69,3 +74,9 @@ def max_samples(config: dict, by_step: dict[int, dict]) -> int:
     steps = sorted(by_step)
     last = steps[-1] if steps else 0
     return config.get("schedule", {}).get("max_steps", last) * config["batch"]["global_batch_size"]
+
+
+def read_totals(run_dir: str | Path) -> dict | None:
+    """An archived record's ``totals.json`` (None for a run directory, whose metrics hold
+    every step)."""
+    return read_json_object(Path(run_dir) / TOTALS, None)

@@ -17,7 +17,14 @@ from finetune import outputs as finetune_outputs
 from onebit_bert.optim.auto_freeze import AUTO
 from pipeline.reports.stats import mean_std, t_quantile, welch_t_test
 from pipeline.reports.tables import summary
-from pipeline.run_files import RunInputs, by_samples, max_samples, parse_run, read_run
+from pipeline.run_files import (
+    RunInputs,
+    by_samples,
+    max_samples,
+    parse_run,
+    read_run,
+    read_totals,
+)
 
 ALPHA = 0.05
 TEST = (
@@ -55,16 +62,12 @@ INTRA_NODE_BYTES = "comm_bytes_intra_node"
 from ``comm_bytes`` and from every kind)."""
 
 
-def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None) -> dict:
-    """One pretraining seed: its curves, final metrics and fine-tuning results (``records``:
-    what :func:`read_run` returned, when the caller has read it already)."""
-    config, by_step = records or read_run(run)
-    batch = config["batch"]["global_batch_size"]
-    optimizer = config["optimizer"]["name"]
+def totals(by_step: dict[int, dict]) -> dict:
+    """What a run's steps add up to: bytes in all (``comm_bytes_total``), bytes and
+    seconds per kind of traffic (``comm_by_kind``), and the time of its first logged record
+    (``started``). An archived record keeps these in ``totals.json`` (its metrics are
+    thinned); :func:`load_run` reads them from there."""
     steps = sorted(by_step)
-    train = [(s, by_step[s]["loss"]) for s in steps if "loss" in by_step[s]]
-    final_val = next((by_step[s] for s in reversed(steps) if "val_mlm_accuracy" in by_step[s]), {})
-    comm = [by_step[s]["comm_bytes"] for s in steps if "comm_bytes" in by_step[s]]
     times = [by_step[s]["time"] for s in steps if "time" in by_step[s]]
     by_kind: dict[str, list[float]] = {}  # kind -> [bytes, seconds] over the run
     for s in steps:
@@ -76,6 +79,26 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
                     and isinstance(value, int | float)
                 ):
                     by_kind.setdefault(key[len(prefix) :], [0, 0.0])[slot] += value
+    return {
+        "steps": len(steps),
+        "started": min(times) if times else None,
+        "comm_bytes_total": sum(
+            by_step[s]["comm_bytes"] for s in steps if "comm_bytes" in by_step[s]
+        ),
+        "comm_by_kind": {k: {"bytes": b, "seconds": t} for k, (b, t) in sorted(by_kind.items())},
+    }
+
+
+def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None) -> dict:
+    """One pretraining seed: its curves, final metrics and fine-tuning results (``records``:
+    what :func:`read_run` returned, when the caller has read it already)."""
+    config, by_step = records or read_run(run)
+    batch = config["batch"]["global_batch_size"]
+    optimizer = config["optimizer"]["name"]
+    steps = sorted(by_step)
+    train = [(s, by_step[s]["loss"]) for s in steps if "loss" in by_step[s]]
+    final_val = next((by_step[s] for s in reversed(steps) if "val_mlm_accuracy" in by_step[s]), {})
+    counted = read_totals(run.pretrain_dir) or totals(by_step)
     switch = {
         key: [(s, by_step[s][key]) for s in steps if key in by_step[s]] for key in SWITCH_KEYS
     }
@@ -94,12 +117,12 @@ def load_run(run: RunInputs, records: tuple[dict, dict[int, dict]] | None = None
         "train_loss": train,
         "val_mlm_accuracy": by_samples(by_step, batch, "val_mlm_accuracy"),
         "val_mlm_loss": by_samples(by_step, batch, "val_mlm_loss"),
-        "started": min(times) if times else None,
+        "started": counted["started"],
         "max_samples": max_samples(config, by_step),
         "switch": switch,
         "final": final,
-        "comm_bytes_total": sum(comm),
-        "comm_by_kind": {k: {"bytes": b, "seconds": t} for k, (b, t) in sorted(by_kind.items())},
+        "comm_bytes_total": counted["comm_bytes_total"],
+        "comm_by_kind": counted["comm_by_kind"],
         "finetune": {}
         if run.finetune_dir is None
         else finetune_outputs.read_results(run.finetune_dir),
