@@ -49,24 +49,22 @@ def archive(run_dir: str | Path, dest: str | Path, every: int = EVERY) -> dict:
     run_dir, dest = Path(run_dir), Path(dest)
     if every < 1:
         raise ValueError(f"--every must be >= 1, got {every}")
-    status_path = pretrain_outputs.status_path(run_dir)
-    status = read_json_object(status_path, None)
+    status = read_json_object(pretrain_outputs.status_path(run_dir), None)
     if status is None or status.get("state") != "complete":
         state = "no status.json" if status is None else f"state {status.get('state')!r}"
         raise ValueError(
             f"{run_dir} is not a complete pretraining run ({state}): archive it when it has "
             "finished"
         )
-    config_path = pretrain_outputs.config_path(run_dir)
     _, by_step = read_run(RunInputs(run_dir.name, run_dir, None))
     kept = thinned(by_step, every)
     counted = totals(by_step)
     dest.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(dest / config_path.name, config_path.read_text())
-    atomic_write_json(dest / status_path.name, status)
+    config_text = pretrain_outputs.config_path(run_dir).read_text()
+    atomic_write_text(pretrain_outputs.config_path(dest), config_text)
+    atomic_write_json(pretrain_outputs.status_path(dest), status)
     atomic_write_text(
-        dest / pretrain_outputs.metrics_path(dest).name,
-        "".join(json.dumps(r) + "\n" for r in kept),
+        pretrain_outputs.metrics_path(dest), "".join(json.dumps(r) + "\n" for r in kept)
     )
     atomic_write_json(dest / TOTALS, {**counted, "every": every})
     return {**counted, "rows": len(by_step), "kept": len(kept)}

@@ -228,7 +228,7 @@ def gate_table(
             name: {
                 "at": stamp,
                 "before": started_after([a for a in arms if a["name"] == name], stamp),
-            }  # fmt: skip
+            }
             for name, stamp in (arms_fixed or {}).items()
         },
         "welch": welch if test == "paired" else None,

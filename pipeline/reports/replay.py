@@ -25,7 +25,6 @@ read, unless ``--keep``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -36,7 +35,7 @@ import torch
 import yaml
 
 from onebit_bert.checkpoint import COMPLETE, SHARED, load_file
-from onebit_bert.io import atomic_write_json, atomic_write_text
+from onebit_bert.io import atomic_write_json, atomic_write_text, read_json_object
 from onebit_bert.shards import PretrainingShards
 from pipeline.reports import cli
 from pipeline.reports.mechanism import run_config
@@ -52,7 +51,10 @@ def _step_dir(run_dir: Path, step: int) -> Path:
 
 def world_size_of(checkpoint: Path) -> int:
     """How many ranks wrote ``checkpoint`` (its ``complete.json`` records it)."""
-    return int(json.loads((checkpoint / COMPLETE).read_text())["world_size"])
+    record = read_json_object(checkpoint / COMPLETE, "not a finished checkpoint")
+    if not isinstance(record.get("world_size"), int):
+        raise ValueError(f"{checkpoint / COMPLETE} records no world_size: not a run checkpoint")
+    return record["world_size"]
 
 
 def replay(run_dir: Path, step: int, steps: int, work: Path) -> list[dict[str, torch.Tensor]]:

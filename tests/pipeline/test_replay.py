@@ -8,7 +8,14 @@ import torch
 
 from onebit_bert.checkpoint import load_file
 from onebit_bert.metrics_log import read_metrics
-from pipeline.reports.replay import _distinct, analyse, main, replay, update_statistics
+from pipeline.reports.replay import (
+    _distinct,
+    analyse,
+    main,
+    replay,
+    update_statistics,
+    world_size_of,
+)
 from tests.helpers.runs import tiny_config, torchrun_to_end, write_cfg
 
 
@@ -61,6 +68,16 @@ def test_too_few_steps_or_a_missing_checkpoint_are_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="step_00000004"):
         replay(tmp_path / "run", 4, 4, tmp_path / "work")
     assert main(["--run", "no-equals-sign", "--at", "4", "--out", str(tmp_path / "out")]) == 2
+    checkpoint = tmp_path / "step"
+    checkpoint.mkdir()
+    (checkpoint / "complete.json").write_text('{"step": 4}')
+    with pytest.raises(ValueError, match="records no world_size"):
+        world_size_of(checkpoint)
+    (checkpoint / "complete.json").write_text("{torn")
+    with pytest.raises(ValueError, match="complete.json unreadable"):
+        world_size_of(checkpoint)
+    (checkpoint / "complete.json").write_text('{"step": 4, "world_size": 2}')
+    assert world_size_of(checkpoint) == 2
 
 
 @pytest.mark.slow
