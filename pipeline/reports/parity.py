@@ -90,10 +90,13 @@ def task_signal(reference: dict, baseline: dict, task: str, metric: str) -> dict
 
 
 def fine_tuned(arms: list[dict]) -> list[dict]:
-    """The arms restricted to their fine-tuned pretraining seeds; [] unless every arm has
-    one (the table's ``n`` says how many scores each arm's row rests on)."""
+    """The arms that have fine-tuned pretraining seeds, each restricted to them (the table's
+    ``n`` says how many scores each arm's row rests on); [] unless the reference arm (the
+    first) and at least one other have one. An arm without any is left out of the table,
+    and the report names it."""
     kept = [{**a, "seeds": [r for r in a["seeds"] if r["finetune"]]} for a in arms]
-    return kept if all(a["seeds"] for a in kept) else []
+    kept = [a for i, a in enumerate(kept) if a["seeds"] or i == 0]
+    return kept if kept[0]["seeds"] and len(kept) >= 2 else []
 
 
 def compare_finetuning(arms: list[dict], baseline: dict | None = None) -> dict:

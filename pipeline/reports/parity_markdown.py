@@ -93,9 +93,12 @@ def _pretraining_section(arms: list[dict], pretraining: dict, has_switch: bool) 
     return lines
 
 
-def _finetuning_section(arms: list[dict], finetuning: dict, names: list[str]) -> list[str]:
-    others = [a["name"] for a in arms[1:]]
-    ref = arms[0]["name"]
+def _finetuning_section(arms: list[dict], finetuning: dict, baseline: str | None) -> list[str]:
+    tuned = [a for a in arms if any(r["finetune"] for r in a["seeds"])]
+    untuned = [a["name"] for a in arms if a not in tuned]
+    names = [a["name"] for a in tuned] + ([baseline] if baseline else [])
+    others = [a["name"] for a in tuned[1:]]
+    ref = tuned[0]["name"]
     lines = [
         "## Fine-tuning",
         "",
@@ -103,9 +106,11 @@ def _finetuning_section(arms: list[dict], finetuning: dict, names: list[str]) ->
         "95 % Welch interval over the pretraining seeds' means (two or more on each side).",
         "",
     ]
+    if untuned:
+        lines += [f"Not fine-tuned, so not in this table: {', '.join(untuned)}.", ""]
     missing = [
         f"{a['name']} {sum(1 for r in a['seeds'] if r['finetune'])} of {len(a['seeds'])}"
-        for a in arms
+        for a in tuned
         if not all(r["finetune"] for r in a["seeds"])
     ]
     if missing:
@@ -330,8 +335,7 @@ def render_markdown(
     lines = [*head, *(_gate_section(gate) if gate else [])]
     lines += [*_pretraining_section(arms, pretraining, has_switch), ""]
     if finetuning:
-        names = [a["name"] for a in arms] + ([baseline] if baseline else [])
-        lines += _finetuning_section(arms, finetuning, names)
+        lines += _finetuning_section(arms, finetuning, baseline)
         lines += _signal_lines(finetuning, baseline) if baseline else []
         lines.append("")
     if sensitivity:

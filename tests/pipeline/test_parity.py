@@ -303,6 +303,24 @@ def test_fine_tuning_rests_on_the_seeds_fine_tuned_so_far(tmp_path):
     assert f"onebit {len(onebit) - 1} of {len(onebit)}" in markdown
 
 
+def test_an_arm_without_fine_tuning_is_named_and_left_out_of_the_table(tmp_path):
+    lamb, onebit = _arms(tmp_path, [0.1, 0.6, 0.2, 0.9, 0.4])
+    variant = [s.replace("onebit=", "variant=") for s in onebit]
+    scores = {"sst2": [0.80, 0.81]}
+    runs = [f"{s}:{_finetune(tmp_path / f'ft{i}', scores)}" for i, s in enumerate(lamb + onebit)]
+    report = write_report([*runs, *variant], tmp_path / "report")
+    rows = report["finetune"]["sst2"]["metrics"]["accuracy"]
+    assert set(rows) == {"lamb", "onebit"}
+    assert rows["onebit"]["n"] == 2 * len(onebit)
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "Not fine-tuned, so not in this table: variant." in markdown
+    assert "| sst2 | accuracy (main) |" in markdown
+    # without the reference's fine-tuning there is no table
+    plain = write_report([*lamb, *runs[len(lamb) :]], tmp_path / "plain")
+    assert plain["finetune"] == {} and "## Fine-tuning" not in (
+        tmp_path / "plain" / "report.md").read_text()  # fmt: skip
+
+
 def test_zero_one_adams_parity_config_keeps_the_deepspeed_recipes_shares():
     """configs/pretrain/parity_zero_one_adam.yaml: DeepSpeed's 0/1 Adam BERT recipe with
     each step count at its share of the run, on the parity regime otherwise."""
