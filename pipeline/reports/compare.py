@@ -319,6 +319,7 @@ def build(
                 "path": p["path"],
                 "names": p["names"],
                 **({"dropped": p["dropped"]} if p.get("dropped") else {}),
+                **({"promoted": p["promoted"]} if p.get("promoted") else {}),
             }
             for p in prior
         ],

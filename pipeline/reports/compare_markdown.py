@@ -243,6 +243,7 @@ def _prior_lines(data: dict, netem: dict | None) -> list[str]:
         else "against the same target and netem files"
     )
     dropped = [n for p in data["prior"] for n in p.get("dropped", [])]
+    promoted = [p["promoted"] for p in data["prior"] if p.get("promoted")]
     left_out = ""
     if dropped:
         names = ", ".join(dropped)
@@ -252,6 +253,11 @@ def _prior_lines(data: dict, netem: dict | None) -> list[str]:
         ]
         if measured:
             left_out += f" Their netem measurements are left out too: {'; '.join(measured)}."
+    if promoted:
+        left_out += (
+            f" The reference {promoted[0]} is now its carried runs on other data (they were "
+            "its data references), with its tuning record."
+        )
     lines = [
         f"Carried from earlier reports ({carried}): their figures are as those reports "
         f"measured them, {same}; their run directories were not read, and they carry no "

@@ -72,31 +72,46 @@ def drop_carried(prior: list[dict], names: list[str]) -> None:
     """Leave ``names`` out of the carried reports, in place: their runs and their tuning
     records (the carried reports' netem files are still needed for the others; a new
     measurement of a dropped recipe replaces the carried one: :func:`carried_netem_ignored`).
-    Each name must be carried and none may be the reference (the first carried name)."""
+    Each name must be carried. The reference (the first carried name) may be dropped only
+    where the carried reports hold its runs on other data (``data_references``): those runs
+    take its place as the reference, and its tuning record stays."""
     if not names:
         return
     if not prior:
         raise ValueError("--drop leaves names out of earlier reports: give them (--prior)")
     carried = [n for p in prior for n in p["names"]]
+    reference = carried[0]
     for name in names:
         if name not in carried:
             raise ValueError(
                 f"--drop {name}: no carried report has runs of that name (carried: "
                 f"{', '.join(carried)})"
             )
-        if name == carried[0]:
-            raise ValueError(f"--drop {name}: it is the reference of the carried reports")
+    promoted = [r for p in prior for r in p["data_references"] if r["name"] == reference]
+    if reference in names and not promoted:
+        raise ValueError(
+            f"--drop {reference}: it is the reference of the carried reports, and they hold "
+            "no runs of it on other data (data_references) to take its place"
+        )
     recipes = set(names)  # a tuning record is keyed by the recipe its runs ran
     for p in prior:
         for run in p["runs"]:
             if run["name"] in names and run.get("strategy"):
                 recipes.add(run["strategy"].split(":")[0].split("/")[0])
+    if reference in names:  # its runs on the other data keep its tuning
+        recipes -= {reference, *(recipe_name(r.get("strategy")) for r in promoted)}
     for p in prior:
         p["dropped"] = [n for n in p["names"] if n in names]
         p["dropped_recipes"] = sorted(recipes)
         p["runs"] = [r for r in p["runs"] if r["name"] not in names]
         p["names"] = [n for n in p["names"] if n not in names]
         p["tuning"] = {k: v for k, v in p["tuning"].items() if k not in recipes}
+    if reference in names:
+        for p in prior:
+            p["data_references"] = [r for r in p["data_references"] if r["name"] != reference]
+        prior[0]["runs"] = [*promoted, *prior[0]["runs"]]
+        prior[0]["names"] = [reference, *prior[0]["names"]]
+        prior[0]["promoted"] = reference
 
 
 def prior_target(prior: list[dict], target_loss: float | None) -> tuple[float, str]:

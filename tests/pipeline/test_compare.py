@@ -601,7 +601,7 @@ def test_an_earlier_report_carries_its_runs_into_a_new_one(runs, netem, tmp_path
         tmp_path / "moved" / "report.md").read_text()  # fmt: skip
     assert "left out too" not in (tmp_path / "again" / "report.md").read_text()
     for drop, message in (("nope", "no carried report has runs of that name"),
-                          ("lamb", "it is the reference")):  # fmt: skip
+                          ("lamb", "the reference.*no runs of it on other")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             compare.write_report(runs[3:4], tmp_path / "x", str(netem), prior_paths=[prior],
                                  drop_prior=[drop])  # fmt: skip
@@ -797,6 +797,21 @@ def test_each_strategy_is_also_set_against_the_reference_on_its_own_data(tiny_co
                                  mixed_data=True)  # fmt: skip
     assert [r["data"] for r in later["runs"]] == [r["data"] for r in report["runs"]]
     assert later["same_data"] == report["same_data"]
+    # dropping the reference: its runs on the other data take its place, and with the
+    # strategies of the first data dropped too, the report holds one data identity
+    one = compare.write_report([], tmp_path / "one", prior_paths=[str(out / "report.json")],
+                               drop_prior=["lamb", "mixed"])  # fmt: skip
+    assert [(r["name"], r["seed"]) for r in one["runs"]] == [
+        ("lamb", 1), ("lamb", 2), ("lamb", 3), ("onnew", 1), ("onnew", 2)]  # fmt: skip
+    assert not one["data"]["mixed"] and "data_references" not in one
+    assert one["pretraining"]["val_mlm_loss"]["lamb"]["mean"] == pytest.approx(4.51)
+    assert one["pretraining"]["val_mlm_loss"]["onnew"]["verdict"] == "no significant difference"
+    assert one["prior"][0]["promoted"] == "lamb"
+    assert "The reference lamb is now its carried runs on other data" in (
+        tmp_path / "one" / "report.md").read_text()  # fmt: skip
+    with pytest.raises(ValueError, match="2 different data identities"):
+        compare.write_report([], tmp_path / "x", prior_paths=[str(out / "report.json")],
+                             drop_prior=["lamb"])  # fmt: skip
     with pytest.raises(ValueError, match="lamb seed 1 on the same data is given twice"):
         compare.write_report([], tmp_path / "twice", prior_paths=[str(out / "report.json")],
                              data_reference_specs=references[:1], mixed_data=True)  # fmt: skip
