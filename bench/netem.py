@@ -49,6 +49,13 @@ repeats and keep their spread (:func:`pipeline.reports.timing.combine_repeats`).
 summary's ``sweep_id`` names this invocation, so a report can say that its speeds come from
 one sweep.
 
+A sweep resumes: after each measured (world size, repeat, bandwidth) row, the rows so far
+are written to ``--out``/``netem.partial.json``. Run the same command again after a stop,
+and it keeps those rows and their sweep id and measures only the rest (a partial sweep of
+other settings is refused). Each row records when (``measured_at``, UTC) and on which host
+it was measured, and the summary how many rows came from an earlier invocation
+(``resumed_rows``): rows measured on another machine are not interleaved with the others.
+
 Prints one JSON object as its last line and writes it, with a PNG plot, to ``--out``.
 Needs root (``ip netns``, ``tc``).
 """
@@ -454,27 +461,87 @@ def new_sweep_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
 
 
-def _sweep(args: argparse.Namespace, plan: SweepPlan) -> tuple[list[dict], int, int]:
+PARTIAL = "netem.partial.json"
+# what does not change a measurement: where it goes, and what the sweep is called
+_NOT_SETTINGS = ("out", "keep", "sweep_id")
+
+
+def sweep_settings(args: argparse.Namespace) -> dict:
+    """The arguments that decide what a sweep measures (all but ``--out``/``--keep``), as
+    JSON values: a partial sweep resumes only under the same ones."""
+    return {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in sorted(vars(args).items())
+        if k not in _NOT_SETTINGS
+    }
+
+
+def load_partial(args: argparse.Namespace) -> dict | None:
+    """The rows an interrupted invocation with the same settings left in ``--out``
+    (:data:`PARTIAL`, written after each measured row), with its sweep id; None when there
+    is none. One left by other settings is refused: resuming it would mix two sweeps."""
+    path = Path(args.out) / PARTIAL
+    if not path.is_file():
+        return None
+    try:
+        partial = json.loads(path.read_text())
+        rows, sweep_id, settings = partial["rows"], partial["sweep_id"], partial["settings"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path}: unreadable partial sweep ({err}); delete it to start again"
+        ) from err
+    now = json.loads(json.dumps(sweep_settings(args)))
+    if settings != now:
+        differ = sorted(k for k in set(settings) | set(now) if settings.get(k) != now.get(k))
+        raise ValueError(
+            f"{path}: a partial sweep of other settings ({', '.join(differ)}); run it again "
+            "with the same arguments to resume it, or give another --out (or delete the file) "
+            "to start a new sweep"
+        )
+    return {"rows": rows, "sweep_id": sweep_id}
+
+
+def _sweep(args: argparse.Namespace, plan: SweepPlan,
+           done: list[dict] | None = None) -> tuple[list[dict], int, int]:  # fmt: skip
     """Measure every (world size, bandwidth) point ``--repeats`` times in a temporary folder;
     returns the result rows (with their ``repeat`` where there are several), the model's
-    parameter count and the sequence length."""
-    results = []
+    parameter count and the sequence length. ``done``: rows an interrupted invocation
+    measured (:func:`load_partial`), kept and not measured again. After each row, every row
+    so far is written to ``--out``/:data:`PARTIAL`, so that a stop loses one row at most."""
+    from onebit_bert.io import atomic_write_json
+
+    results = list(done or [])
+    measured = {(r["world_size"], r.get("repeat", 0), r["bandwidth_mbit"]) for r in results}
     repeats = getattr(args, "repeats", 1)
+    partial = Path(args.out) / PARTIAL
     with tempfile.TemporaryDirectory(prefix="bench_netem_") as tmp:
         work = Path(tmp)
         data = args.data or prepare_wikipedia_seq128(plan.data_root, work / "data")
         for world in plan.worlds:
+            todo = [
+                (repeat, bandwidth)
+                for repeat in range(repeats)
+                for bandwidth in plan.bandwidths
+                if (world, repeat, bandwidth) not in measured
+            ]
+            if not todo:
+                continue
             with Cluster(world // args.ranks_per_host, mtu=args.mtu) as cluster:
-                for repeat in range(repeats):
-                    for bandwidth in plan.bandwidths:
-                        order = repeat_order(plan.strategies, repeat)
-                        row = measure(cluster, data, work, args, bandwidth, order, repeat)
-                        row["runs"] = {k: row["runs"][k] for k in _listed(row["runs"], plan)}
-                        if repeats > 1:
-                            row["repeat"] = repeat
-                        results.append(row)
-                        print(json.dumps({k: v for k, v in row.items() if k != "runs"}),
-                              file=sys.stderr, flush=True)  # fmt: skip
+                for repeat, bandwidth in todo:
+                    order = repeat_order(plan.strategies, repeat)
+                    row = measure(cluster, data, work, args, bandwidth, order, repeat)
+                    row["runs"] = {k: row["runs"][k] for k in _listed(row["runs"], plan)}
+                    if repeats > 1:
+                        row["repeat"] = repeat
+                    row["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                    row["host"] = os.uname().nodename
+                    results.append(row)
+                    partial.parent.mkdir(parents=True, exist_ok=True)
+                    atomic_write_json(partial, {"sweep_id": args.sweep_id,
+                                                "settings": sweep_settings(args),
+                                                "rows": results})  # fmt: skip
+                    print(json.dumps({k: v for k, v in row.items() if k != "runs"}),
+                          file=sys.stderr, flush=True)  # fmt: skip
         if args.keep:
             shutil.copytree(work, args.out / "work", dirs_exist_ok=True)
         params = _parameter_count(args.model, data)
@@ -547,11 +614,16 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     plan = _plan(parser, args)
 
+    try:
+        resumed = load_partial(args)
+    except ValueError as err:
+        parser.error(str(err))
     _terminate_on_sigterm()
     remove_stale_clusters()
-    args.sweep_id = new_sweep_id()
-    results, params, seq_length = _sweep(args, plan)
+    args.sweep_id = resumed["sweep_id"] if resumed else new_sweep_id()
+    results, params, seq_length = _sweep(args, plan, resumed["rows"] if resumed else None)
     summary = _summary(args, plan, results, params, seq_length)
+    summary["resumed_rows"] = len(resumed["rows"]) if resumed else 0
     args.out.mkdir(parents=True, exist_ok=True)
     from pipeline.reports.timing import combine_repeats
 
@@ -560,6 +632,7 @@ def main(argv=None) -> dict:
     from onebit_bert.io import atomic_write_json
 
     atomic_write_json(args.out / "netem.json", summary)
+    (args.out / PARTIAL).unlink(missing_ok=True)
     print(json.dumps(summary))
     return summary
 

@@ -347,3 +347,61 @@ def test_a_process_killed_by_a_signal_is_reported_by_its_signal_and_stops_the_ot
     with pytest.raises(RuntimeError, match=r"process 1 .* failed with signal SIGABRT:\n.*step 1"):
         netem_cluster._launch([sleeper, abort], [dict(os.environ)] * 2, tmp_path / "logs", 60)
     assert time.monotonic() - started < 30  # the sleeper was killed, not waited for
+
+
+def test_a_stopped_sweep_resumes_its_rows_and_keeps_its_sweep_id(tiny_corpus, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """After each measured row the rows so far are kept in --out; the same command again
+    measures only the rest under the first invocation's sweep id, and other settings are
+    refused. The cluster and the runs are stood in for: this checks the bookkeeping."""
+    measured: list[tuple] = []
+
+    class FakeCluster:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def fake_measure(cluster, data, work, args, bandwidth, order, repeat):
+        if len(measured) == stop_after:
+            raise KeyboardInterrupt("stopped")
+        measured.append((repeat, bandwidth))
+        runs = {name: {"samples_per_s": bandwidth / 10 + repeat} for name in order}
+        return {"bandwidth_mbit": bandwidth, "world_size": 4, "threads_per_rank": 1,
+                "runs": runs}  # fmt: skip
+
+    for name, value in (("check_privileges", lambda: None), ("Cluster", FakeCluster),
+                        ("measure", fake_measure), ("remove_stale_clusters", lambda: []),
+                        ("_terminate_on_sigterm", lambda: None), ("plot", lambda rows, p: None),
+                        ("_parameter_count", lambda model, data: 1000)):  # fmt: skip
+        monkeypatch.setattr(netem, name, value)
+    out = tmp_path / "out"
+    argv = ["--data", str(tiny_corpus), "--bandwidths", "25,100", "--world-sizes", "4",
+            "--ranks-per-host", "2", "--strategies", "lamb,adamw", "--repeats", "2",
+            "--out", str(out)]  # fmt: skip
+    stop_after = 3  # of 4 rows: (repeat 0: 25, 100), (repeat 1: 25, 100)
+    with pytest.raises(KeyboardInterrupt):
+        netem.main(argv)
+    partial = json.loads((out / netem.PARTIAL).read_text())
+    assert len(partial["rows"]) == 3 and not (out / "netem.json").exists()
+    first_id = partial["sweep_id"]
+    # other settings: refused before anything runs
+    with pytest.raises(SystemExit):
+        netem.main([*argv[:-2], "--steps", "5", "--out", str(out)])
+    assert len(measured) == 3
+    stop_after = None
+    summary = netem.main(argv)
+    assert measured == [(0, 25.0), (0, 100.0), (1, 25.0), (1, 100.0)]  # the last one once
+    assert summary["sweep_id"] == first_id and summary["resumed_rows"] == 3
+    assert [(r["repeat"], r["bandwidth_mbit"]) for r in summary["results"]] == [
+        (0, 25.0), (0, 100.0), (1, 25.0), (1, 100.0)]  # fmt: skip
+    assert all(r["measured_at"] and r["host"] for r in summary["results"])
+    assert not (out / netem.PARTIAL).exists()
+    assert json.loads((out / "netem.json").read_text())["sweep_id"] == first_id
+    # a new invocation starts a new sweep
+    fresh = netem.main(argv)
+    assert fresh["sweep_id"] != first_id and fresh["resumed_rows"] == 0
