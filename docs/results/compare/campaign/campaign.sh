@@ -8,6 +8,7 @@
 #   campaign.sh           the training queue (then $ARCH/queue-extra.txt)
 #   campaign.sh status    done / pending per queued run
 #   campaign.sh sweep     the netem sweep (machine otherwise idle; SWEEP_RECIPES, BANDWIDTHS)
+#   campaign.sh sync      copy the staging record into $COMMITTED (then commit it by hand)
 # Environment: REPO (the checkout whose code runs; default: this one), PY, W (work folder,
 # default ~/compare_work), DATA_ROOT (default REPO/../shared/data), COMMITTED (the record in
 # the repository to restore from; default REPO/docs/results/compare/campaign).
@@ -155,6 +156,14 @@ case "${1:-run}" in
       if in_report "$r" "$s"; then echo "done    $r $s"; else echo "pending $r $s"; fi
     done ;;
   sweep) sweep ;;
+  sync)
+    mkdir -p "$COMMITTED/evaluation" "$COMMITTED/runs"
+    cp "$ARCH/report.json" "$COMMITTED/"
+    if [ -f "$ARCH/campaign.log" ]; then cp "$ARCH/campaign.log" "$COMMITTED/"; fi
+    cp -r "$ARCH/evaluation/." "$COMMITTED/evaluation/"
+    cp -r "$ARCH/runs/." "$COMMITTED/runs/"
+    if [ -d "$ARCH/netem" ]; then cp -r "$ARCH/netem" "$COMMITTED/"; fi
+    echo "[campaign] staged record copied to $COMMITTED" ;;
   run)
     prepare_data
     base_report
@@ -164,5 +173,5 @@ case "${1:-run}" in
       run_one "$r" "$s"
     done
     echo "[campaign] queue done" ;;
-  *) echo "usage: $0 [run|status|sweep]" >&2; exit 2 ;;
+  *) echo "usage: $0 [run|status|sweep|sync]" >&2; exit 2 ;;
 esac
