@@ -92,6 +92,7 @@ from pipeline.reports.timing import (
     speeds_by_repeat,
     stage_steps,
 )
+from pipeline.run_files import read_totals
 from pipeline.tuning import load_tuning, tuning_lines
 from pretrain import outputs as pretrain_outputs
 
@@ -125,6 +126,14 @@ def load_timed_run(spec: str) -> dict:
     strategy, its validation loss against samples and cumulative bytes, and each step's
     stage."""
     inputs = parse_run(spec, finetune_optional=True)
+    kept = read_totals(inputs.pretrain_dir)
+    if kept and kept.get("every", 1) != 1:
+        raise ValueError(
+            f"{inputs.name}={inputs.pretrain_dir}: an archived record that keeps every "
+            f"{kept['every']}th step (python -m pipeline.reports.archive); the comparison sums "
+            "bytes to the target and times each stage over every step: give the run "
+            "directory, or carry a report that read it (--prior)"
+        )
     config, by_step = read_run(inputs)
     run = load_run(inputs, (config, by_step))
     batch = run["global_batch_size"]

@@ -77,3 +77,18 @@ def test_only_a_finished_run_is_archived(tmp_path, capsys):
     assert main([str(finished), str(tmp_path / "kept"), "--every", "5"]) == 0
     assert "steps kept" in capsys.readouterr().out
     assert main([str(finished), str(tmp_path / "kept2"), "--every", "0"]) == 2
+
+
+def test_the_comparison_refuses_a_thinned_record(tmp_path):
+    """Bytes to the target and each stage's time need every step: a record that keeps every
+    10th is refused by name, where summing its rows would give a tenth of the bytes."""
+    from pipeline.reports.compare import load_timed_run
+
+    run = _run(tmp_path / "run")
+    assert load_timed_run(f"onebit={run}")["bytes_at"][STEPS] == 20 * 7 + (STEPS - 20) * 3
+    archive(run, tmp_path / "kept")
+    with pytest.raises(ValueError, match=r"onebit=.*kept: an archived record .* every 10th step"):
+        load_timed_run(f"onebit={tmp_path / 'kept'}")
+    # a record that keeps every step reads as the run
+    archive(run, tmp_path / "whole", every=1)
+    assert load_timed_run(f"onebit={tmp_path / 'whole'}")["bytes_at"][STEPS] == 20 * 7 + 75 * 3
