@@ -97,7 +97,7 @@ def drop_carried(prior: list[dict], names: list[str]) -> None:
     for p in prior:
         for run in p["runs"]:
             if run["name"] in names and run.get("strategy"):
-                recipes.add(run["strategy"].split(":")[0].split("/")[0])
+                recipes.add(recipe_name(run["strategy"]))
     if reference in names:  # its runs on the other data keep its tuning
         recipes -= {reference, *(recipe_name(r.get("strategy")) for r in promoted)}
     for p in prior:

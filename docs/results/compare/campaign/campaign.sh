@@ -24,10 +24,8 @@ OUT=$W/out
 ARCH=$W/archive
 COMMITTED=${COMMITTED:-$REPO/docs/results/compare/campaign}
 SOURCE=docs/results/compare/tuned/report.json   # chosen settings: its "tuning" section
-TARGET=3.0492943024956207                       # the parity target every record is timed to
 TOK=d7c1b96053298b6943bc37d192bc9c8a8cee8a98cf5265542cddb4667a93f254
 SHARDS=8d34a37ae1a71493180cc24ec8818a1597256c3fc41af1acefa9b64d18f14475
-REFERENCE=lamb
 # --nodes of the recipes tuned with nodes as workers (the tuning records' "nodes")
 declare -A NODES=([diloco_node]=2 [streaming_diloco_node]=2 [onebit_lamb_node]=2
   [slowmo_node]=2 [co2_node]=2 [lamb_node]=2 [hybrid_onebit_lamb_node]=2)
