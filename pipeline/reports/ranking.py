@@ -50,7 +50,7 @@ TEST = (
     "the first's mean); a seed that never reached the target "
     "counts with its run's end as a lower bound (≥); where the speeds were measured more "
     "than once, behind means slower at every pair of repeats, and the interval [lo, hi] of "
-    "a mean is the union of the repeats' 95 % t intervals over seeds"
+    "a mean is the union of the repeats' 95 % t intervals over seeds (cut at zero)"
 )
 
 
@@ -207,14 +207,15 @@ def interval(samples: list[list[float]], level: float = 0.95) -> list[float]:
     """The ``level`` confidence interval of the mean time, widened by the sweep: the union
     over the repeats of the sweep (``samples``: the seeds' times at each repeat's speeds,
     one list for a sweep measured once) of Student's t interval over the seeds (a single
-    seed's interval is its value)."""
+    seed's interval is its value). A time is never negative: a t interval that reaches
+    below zero (two seeds far apart) is cut there."""
     lows, highs = [], []
     for values in samples:
         mean, std = mean_std(values)
         half = 0.0
         if len(values) > 1:
             half = t_quantile(0.5 + level / 2, len(values) - 1) * std / math.sqrt(len(values))
-        lows.append(mean - half)
+        lows.append(max(0.0, mean - half))
         highs.append(mean + half)
     return [min(lows), max(highs)]
 

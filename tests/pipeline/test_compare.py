@@ -492,6 +492,9 @@ def test_the_answer_is_a_group_of_leaders_and_the_recipes_clearly_behind():
     lo, hi = ranking.interval([[10.0, 11.0]])
     half = t_quantile(0.975, 1) * 0.5
     assert (lo, hi) == pytest.approx((10.5 - half, 10.5 + half))
+    # two seeds far apart: the t interval would reach below zero; a time cannot
+    lo_far, hi_far = ranking.interval([[1.0, 9.0]])
+    assert lo_far == 0.0 and hi_far == pytest.approx(5.0 + t_quantile(0.975, 1) * 4.0)
     assert row["ranking"][0]["interval"] == pytest.approx([lo, hi])
     assert "| slow ≥ 31.7 s [27.9 s, 35.5 s] (2/3) | one seed 12.0 s (1/1) |" in text
     assert f"fast 10.5 s [{lo:.1f} s, {hi:.1f} s] (2/2), tied 11.5 s [" in text
