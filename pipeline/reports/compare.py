@@ -505,6 +505,8 @@ def write_report(
     paying = crossover.report_crossovers(result, netem_paths, data["arms"][0]["name"],
                                          ONEBIT)  # fmt: skip
     if paying:
+        crossover.report_plot(result, netem_paths, out / "crossover.png")
+        paying[0]["figure"] = "crossover.png"
         result["crossover"] = paying
         at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
         extra[at:at] = crossover.crossover_lines(paying)  # after the groups

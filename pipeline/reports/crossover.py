@@ -107,15 +107,38 @@ def sweep(report: dict, profiles: dict, links_gbps=LINKS_GBPS, workers=WORKERS,
     return out
 
 
+LO_GBPS, HI_GBPS = 1e-3, 1e3
+"""The links searched for a crossing (Gbit/s): 1 Mbit/s to 1 Tbit/s."""
+
+
 def _crossings(report: dict, profiles: dict, a: str, b: str, p: int,
-               gpus_per_node: int) -> dict[str, float | None]:  # fmt: skip
+               gpus_per_node: int) -> dict[str, float]:  # fmt: skip
     """The crossing (Gbit/s) for the means, and its low and high ends from the seeds'
-    spread (None: no crossing in the searched links)."""
+    spread. Where the two do not cross in the searched links, the crossing lies beyond one
+    end: 0.0 when ``b`` does not pay even at the slowest link, ``inf`` when it pays even at
+    the fastest (:func:`_open` turns these into JSON)."""
     out = {}
     for label, shift in (("mean", 0.0), ("low", 1.0), ("high", -1.0)):
-        bps = crossover(report, profiles, a, b, p, gpus_per_node, shift=shift)
-        out[label] = None if bps is None else bps / 1e9
+        bps = crossover(report, profiles, a, b, p, gpus_per_node, lo_bps=LO_GBPS * 1e9,
+                        hi_bps=HI_GBPS * 1e9, shift=shift)  # fmt: skip
+        if bps is None:
+            times = recipe_times(report, profiles, HI_GBPS * 1e9, p, gpus_per_node)
+            ta, tb = times[a], times[b]
+            pays = tb["mean"] + shift * tb["std"] < ta["mean"] - shift * ta["std"]
+            out[label] = math.inf if pays else 0.0
+        else:
+            out[label] = bps / 1e9
     return out
+
+
+def _open(value: float) -> tuple[float | None, str | None]:
+    """A crossing for JSON: (Gbit/s, None) inside the searched links, (None, "above") when it
+    lies above them (``b`` pays at every link), (None, "below") when below (it never does)."""
+    if math.isinf(value):
+        return None, "above"
+    if value == 0.0:
+        return None, "below"
+    return value, None
 
 
 def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_lamb",
@@ -125,19 +148,27 @@ def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_l
     means and for the seeds' spread (``b``'s mean + std against ``a``'s mean - std, and the
     other way round: the range the crossing can lie in). ``by_repeat``: the profiles of
     each repeat of a sweep measured more than once; the crossing at each repeat's speeds is
-    given too, and the range spans every repeat's."""
+    given too, and the range spans every repeat's. A crossing outside the searched links is
+    null, and ``beyond`` says on which side (``{"high": "above"}``: at the spread's
+    optimistic end ``b`` pays at every link up to :data:`HI_GBPS`)."""
     out = []
     for p in workers:
         found = _crossings(report, profiles, a, b, p, gpus_per_node)
+        each = [_crossings(report, prof, a, b, p, gpus_per_node) for prof in by_repeat]
+        ends = {"mean": found["mean"],
+                "low": min(c["low"] for c in (found, *each)),
+                "high": max(c["high"] for c in (found, *each))}  # fmt: skip
+        values = {k: _open(v) for k, v in ends.items()}
         row = {"ranks": p, "gpus_per_node": gpus_per_node, "pair": [a, b],
-               "crossover_gbps": found["mean"],
-               "crossover_range_gbps": [found["low"], found["high"]]}  # fmt: skip
+               "crossover_gbps": values["mean"][0],
+               "crossover_range_gbps": [values["low"][0], values["high"][0]]}  # fmt: skip
+        beyond = {k: side for k, (_, side) in values.items() if side}
         if by_repeat:
-            each = [_crossings(report, prof, a, b, p, gpus_per_node) for prof in by_repeat]
-            row["crossover_by_repeat_gbps"] = [c["mean"] for c in each]
-            lows = [c["low"] for c in (found, *each) if c["low"] is not None]
-            highs = [c["high"] for c in (found, *each) if c["high"] is not None]
-            row["crossover_range_gbps"] = [min(lows, default=None), max(highs, default=None)]
+            opened = [_open(c["mean"]) for c in each]
+            row["crossover_by_repeat_gbps"] = [v for v, _ in opened]
+            beyond.update({f"repeat {i + 1}": side for i, (_, side) in enumerate(opened) if side})
+        if beyond:
+            row["beyond"] = beyond
         out.append(row)
     return out
 
@@ -148,8 +179,15 @@ def crossover_lines(rows: list[dict]) -> list[str]:
         return []
     a, b = rows[0]["pair"]
 
-    def gbps(value: float | None) -> str:
-        return "none in 0.001–1000" if value is None else f"{value:.2g}"
+    def gbps(value: float | None, row: dict, end: str) -> str:
+        if value is not None:
+            return f"{value:.2g}"
+        side = (row.get("beyond") or {}).get(end)
+        if side == "above":
+            return f"> {HI_GBPS:g}"
+        if side == "below":
+            return f"< {LO_GBPS:g}"
+        return f"none in {LO_GBPS:g}–{HI_GBPS:g}"
 
     lines = [
         f"## Where {b} stops paying against {a}",
@@ -160,7 +198,13 @@ def crossover_lines(rows: list[dict]) -> list[str]:
         f"{b}'s mean ∓ std against {a}'s ± std over their seeds"
         + (", at every repeat of the sweep" if "crossover_by_repeat_gbps" in rows[0] else "")
         + ". A seed that missed the target counts at its run's end, so a recipe with one is "
-        "modelled too fast.",
+        "modelled too fast."
+        + (
+            f" `> {HI_GBPS:g}`: {b} pays at every link up to {HI_GBPS:g} Gbit/s; "
+            f"`< {LO_GBPS:g}`: at none down to {LO_GBPS:g} Gbit/s."
+            if any(r.get("beyond") for r in rows)
+            else ""
+        ),
         "",
     ]
     repeated = "crossover_by_repeat_gbps" in rows[0]
@@ -170,10 +214,15 @@ def crossover_lines(rows: list[dict]) -> list[str]:
         lines += ["| ranks | crossover | range |", "|---:|---:|---|"]
     for row in rows:
         low, high = row["crossover_range_gbps"]
-        each = (" | " + ", ".join(gbps(v) for v in row["crossover_by_repeat_gbps"])
+        dash = "–" if low is not None and high is not None else " to "
+        each = (" | " + ", ".join(gbps(v, row, f"repeat {i + 1}") for i, v in
+                                  enumerate(row["crossover_by_repeat_gbps"]))
                 if repeated else "")  # fmt: skip
-        lines.append(f"| {row['ranks']} | {gbps(row['crossover_gbps'])}{each} | "
-                     f"{gbps(low)}–{gbps(high)} |")  # fmt: skip
+        lines.append(f"| {row['ranks']} | {gbps(row['crossover_gbps'], row, 'mean')}{each} | "
+                     f"{gbps(low, row, 'low')}{dash}{gbps(high, row, 'high')} |")  # fmt: skip
+    figure = rows[0].get("figure")
+    if figure:
+        lines += ["", f"![modelled time to the target against the link]({figure})"]
     return [*lines, ""]
 
 
@@ -195,6 +244,12 @@ def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> l
     if a not in times or b not in times or a not in names or b not in names:
         return []
     return crossovers(report, profiles, a, b, by_repeat=repeat_profiles(netem_paths))
+
+
+def report_plot(report: dict, netem_paths: list[str], path: Path) -> None:
+    """:func:`plot` for a comparison's ``report.json`` and its netem files."""
+    profiles, _ = load_profiles(netem_paths)
+    plot(report, profiles, path, by_repeat=repeat_profiles(netem_paths))
 
 
 def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2,

@@ -15,7 +15,7 @@ import yaml
 
 from onebit_bert.recipes import get_recipe
 from pipeline.experiment import ReportSpec
-from pipeline.reports import compare, compare_prior, gate, ranking, timing
+from pipeline.reports import compare, compare_prior, crossover, gate, ranking, timing
 from pipeline.reports.stats import t_quantile, welch_t_test
 from pipeline.tuning import data_identity as tuning_data
 from pipeline.tuning import successive_halving, trials, tuning_record
@@ -970,3 +970,30 @@ def test_the_recipes_close_to_a_leader_that_owe_seeds(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ranking.main(["--report", str(tmp_path / "none.json")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_the_report_draws_where_onebit_lamb_stops_paying(runs, tmp_path):
+    from tests.helpers.netem_rows import model_row
+
+    named = [s.replace("onebit=", "onebit_lamb=", 1) for s in runs]
+    path = tmp_path / "model.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model": "bert-mini",
+                "seq_length": 128,
+                "batch_per_rank": 64,
+                "results": [model_row(bw, 8.0, 8.5) for bw in (25, 10000)],
+            }
+        )
+    )
+    out = tmp_path / "paying"
+    report = compare.write_report(named, out, str(path))
+    rows = report["crossover"]
+    assert [r["ranks"] for r in rows] == [4, 16, 64] and rows[0]["figure"] == "crossover.png"
+    assert (out / "crossover.png").stat().st_size > 0
+    text = (out / "report.md").read_text()
+    assert "## Where onebit_lamb stops paying against lamb" in text
+    assert "![modelled time to the target against the link](crossover.png)" in text
+    # the section is rendered again from the JSON alone (the pages' drift check)
+    assert "\n".join(crossover.crossover_lines(report["crossover"])) in text

@@ -84,3 +84,33 @@ def test_the_model_against_the_repositorys_netem_points():
     # median error of the modelled samples/s, each point predicted from the others
     assert summary["same sweep"]["median_abs_error"] < 0.1
     assert math.isfinite(summary["all"]["max_abs_error"])
+
+
+def test_a_crossing_outside_the_searched_links_says_on_which_side(tmp_path):
+    report = two_seed_report()
+
+    def rows_for(onebit_compute):
+        path = tmp_path / f"netem_{onebit_compute}.json"
+        path.write_text(json.dumps({"results": [_row(bw, 8.0, onebit_compute)
+                                                for bw in (25, 10000)]}))  # fmt: skip
+        return crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
+
+    # 1-bit LAMB's compression step computes faster than LAMB's step: at the means it pays
+    # at every link, at the spread's pessimistic end it stops paying at a finite link
+    (fast, *_) = rows_for(6.0)
+    assert fast["crossover_gbps"] is None and fast["beyond"]["mean"] == "above"
+    low, high = fast["crossover_range_gbps"]
+    assert low is not None and crossover.LO_GBPS < low < crossover.HI_GBPS
+    assert high is None and fast["beyond"]["high"] == "above" and "low" not in fast["beyond"]
+    text = "\n".join(crossover.crossover_lines([fast]))
+    assert f"| 4 | > 1000 | {low:.2g} to > 1000 |" in text
+    assert "pays at every link up to 1000 Gbit/s" in text
+    # a compression step far slower than LAMB's: it pays on no link at all
+    (slow, *_) = rows_for(600.0)
+    assert slow["crossover_gbps"] is None and slow["crossover_range_gbps"] == [None, None]
+    assert slow["beyond"] == {"mean": "below", "low": "below", "high": "below"}
+    assert "| 4 | < 0.001 | < 0.001 to < 0.001 |" in "\n".join(crossover.crossover_lines([slow]))
+    # inside the searched links nothing is open and the range keeps its dash
+    (inside, *_) = rows_for(8.5)
+    assert "beyond" not in inside
+    assert " to " not in "\n".join(crossover.crossover_lines([inside]))
