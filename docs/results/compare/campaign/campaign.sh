@@ -9,9 +9,12 @@
 #   campaign.sh status    done / pending per queued run
 #   campaign.sh sweep     the netem sweep (machine otherwise idle; SWEEP_RECIPES, BANDWIDTHS)
 #   campaign.sh sync      copy the staging record into $COMMITTED (then commit it by hand)
+#   campaign.sh report    the campaign report re-timed with the sweep into $FINAL (default
+#                         $COMMITTED/../tuned), and the seeds it owes into queue-extra.txt
 # Environment: REPO (the checkout whose code runs; default: this one), PY, W (work folder,
 # default ~/compare_work), DATA_ROOT (default REPO/../shared/data), COMMITTED (the record in
-# the repository to restore from; default REPO/docs/results/compare/campaign).
+# the repository to restore from; default REPO/docs/results/compare/campaign), SWEEP (the
+# sweep's netem.json for `report`; default $ARCH/netem/netem.json), FINAL.
 # Writes only under $W; copying $ARCH into the repository and committing is by hand.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -145,6 +148,31 @@ sweep() {  # one interleaved bench.netem invocation, --repeats 2; needs root, no
   cp "$W/netem/netem.json" "$W/netem/netem.png" "$ARCH/netem/"
 }
 
+report() {  # the re-timed report, then "recipe seed" lines for the seeds the ranking asks for
+  local sweep=${SWEEP:-$ARCH/netem/netem.json} final=${FINAL:-$COMMITTED/../tuned}
+  [ -f "$sweep" ] || { echo "no sweep yet: $sweep (campaign.sh sweep)" >&2; exit 1; }
+  (cd "$REPO" && "$PY" -m pipeline.reports.compare --prior "$ARCH/report.json" --retime \
+    --netem "$sweep" --out "$final") </dev/null
+  (cd "$REPO" && "$PY" -m pipeline.reports.ranking --report "$final/report.json" --json) \
+    </dev/null > "$W/owed.json"
+  "$PY" - "$final/report.json" "$W/owed.json" "${SEEDS:-6}" > "$ARCH/queue-extra.txt" <<'EOF'
+import json, sys
+runs = json.load(open(sys.argv[1]))["runs"]
+owed, want = json.load(open(sys.argv[2])), int(sys.argv[3])
+print(f"# seeds the ranking of {sys.argv[1]} asks for: {want} per close recipe")
+for entry in owed:
+    have = {int(r["seed"]) for r in runs if r["name"] == entry["name"]}
+    seed = 2
+    while len(have) < want:
+        if seed not in have:
+            have.add(seed)
+            print(entry["name"], seed)
+        seed += 1
+EOF
+  echo "[campaign] report: $final; owed seeds: $ARCH/queue-extra.txt"
+  cat "$ARCH/queue-extra.txt"
+}
+
 restore
 mapfile -t ITEMS < <(queue)
 case "${1:-run}" in
@@ -154,6 +182,7 @@ case "${1:-run}" in
       if in_report "$r" "$s"; then echo "done    $r $s"; else echo "pending $r $s"; fi
     done ;;
   sweep) sweep ;;
+  report) report ;;
   sync)
     mkdir -p "$COMMITTED/evaluation" "$COMMITTED/runs"
     cp "$ARCH/report.json" "$COMMITTED/"
@@ -171,5 +200,5 @@ case "${1:-run}" in
       run_one "$r" "$s"
     done
     echo "[campaign] queue done" ;;
-  *) echo "usage: $0 [run|status|sweep|sync]" >&2; exit 2 ;;
+  *) echo "usage: $0 [run|status|sweep|sync|report]" >&2; exit 2 ;;
 esac
