@@ -503,10 +503,8 @@ def write_report(
     result = {**report_json(data, netem_paths, netem), "tuning": tuning, "data": identity,
               "groups": ranked}  # fmt: skip
     paying = crossover.report_crossovers(result, netem_paths, data["arms"][0]["name"],
-                                         ONEBIT)  # fmt: skip
+                                         ONEBIT, figure=out / "crossover.png")  # fmt: skip
     if paying:
-        crossover.report_plot(result, netem_paths, out / "crossover.png")
-        paying[0]["figure"] = "crossover.png"
         result["crossover"] = paying
         at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
         extra[at:at] = crossover.crossover_lines(paying)  # after the groups

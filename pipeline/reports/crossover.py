@@ -233,9 +233,11 @@ def repeat_profiles(netem_paths: list[str]) -> list[dict]:
     return [load_profiles(netem_paths, r)[0] for r in range(count)] if count > 1 else []
 
 
-def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> list[dict]:
+def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str,
+                      figure: Path | None = None) -> list[dict]:  # fmt: skip
     """:func:`crossovers` for a comparison's ``report.json``; empty when either recipe has
-    no seed at the target or no measured speed."""
+    no seed at the target or no measured speed. With ``figure``, :func:`plot` draws every
+    recipe there from the same speeds, and the first row names it (its ``figure``)."""
     if not netem_paths:
         return []
     profiles, _ = load_profiles(netem_paths)
@@ -243,13 +245,12 @@ def report_crossovers(report: dict, netem_paths: list[str], a: str, b: str) -> l
     names = {r["name"]: r for r in report["runs"] if r["time_to_target"].get("reached")}
     if a not in times or b not in times or a not in names or b not in names:
         return []
-    return crossovers(report, profiles, a, b, by_repeat=repeat_profiles(netem_paths))
-
-
-def report_plot(report: dict, netem_paths: list[str], path: Path) -> None:
-    """:func:`plot` for a comparison's ``report.json`` and its netem files."""
-    profiles, _ = load_profiles(netem_paths)
-    plot(report, profiles, path, by_repeat=repeat_profiles(netem_paths))
+    each = repeat_profiles(netem_paths)
+    rows = crossovers(report, profiles, a, b, by_repeat=each)
+    if figure is not None:
+        plot(report, profiles, figure, by_repeat=each)
+        rows[0]["figure"] = figure.name
+    return rows
 
 
 def plot(report: dict, profiles: dict, path: Path, ranks=(4, 64), gpus_per_node: int = 2,
