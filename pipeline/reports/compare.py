@@ -453,6 +453,7 @@ def write_report(
     drop_prior: list[str] | None = None,
     data_reference_specs: list[str] | None = None,
     mixed_data: bool = False,
+    groups_config: str | None = None,
 ) -> dict:
     """Build the comparison and write ``report.md``, ``report.json`` and the figures into
     ``out``; returns what ``report.json`` holds. ``tuning_paths``: the recipes' tuning
@@ -465,9 +466,12 @@ def write_report(
     ``data_reference_specs``: runs of the reference's recipe on other data, each strategy
     set against those on its own data (:mod:`pipeline.reports.same_data`). Runs of more than
     one data identity are refused unless ``mixed_data``
-    (:func:`pipeline.reports.same_data.data_identities`)."""
+    (:func:`pipeline.reports.same_data.data_identities`). ``groups_config``: the groups'
+    pre-registered margin and seed count (:func:`pipeline.reports.ranking.load_preregistration`),
+    stated under the groups with the seeds still owed."""
     from pipeline.reports.compare_plots import write_figures
 
+    plan = ranking.load_preregistration(groups_config) if groups_config else None
     if isinstance(netem_paths, str):
         netem_paths = [netem_paths]
     netem_paths = list(netem_paths or [])
@@ -502,11 +506,16 @@ def write_report(
     ]
     result = {**report_json(data, netem_paths, netem), "tuning": tuning, "data": identity,
               "groups": ranked}  # fmt: skip
+    if plan:
+        result["groups_preregistration"] = plan.as_dict()
+        at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
+        extra[at:at] = ranking.preregistration_lines(plan, result)
     paying = crossover.report_crossovers(result, netem_paths, data["arms"][0]["name"],
                                          ONEBIT, figure=out / "crossover.png")  # fmt: skip
     if paying:
         result["crossover"] = paying
         at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
+        at += len(ranking.preregistration_lines(plan, result)) if plan else 0
         extra[at:at] = crossover.crossover_lines(paying)  # after the groups
     sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
     atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
@@ -581,6 +590,11 @@ def main(argv: list[str] | None = None) -> int:
         help="rank runs pretrained on different data identities together (refused "
         "otherwise; the report then flags it)",
     )
+    parser.add_argument(
+        "--preregistered",
+        help="the groups' pre-registered test, margin and seed count (say "
+        f"{ranking.PREREGISTERED}): stated under the groups with the seeds still owed",
+    )
 
     def write(args) -> str:
         if not args.run and not args.prior:
@@ -589,7 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         write_report(args.run, args.out, args.netem, args.target_loss, args.tuning,
                      args.allow_unequal_budgets, args.prior, args.retime,
-                     args.drop, args.data_reference, args.mixed_data)  # fmt: skip
+                     args.drop, args.data_reference, args.mixed_data,
+                     args.preregistered)  # fmt: skip
         return f"report: {args.out}/report.md"
 
     return cli.run(parser, argv, write)

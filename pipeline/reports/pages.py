@@ -49,10 +49,22 @@ def headline(report: dict, source: str, link: str | None = None) -> str:
     lines = [
         f"From [`{source}`]({link or source}) (target validation MLM loss {target:.4f}; modelled "
         "time to the target, mean over seeds, a seed that missed counted with its run's end "
-        "as a lower bound, ≥; seeds at the target / seeds; Welch's two-sided test, "
-        f"α {ranking.ALPHA:g}, detectable difference at {ranking.POWER:.0%} power{mixed}):",
+        "as a lower bound, ≥; seeds at the target / seeds; against the first, the paired "
+        "two-sided t-test on the log ratio of the seeds' times, Welch's where fewer than two "
+        f"seeds pair, α {ranking.ALPHA:g}, detectable difference at {ranking.POWER:.0%} "
+        f"power{mixed}):",
         "",
     ]
+    plan = report.get("groups_preregistration")
+    if plan:
+        owed = ranking.seeds_owed(report, plan["within"], plan["seeds"])
+        short = ", ".join(f"{e['name']} ({e['seeds']}/{plan['seeds']})" for e in owed)
+        state = (f"**still owed: {short}, so these groups are provisional**" if owed
+                 else "all run")  # fmt: skip
+        lines[0] = lines[0].removesuffix("):") + (
+            f"; pre-registered on {plan['preregistered']}: every recipe within "
+            f"{plan['within']:.0%} of the first to {plan['seeds']} seeds, {state}):"
+        )
     for row in report.get("groups") or []:
         by_name = {e["name"]: e for e in row["ranking"]}
         text = f"- **{ranking.bandwidth_label(row['bandwidth_mbit'])}**: {ranking.answer(row)}"

@@ -29,6 +29,8 @@ of repeats: a difference the machine's run-to-run speed could make is not called
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.reports.stats import mean_std, t_quantile, t_two_sided_p, welch_t_test
 from pipeline.reports.timing import (
@@ -52,6 +54,88 @@ TEST = (
     "than once, behind means slower at every pair of repeats, and the interval [lo, hi] of "
     "a mean is the union of the repeats' 95 % t intervals over seeds (cut at zero)"
 )
+
+
+PREREGISTERED = "configs/compare/groups.yaml"
+"""Where the comparison's test, margin and seed count were fixed before the seeds they judge
+(:func:`load_preregistration`), relative to the repository root."""
+
+
+@dataclass(frozen=True)
+class Preregistration:
+    """The groups' test as fixed before the runs it judges (:data:`PREREGISTERED`)."""
+
+    path: str
+    test: str
+    alpha: float
+    power: float
+    within: float
+    """a recipe whose mean time is within this share of the first's owes seeds"""
+    seeds: int
+    """the seeds each such recipe gets"""
+    bandwidths_mbit: tuple[float, ...]
+    sweep_repeats: int
+    preregistered: str
+    """when it was fixed (ISO 8601 UTC)"""
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "bandwidths_mbit": list(self.bandwidths_mbit)}
+
+
+def load_preregistration(path: str | Path = PREREGISTERED) -> Preregistration:
+    """Read a pre-registration file; refused (one error naming the file and the field) when
+    a field is missing or unknown, or when its test is not the one :func:`groups` computes
+    (the paired test at :data:`ALPHA`, detectable differences at :data:`POWER`)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such pre-registration file (see {PREREGISTERED})")
+    raw = yaml.safe_load(path.read_text()) or {}
+    fields = [f for f in Preregistration.__dataclass_fields__ if f != "path"]
+    missing = [f for f in fields if f not in raw]
+    unknown = sorted(set(raw) - set(fields))
+    if missing or unknown:
+        raise ValueError(f"{path}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'}"
+                         f"; it needs exactly {', '.join(fields)}")  # fmt: skip
+    computed = {"test": "paired", "alpha": ALPHA, "power": POWER}
+    for key, value in computed.items():
+        if raw[key] != value:
+            raise ValueError(
+                f"{path}: {key} is {raw[key]!r}, but pipeline.reports.ranking computes "
+                f"{key} {value!r}: a different test is a code change, made before the runs"
+            )
+    if float(raw["within"]) <= 0 or int(raw["seeds"]) < 2:
+        raise ValueError(f"{path}: within must be > 0 and seeds >= 2")
+    return Preregistration(
+        path=str(path), test=raw["test"], alpha=float(raw["alpha"]),
+        power=float(raw["power"]), within=float(raw["within"]), seeds=int(raw["seeds"]),
+        bandwidths_mbit=tuple(float(b) for b in raw["bandwidths_mbit"]),
+        sweep_repeats=int(raw["sweep_repeats"]), preregistered=str(raw["preregistered"]),
+    )  # fmt: skip
+
+
+def preregistration_lines(plan: Preregistration, report: dict) -> list[str]:
+    """The report's statement of its pre-registered test and what it still owes: the
+    recipes short of ``plan.seeds`` (:func:`seeds_owed`), and the pre-registered bandwidths
+    the groups lack."""
+    owed = seeds_owed(report, plan.within, plan.seeds)
+    have = {float(row["bandwidth_mbit"]) for row in report.get("groups") or []}
+    absent = [bandwidth_label(b) for b in plan.bandwidths_mbit if b not in have]
+    text = (
+        f"Pre-registered on {plan.preregistered} in `{plan.path}`: the test above, every "
+        f"recipe within {plan.within:.0%} of the first at a bandwidth to {plan.seeds} seeds, "
+        f"at {', '.join(bandwidth_label(b) for b in plan.bandwidths_mbit)} with "
+        f"{plan.sweep_repeats} repeats of the sweep. "
+    )
+    if owed:
+        short = ", ".join(f"{e['name']} ({e['seeds']}/{plan.seeds})" for e in owed)
+        text += f"**Seeds still owed**: {short}; until they run, these groups are provisional."
+    else:
+        text += f"Every such recipe has its {plan.seeds} seeds."
+    if absent:
+        text += f" **Not measured**: {', '.join(absent)}."
+    return [text, ""]
 
 
 # ----------------------------------------------------------------------------- censoring
@@ -377,7 +461,7 @@ def group_lines(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------- seeds owed
 
 
-def seeds_owed(report: dict, within: float = 0.25, seeds: int = 6) -> list[dict]:
+def seeds_owed(report: dict, within: float, seeds: int) -> list[dict]:
     """The recipes a comparison owes more seeds: every recipe whose mean time to the target
     at some bandwidth of ``report["groups"]`` is within ``within`` of that bandwidth's
     first and that has fewer than ``seeds`` seeds. One entry per recipe: its seeds now, the
@@ -400,28 +484,30 @@ def seeds_owed(report: dict, within: float = 0.25, seeds: int = 6) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.reports.ranking --report R [--within 0.25] [--seeds 6]``: the
-    recipes that owe seeds (:func:`seeds_owed`), one ``RECIPE NODES`` line each."""
+    """``python -m pipeline.reports.ranking --report R [--preregistered F]``: the recipes
+    that owe seeds (:func:`seeds_owed`) under the pre-registered margin and seed count, one
+    ``RECIPE NODES`` line each."""
     import argparse
     import json
-    from pathlib import Path
 
     parser = argparse.ArgumentParser(prog="python -m pipeline.reports.ranking",
                                      description=main.__doc__)  # fmt: skip
     parser.add_argument("--report", default="docs/results/compare/tuned/report.json")
     parser.add_argument(
-        "--within",
-        type=float,
-        default=0.25,
-        help="share of the first's time that counts as close (default 0.25)",
+        "--preregistered",
+        default=PREREGISTERED,
+        help=f"the pre-registered margin and seed count (default {PREREGISTERED})",
     )
-    parser.add_argument("--seeds", type=int, default=6, help="seeds each close recipe needs")
     parser.add_argument("--json", action="store_true", help="the entries as JSON instead")
     args = parser.parse_args(argv)
     path = Path(args.report)
     if not path.is_file():
         parser.error(f"--report {path}: no such file (a pipeline.reports.compare report.json)")
-    owed = seeds_owed(json.loads(path.read_text()), args.within, args.seeds)
+    try:
+        plan = load_preregistration(args.preregistered)
+    except (OSError, ValueError) as err:
+        parser.error(str(err))
+    owed = seeds_owed(json.loads(path.read_text()), plan.within, plan.seeds)
     if args.json:
         print(json.dumps(owed))
     else:

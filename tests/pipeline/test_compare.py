@@ -958,18 +958,59 @@ def test_the_recipes_close_to_a_leader_that_owe_seeds(tmp_path, capsys):
         ],
         "tuning": {"b": {"nodes": 2}},
     }  # fmt: skip
-    owed = ranking.seeds_owed(report)
+    owed = ranking.seeds_owed(report, within=0.25, seeds=6)
     # c is close but has its 6 seeds; d is 26 % behind at 25 Mbit/s but first at 10 Gbit/s
     assert [(e["name"], e["nodes"], e["bandwidths_mbit"]) for e in owed] == [
         ("a", 1, [25.0]), ("b", 2, [25.0]), ("d", 1, [10000.0])]  # fmt: skip
     assert [e["name"] for e in ranking.seeds_owed(report, within=0.3, seeds=3)] == ["a", "b", "d"]
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
-    assert ranking.main(["--report", str(path)]) == 0
+    assert ranking.main(["--report", str(path)]) == 0  # the pre-registered 25 %, 6 seeds
     assert capsys.readouterr().out == "a 1\nb 2\nd 1\n"
+    tighter = tmp_path / "tighter.yaml"
+    tighter.write_text(PREREGISTERED.read_text().replace("within: 0.25", "within: 0.05"))
+    assert ranking.main(["--report", str(path), "--preregistered", str(tighter)]) == 0
+    assert capsys.readouterr().out == "a 1\nd 1\n"  # b is 10 % behind: no longer close
     with pytest.raises(SystemExit):
         ranking.main(["--report", str(tmp_path / "none.json")])
     assert "no such file" in capsys.readouterr().err
+
+
+PREREGISTERED = Path(__file__).resolve().parents[2] / ranking.PREREGISTERED
+
+
+def test_the_preregistered_test_is_the_one_the_ranking_computes(tmp_path):
+    plan = ranking.load_preregistration(PREREGISTERED)
+    assert (plan.test, plan.alpha, plan.power) == ("paired", ranking.ALPHA, ranking.POWER)
+    assert (plan.within, plan.seeds, plan.bandwidths_mbit) == (0.25, 6, (25.0, 10000.0))
+    text = PREREGISTERED.read_text()
+    for old, new, says in [("alpha: 0.05", "alpha: 0.1", "alpha is 0.1"),
+                           ("test: paired", "test: welch", "test is 'welch'"),
+                           ("seeds: 6\n", "", "missing ['seeds']"),
+                           ("seeds: 6", "seeds: 6\nmargin: 1", "unknown ['margin']")]:  # fmt: skip
+        changed = tmp_path / "changed.yaml"
+        changed.write_text(text.replace(old, new))
+        with pytest.raises(ValueError, match=re.escape(says)):
+            ranking.load_preregistration(changed)
+    with pytest.raises(FileNotFoundError, match="no such pre-registration file"):
+        ranking.load_preregistration(tmp_path / "none.yaml")
+
+
+def test_the_report_states_its_preregistration_and_the_seeds_it_owes(runs, netem, tmp_path):
+    report = compare.write_report(runs, tmp_path / "r", str(netem),
+                                  groups_config=str(PREREGISTERED))  # fmt: skip
+    plan = ranking.load_preregistration(PREREGISTERED)
+    assert report["groups_preregistration"] == plan.as_dict()
+    text = (tmp_path / "r" / "report.md").read_text()
+    owed = ranking.seeds_owed(report, 0.25, 6)
+    assert owed and f"**Seeds still owed**: {owed[0]['name']} ({owed[0]['seeds']}/6)" in text
+    few = tmp_path / "few.yaml"
+    few.write_text(PREREGISTERED.read_text().replace("seeds: 6", "seeds: 2"))
+    # without the one-seed onebit, LAMB (3 seeds) is the only recipe timed
+    compare.write_report(runs[:3] + runs[4:], tmp_path / "done", str(netem),
+                         groups_config=str(few))  # fmt: skip
+    assert "Every such recipe has its 2 seeds." in (tmp_path / "done" / "report.md").read_text()
+    assert "groups_preregistration" not in compare.write_report(runs, tmp_path / "n", str(netem))
 
 
 def test_the_report_draws_where_onebit_lamb_stops_paying(runs, tmp_path):

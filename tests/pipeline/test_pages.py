@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from pipeline.reports import pages
+from pipeline.reports import pages, ranking
 from tests.helpers.paths import REPO
 
 TUNED = REPO / "docs" / "results" / "compare" / "tuned"
@@ -31,9 +31,11 @@ def test_a_changed_number_is_caught(tmp_path):
     shutil.copy(TUNED / "report.json", tmp_path / "report.json")
     text = (TUNED / "report.md").read_text()
     # one time in the strategies table, one in the groups' answer
-    (tmp_path / "report.md").write_text(text.replace("9.40 h", "9.41 h", 1))
-    assert len(pages.report_md_drift(tmp_path)) >= 1
     report = json.loads((TUNED / "report.json").read_text())
+    shown = ranking.human_seconds(report["groups"][0]["ranking"][0]["mean"])
+    assert shown in text
+    (tmp_path / "report.md").write_text(text.replace(shown, "999.99 h", 1))
+    assert len(pages.report_md_drift(tmp_path)) >= 1
     page = tmp_path / "page.md"
     block = f"<!-- headline: {TUNED.relative_to(REPO)}/report.json -->\n"
     page.write_text(f"x\n{block}stale\n<!-- /headline -->\ny\n")
@@ -55,3 +57,18 @@ def test_the_report_json_carries_each_records_data_and_the_groups():
         assert row["leaders"] and "Welch" in row["test"]
         censored = [e for e in row["ranking"] if e["lower_bound"]]
         assert all(any(e["censored"]) for e in censored)
+
+
+def test_the_headline_says_which_seeds_the_preregistration_still_owes():
+    report = json.loads((TUNED / "report.json").read_text())
+    plan = ranking.load_preregistration(REPO / ranking.PREREGISTERED).as_dict()
+    owed = ranking.seeds_owed(report, plan["within"], plan["seeds"])
+    assert owed  # two seeds each in this report
+    text = pages.headline({**report, "groups_preregistration": plan}, "r.json")
+    first = f"{owed[0]['name']} ({owed[0]['seeds']}/6)"
+    assert f"pre-registered on {plan['preregistered']}" in text and first in text
+    assert "provisional" in text and "provisional" not in pages.headline(report, "r.json")
+    done = {**plan, "seeds": 1}
+    assert "to 1 seeds, all run):" in pages.headline(
+        {**report, "groups_preregistration": done}, "r.json"
+    )

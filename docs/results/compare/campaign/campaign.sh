@@ -151,14 +151,16 @@ sweep() {  # one interleaved bench.netem invocation, --repeats 2; needs root, no
 report() {  # the re-timed report, then "recipe seed" lines for the seeds the ranking asks for
   local sweep=${SWEEP:-$ARCH/netem/netem.json} final=${FINAL:-$COMMITTED/../tuned}
   [ -f "$sweep" ] || { echo "no sweep yet: $sweep (campaign.sh sweep)" >&2; exit 1; }
+  local plan=configs/compare/groups.yaml  # the pre-registered margin and seed count
   (cd "$REPO" && "$PY" -m pipeline.reports.compare --prior "$ARCH/report.json" --retime \
-    --netem "$sweep" --out "$final") </dev/null
-  (cd "$REPO" && "$PY" -m pipeline.reports.ranking --report "$final/report.json" --json) \
-    </dev/null > "$W/owed.json"
-  "$PY" - "$final/report.json" "$W/owed.json" "${SEEDS:-6}" > "$ARCH/queue-extra.txt" <<'EOF'
+    --netem "$sweep" --preregistered "$plan" --out "$final") </dev/null
+  (cd "$REPO" && "$PY" -m pipeline.reports.ranking --report "$final/report.json" \
+    --preregistered "$plan" --json) </dev/null > "$W/owed.json"
+  "$PY" - "$final/report.json" "$W/owed.json" > "$ARCH/queue-extra.txt" <<'EOF'
 import json, sys
-runs = json.load(open(sys.argv[1]))["runs"]
-owed, want = json.load(open(sys.argv[2])), int(sys.argv[3])
+report = json.load(open(sys.argv[1]))
+runs, want = report["runs"], report["groups_preregistration"]["seeds"]
+owed = json.load(open(sys.argv[2]))
 print(f"# seeds the ranking of {sys.argv[1]} asks for: {want} per close recipe")
 for entry in owed:
     have = {int(r["seed"]) for r in runs if r["name"] == entry["name"]}
