@@ -63,7 +63,7 @@ def headline(report: dict, source: str, link: str | None = None) -> str:
                  else "all run")  # fmt: skip
         lines[0] = lines[0].removesuffix("):") + (
             f"; pre-registered on {plan['preregistered']}: every recipe within "
-            f"{plan['within']:.0%} of the first to {plan['seeds']} seeds, {state}):"
+            f"{plan['within'] * 100:g} % of the first to {plan['seeds']} seeds, {state}):"
         )
     for row in report.get("groups") or []:
         by_name = {e["name"]: e for e in row["ranking"]}

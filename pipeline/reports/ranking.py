@@ -124,8 +124,8 @@ def preregistration_lines(plan: Preregistration, report: dict) -> list[str]:
     absent = [bandwidth_label(b) for b in plan.bandwidths_mbit if b not in have]
     text = (
         f"Pre-registered on {plan.preregistered} in `{plan.path}`: the test above, every "
-        f"recipe within {plan.within:.0%} of the first at a bandwidth to {plan.seeds} seeds, "
-        f"at {', '.join(bandwidth_label(b) for b in plan.bandwidths_mbit)} with "
+        f"recipe within {plan.within * 100:g} % of the first at a bandwidth to {plan.seeds} seeds, "
+        f"at {' and '.join(bandwidth_label(b) for b in plan.bandwidths_mbit)} with "
         f"{plan.sweep_repeats} repeats of the sweep. "
     )
     if owed:
