@@ -14,7 +14,8 @@
 # Environment: REPO (the checkout whose code runs; default: this one), PY, W (work folder,
 # default ~/compare_work), DATA_ROOT (default REPO/../shared/data), COMMITTED (the record in
 # the repository to restore from; default REPO/docs/results/compare/campaign), SWEEP (the
-# sweep's netem.json for `report`; default $ARCH/netem/netem.json), FINAL.
+# sweep's netem.json for `report`, relative to REPO, as the report records it; default the
+# synced docs/results/compare/campaign/netem/netem.json), FINAL.
 # Writes only under $W; copying $ARCH into the repository and committing is by hand.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -149,8 +150,10 @@ sweep() {  # one interleaved bench.netem invocation, --repeats 2; needs root, no
 }
 
 report() {  # the re-timed report, then "recipe seed" lines for the seeds the ranking asks for
-  local sweep=${SWEEP:-$ARCH/netem/netem.json} final=${FINAL:-$COMMITTED/../tuned}
-  [ -f "$sweep" ] || { echo "no sweep yet: $sweep (campaign.sh sweep)" >&2; exit 1; }
+  local sweep=${SWEEP:-docs/results/compare/campaign/netem/netem.json}
+  local final=${FINAL:-$COMMITTED/../tuned}
+  [ -f "$REPO/$sweep" ] || {
+    echo "no sweep at $REPO/$sweep: run campaign.sh sweep, then sync" >&2; exit 1; }
   local plan=configs/compare/groups.yaml  # the pre-registered margin and seed count
   (cd "$REPO" && "$PY" -m pipeline.reports.compare --prior "$ARCH/report.json" --retime \
     --netem "$sweep" --preregistered "$plan" --out "$final") </dev/null
