@@ -155,7 +155,11 @@ report() {  # the re-timed report, then "recipe seed" lines for the seeds the ra
   [ -f "$REPO/$sweep" ] || {
     echo "no sweep at $REPO/$sweep: run campaign.sh sweep, then sync" >&2; exit 1; }
   local plan=configs/compare/groups.yaml  # the pre-registered margin and seed count
-  (cd "$REPO" && "$PY" -m pipeline.reports.compare --prior "$ARCH/report.json" --retime \
+  local prior="$ARCH/report.json"
+  if cmp -s "$ARCH/report.json" "$COMMITTED/report.json"; then  # synced: name the clone's copy
+    prior=$(realpath --relative-to="$REPO" "$COMMITTED/report.json")
+  fi
+  (cd "$REPO" && "$PY" -m pipeline.reports.compare --prior "$prior" --retime \
     --netem "$sweep" --preregistered "$plan" --out "$final") </dev/null
   (cd "$REPO" && "$PY" -m pipeline.reports.ranking --report "$final/report.json" \
     --preregistered "$plan" --json) </dev/null > "$W/owed.json"
