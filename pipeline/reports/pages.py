@@ -57,13 +57,16 @@ def headline(report: dict, source: str, link: str | None = None) -> str:
     ]
     plan = report.get("groups_preregistration")
     if plan:
-        owed = ranking.seeds_owed(report, plan["within"], plan["seeds"])
+        owed = ranking.seeds_owed(report, plan["within"], plan["seeds"],
+                                  plan.get("leaders", False))  # fmt: skip
         short = ", ".join(f"{e['name']} ({e['seeds']}/{plan['seeds']})" for e in owed)
         state = (f"**still owed: {short}, so these groups are provisional**" if owed
                  else "all run")  # fmt: skip
         lines[0] = lines[0].removesuffix("):") + (
             f"; pre-registered on {plan['preregistered']}: every recipe within "
-            f"{plan['within'] * 100:g} % of the first to {plan['seeds']} seeds, {state}):"
+            f"{plan['within'] * 100:g} % of the first"
+            f"{' or among the leaders' if plan.get('leaders') else ''} to {plan['seeds']} "
+            f"seeds, {state}):"
         )
     for row in report.get("groups") or []:
         by_name = {e["name"]: e for e in row["ranking"]}

@@ -73,10 +73,14 @@ class Preregistration:
     """a recipe whose mean time is within this share of the first's owes seeds"""
     seeds: int
     """the seeds each such recipe gets"""
+    leaders: bool
+    """every leader (not separable from the first) owes seeds too, however far behind"""
     bandwidths_mbit: tuple[float, ...]
     sweep_repeats: int
     preregistered: str
     """when it was fixed (ISO 8601 UTC)"""
+    amended: str | None
+    """when and why it was changed, before any run it judges (None: never)"""
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "bandwidths_mbit": list(self.bandwidths_mbit)}
@@ -93,6 +97,7 @@ def load_preregistration(path: str | Path = PREREGISTERED) -> Preregistration:
         raise FileNotFoundError(f"{path}: no such pre-registration file (see {PREREGISTERED})")
     raw = yaml.safe_load(path.read_text()) or {}
     fields = [f for f in Preregistration.__dataclass_fields__ if f != "path"]
+    raw.setdefault("amended", None)
     missing = [f for f in fields if f not in raw]
     unknown = sorted(set(raw) - set(fields))
     if missing or unknown:
@@ -110,8 +115,10 @@ def load_preregistration(path: str | Path = PREREGISTERED) -> Preregistration:
     return Preregistration(
         path=str(path), test=raw["test"], alpha=float(raw["alpha"]),
         power=float(raw["power"]), within=float(raw["within"]), seeds=int(raw["seeds"]),
+        leaders=bool(raw["leaders"]),
         bandwidths_mbit=tuple(float(b) for b in raw["bandwidths_mbit"]),
         sweep_repeats=int(raw["sweep_repeats"]), preregistered=str(raw["preregistered"]),
+        amended=None if raw["amended"] is None else str(raw["amended"]),
     )  # fmt: skip
 
 
@@ -119,15 +126,17 @@ def preregistration_lines(plan: Preregistration, report: dict) -> list[str]:
     """The report's statement of its pre-registered test and what it still owes: the
     recipes short of ``plan.seeds`` (:func:`seeds_owed`), and the pre-registered bandwidths
     the groups lack."""
-    owed = seeds_owed(report, plan.within, plan.seeds)
+    owed = seeds_owed(report, plan.within, plan.seeds, plan.leaders)
     have = {float(row["bandwidth_mbit"]) for row in report.get("groups") or []}
     absent = [bandwidth_label(b) for b in plan.bandwidths_mbit if b not in have]
+    who = f"every recipe within {plan.within * 100:g} % of the first at a bandwidth"
     text = (
-        f"Pre-registered on {plan.preregistered} in `{plan.path}`: the test above, every "
-        f"recipe within {plan.within * 100:g} % of the first at a bandwidth to {plan.seeds} seeds, "
+        f"Pre-registered on {plan.preregistered} in `{plan.path}`: the test above, "
+        f"{who}{' or among its leaders' if plan.leaders else ''} to {plan.seeds} seeds, "
         f"at {' and '.join(bandwidth_label(b) for b in plan.bandwidths_mbit)} with "
-        f"{plan.sweep_repeats} repeats of the sweep. "
-    )
+        f"{plan.sweep_repeats} repeats of the sweep"
+        + (f" (amended {plan.amended})" if plan.amended else "") + ". "
+    )  # fmt: skip
     if owed:
         short = ", ".join(f"{e['name']} ({e['seeds']}/{plan.seeds})" for e in owed)
         text += f"**Seeds still owed**: {short}; until they run, these groups are provisional."
@@ -461,10 +470,11 @@ def group_lines(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------- seeds owed
 
 
-def seeds_owed(report: dict, within: float, seeds: int) -> list[dict]:
+def seeds_owed(report: dict, within: float, seeds: int, leaders: bool = False) -> list[dict]:
     """The recipes a comparison owes more seeds: every recipe whose mean time to the target
     at some bandwidth of ``report["groups"]`` is within ``within`` of that bandwidth's
-    first and that has fewer than ``seeds`` seeds. One entry per recipe: its seeds now, the
+    first, or with ``leaders`` is among that bandwidth's leaders, and that has fewer than
+    ``seeds`` seeds. One entry per recipe: its seeds now, the
     bandwidths that put it there, and the ``--nodes`` its tuning ran with (so that
     ``pipeline.tune --evaluate`` can run the rest the same way)."""
     owed: dict[str, dict] = {}
@@ -472,8 +482,10 @@ def seeds_owed(report: dict, within: float, seeds: int) -> list[dict]:
         if not row["ranking"]:
             continue
         first = row["ranking"][0]["mean"]
+        leading = set(row.get("leaders") or ()) if leaders else set()
         for entry in row["ranking"]:
-            if entry["mean"] <= (1 + within) * first and entry["seeds"] < seeds:
+            close = entry["mean"] <= (1 + within) * first or entry["name"] in leading
+            if close and entry["seeds"] < seeds:
                 item = owed.setdefault(entry["name"], {
                     "name": entry["name"], "seeds": entry["seeds"], "bandwidths_mbit": [],
                     "nodes": ((report.get("tuning") or {}).get(entry["name"]) or {}).get(
@@ -485,8 +497,8 @@ def seeds_owed(report: dict, within: float, seeds: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.reports.ranking --report R [--preregistered F]``: the recipes
-    that owe seeds (:func:`seeds_owed`) under the pre-registered margin and seed count, one
-    ``RECIPE NODES`` line each."""
+    that owe seeds (:func:`seeds_owed`) under the pre-registered margin, leaders rule and
+    seed count, one ``RECIPE NODES`` line each."""
     import argparse
     import json
 
@@ -507,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = load_preregistration(args.preregistered)
     except (OSError, ValueError) as err:
         parser.error(str(err))
-    owed = seeds_owed(json.loads(path.read_text()), plan.within, plan.seeds)
+    owed = seeds_owed(json.loads(path.read_text()), plan.within, plan.seeds, plan.leaders)
     if args.json:
         print(json.dumps(owed))
     else:

@@ -963,6 +963,14 @@ def test_the_recipes_close_to_a_leader_that_owe_seeds(tmp_path, capsys):
     assert [(e["name"], e["nodes"], e["bandwidths_mbit"]) for e in owed] == [
         ("a", 1, [25.0]), ("b", 2, [25.0]), ("d", 1, [10000.0])]  # fmt: skip
     assert [e["name"] for e in ranking.seeds_owed(report, within=0.3, seeds=3)] == ["a", "b", "d"]
+    # a leader owes seeds however far behind, when the leaders rule is on
+    report["groups"][1]["leaders"] = ["d", "a"]
+    report["groups"][0]["ranking"].append(entry("e", 500.0, 2))
+    report["groups"][0]["leaders"] = ["a", "b", "c", "e"]
+    assert [e["name"] for e in ranking.seeds_owed(report, 0.25, 6, leaders=True)] == [
+        "a", "b", "d", "e"]  # fmt: skip
+    assert "e" not in [e["name"] for e in ranking.seeds_owed(report, 0.25, 6)]
+    del report["groups"][0]["ranking"][-1], report["groups"][0]["leaders"]
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     assert ranking.main(["--report", str(path)]) == 0  # the pre-registered 25 %, 6 seeds
@@ -983,6 +991,7 @@ def test_the_preregistered_test_is_the_one_the_ranking_computes(tmp_path):
     plan = ranking.load_preregistration(PREREGISTERED)
     assert (plan.test, plan.alpha, plan.power) == ("paired", ranking.ALPHA, ranking.POWER)
     assert (plan.within, plan.seeds, plan.bandwidths_mbit) == (0.25, 6, (25.0, 10000.0))
+    assert plan.leaders and plan.amended.startswith("2026-11-30T")  # before the owed seeds
     text = PREREGISTERED.read_text()
     for old, new, says in [("alpha: 0.05", "alpha: 0.1", "alpha is 0.1"),
                            ("test: paired", "test: welch", "test is 'welch'"),

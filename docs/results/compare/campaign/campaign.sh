@@ -168,15 +168,18 @@ import json, sys
 report = json.load(open(sys.argv[1]))
 runs, want = report["runs"], report["groups_preregistration"]["seeds"]
 owed = json.load(open(sys.argv[2]))
-print(f"# seeds the ranking of {sys.argv[1]} asks for: {want} per close recipe")
+print(f"# seeds the ranking of {sys.argv[1]} asks for: {want} per owing recipe, in rounds")
+lines = []
 for entry in owed:
     have = {int(r["seed"]) for r in runs if r["name"] == entry["name"]}
     seed = 2
     while len(have) < want:
         if seed not in have:
             have.add(seed)
-            print(entry["name"], seed)
+            lines.append((seed, entry["name"]))
         seed += 1
+for seed, name in sorted(lines):  # one seed of every owing recipe, then the next
+    print(name, seed)
 EOF
   echo "[campaign] report: $final; owed seeds: $ARCH/queue-extra.txt"
   cat "$ARCH/queue-extra.txt"
