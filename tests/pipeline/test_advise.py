@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+from collections import Counter
 
 import pytest
 
@@ -97,7 +98,11 @@ def test_measure_fits_the_link_on_two_gloo_ranks():
 def test_seeds_pair_in_the_advice_as_they_pair_in_the_report():
     report = json.loads(REPORT.read_text())
     profiles, _ = linkmodel.load_profiles(report["time_model"]["netem"])
-    recorded = {r["name"] for r in report["runs"] if r.get("data")}  # the data is known
+    for run in report["runs"]:  # a record whose data is not known pairs with nothing
+        if run["name"] == "lamb":
+            run.pop("data", None)
+    recorded = {r["name"] for r in report["runs"] if r.get("data")}
+    assert "lamb" not in recorded and len(recorded) > 1
     tests = []
     for link in (0.025, 10.0):
         groups = advise.advise(report, profiles, 1, 4, link)["groups"]
@@ -109,4 +114,6 @@ def test_seeds_pair_in_the_advice_as_they_pair_in_the_report():
             assert entry["test"] == ("paired" if both else "welch"), (link, entry["name"])
             tests.append(entry["test"])
     assert {"paired", "welch"} <= set(tests)
-    assert "2 to 6 fresh seeds per recipe" in advise.caveat(report)
+    counts = Counter(r["name"] for r in report["runs"])
+    low, high = min(counts.values()), max(counts.values())
+    assert high == 6 and f"{low} to {high} fresh seeds per recipe" in advise.caveat(report)

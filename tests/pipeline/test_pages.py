@@ -49,12 +49,18 @@ def test_a_changed_number_is_caught(tmp_path):
         pages.refresh(page.read_text(), page)
 
 
-def test_the_report_json_carries_each_records_data_and_the_groups():
+def test_the_report_json_carries_one_data_identity_one_sweep_and_the_groups():
     report = json.loads((TUNED / "report.json").read_text())
     assert all("data" in r for r in report["runs"])
-    assert report["data"]["mixed"] is True  # ranked together only as asked
+    assert report["data"]["mixed"] is False and len(report["data"]["identities"]) == 1
+    sweeps = report["time_model"]["sweeps"]
+    assert len(sweeps) == 1 and sweeps[0]["sweep_id"] and sweeps[0]["repeats"] >= 2
+    plan = ranking.load_preregistration(REPO / ranking.PREREGISTERED)
+    stated = report["groups_preregistration"]
+    assert stated == {**plan.as_dict(), "path": ranking.PREREGISTERED} and stated["leaders"]
+    assert [row["bandwidth_mbit"] for row in report["groups"]] == list(plan.bandwidths_mbit)
     for row in report["groups"]:
-        assert row["leaders"] and "Welch" in row["test"]
+        assert row["leaders"] and "paired" in row["test"]
         censored = [e for e in row["ranking"] if e["lower_bound"]]
         assert all(any(e["censored"]) for e in censored)
 
@@ -62,12 +68,12 @@ def test_the_report_json_carries_each_records_data_and_the_groups():
 def test_the_headline_says_which_seeds_the_preregistration_still_owes():
     report = json.loads((TUNED / "report.json").read_text())
     plan = ranking.load_preregistration(REPO / ranking.PREREGISTERED).as_dict()
-    owed = ranking.seeds_owed(report, plan["within"], plan["seeds"])
-    assert owed  # two seeds each in this report
-    text = pages.headline({**report, "groups_preregistration": plan}, "r.json")
-    first = f"{owed[0]['name']} ({owed[0]['seeds']}/6)"
+    many = {**plan, "seeds": 99}  # more than any recipe has
+    owed = ranking.seeds_owed(report, many["within"], many["seeds"])
+    text = pages.headline({**report, "groups_preregistration": many}, "r.json")
+    first = f"{owed[0]['name']} ({owed[0]['seeds']}/99)"
     assert f"pre-registered on {plan['preregistered']}" in text and first in text
-    assert "provisional" in text and "provisional" not in pages.headline(report, "r.json")
+    assert "provisional" in text
     done = {**plan, "seeds": 1}
     assert "to 1 seeds, all run):" in pages.headline(
         {**report, "groups_preregistration": done}, "r.json"
