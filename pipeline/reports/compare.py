@@ -498,25 +498,22 @@ def write_report(
     write_figures(data, out, PLOT_BANDWIDTHS)
     markdown = render_markdown(data, netem_paths, netem)
     ranked = winners(data)
-    extra = [
-        *mixed_data_lines(identity),
-        *ranking.group_lines(ranked),
-        *same_data_lines(groups, data["arms"][0]["name"]),
-        *tuning_lines(tuning),
-    ]
     result = {**report_json(data, netem_paths, netem), "tuning": tuning, "data": identity,
               "groups": ranked}  # fmt: skip
     if plan:
         result["groups_preregistration"] = plan.as_dict()
-        at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
-        extra[at:at] = ranking.preregistration_lines(plan, result)
     paying = crossover.report_crossovers(result, netem_paths, data["arms"][0]["name"],
                                          ONEBIT, figure=out / "crossover.png")  # fmt: skip
     if paying:
         result["crossover"] = paying
-        at = len(mixed_data_lines(identity)) + len(ranking.group_lines(ranked))
-        at += len(ranking.preregistration_lines(plan, result)) if plan else 0
-        extra[at:at] = crossover.crossover_lines(paying)  # after the groups
+    extra = [
+        *mixed_data_lines(identity),
+        *ranking.group_lines(ranked),
+        *(ranking.preregistration_lines(plan, result) if plan else []),
+        *crossover.crossover_lines(paying),
+        *same_data_lines(groups, data["arms"][0]["name"]),
+        *tuning_lines(tuning),
+    ]
     sections = [markdown.rstrip("\n"), "\n".join(extra).rstrip("\n")] if extra else [markdown]
     atomic_write_text(out / "report.md", "\n\n".join(sections).rstrip("\n") + "\n")
     if references:

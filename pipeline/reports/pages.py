@@ -59,9 +59,8 @@ def headline(report: dict, source: str, link: str | None = None) -> str:
     if plan:
         owed = ranking.seeds_owed(report, plan["within"], plan["seeds"],
                                   plan.get("leaders", False))  # fmt: skip
-        short = ", ".join(f"{e['name']} ({e['seeds']}/{plan['seeds']})" for e in owed)
-        state = (f"**still owed: {short}, so these groups are provisional**" if owed
-                 else "all run")  # fmt: skip
+        state = (f"**still owed: {ranking.owed_text(owed, plan['seeds'])}, so these groups "
+                 "are provisional**" if owed else "all run")  # fmt: skip
         lines[0] = lines[0].removesuffix("):") + (
             f"; pre-registered on {plan['preregistered']}: every recipe within "
             f"{plan['within'] * 100:g} % of the first"

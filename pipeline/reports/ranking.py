@@ -138,8 +138,8 @@ def preregistration_lines(plan: Preregistration, report: dict) -> list[str]:
         + (f" (amended {plan.amended})" if plan.amended else "") + ". "
     )  # fmt: skip
     if owed:
-        short = ", ".join(f"{e['name']} ({e['seeds']}/{plan.seeds})" for e in owed)
-        text += f"**Seeds still owed**: {short}; until they run, these groups are provisional."
+        text += (f"**Seeds still owed**: {owed_text(owed, plan.seeds)}; until they run, "
+                 "these groups are provisional.")  # fmt: skip
     else:
         text += f"Every such recipe has its {plan.seeds} seeds."
     if absent:
@@ -493,6 +493,11 @@ def seeds_owed(report: dict, within: float, seeds: int, leaders: bool = False) -
                 })  # fmt: skip
                 item["bandwidths_mbit"].append(row["bandwidth_mbit"])
     return sorted(owed.values(), key=lambda e: e["name"])
+
+
+def owed_text(owed: list[dict], seeds: int) -> str:
+    """``name (have/seeds), ...`` for :func:`seeds_owed`'s entries."""
+    return ", ".join(f"{e['name']} ({e['seeds']}/{seeds})" for e in owed)
 
 
 def main(argv: list[str] | None = None) -> int:
