@@ -163,20 +163,32 @@ report() {  # the re-timed report, then "recipe seed" lines for the seeds the ra
     --netem "$sweep" --preregistered "$plan" --out "$final") </dev/null
   (cd "$REPO" && "$PY" -m pipeline.reports.ranking --report "$final/report.json" \
     --preregistered "$plan" --json) </dev/null > "$W/owed.json"
-  "$PY" - "$final/report.json" "$W/owed.json" > "$ARCH/queue-extra.txt" <<'EOF'
+  # a seed queued by an earlier look stays queued until it has run: no recipe leaves the
+  # queue because an interim look put it behind (the groups are read when none is owed)
+  touch "$ARCH/queue-extra.txt"
+  cp "$ARCH/queue-extra.txt" "$W/queue-extra.before"
+  "$PY" - "$final/report.json" "$W/owed.json" "$W/queue-extra.before" \
+    > "$ARCH/queue-extra.txt" <<'EOF'
 import json, sys
 report = json.load(open(sys.argv[1]))
 runs, want = report["runs"], report["groups_preregistration"]["seeds"]
 owed = json.load(open(sys.argv[2]))
-print(f"# seeds the ranking of {sys.argv[1]} asks for: {want} per owing recipe, in rounds")
-lines = []
+done = {(r["name"], int(r["seed"])) for r in runs}
+print(f"# seeds the ranking of {sys.argv[1]} asks for: {want} per owing recipe, in rounds;"
+      " with the seeds an earlier look queued that have not run")
+lines = set()
+for line in open(sys.argv[3]):
+    if line.strip() and not line.lstrip().startswith("#"):
+        name, seed = line.split()
+        if (name, int(seed)) not in done:
+            lines.add((int(seed), name))
 for entry in owed:
     have = {int(r["seed"]) for r in runs if r["name"] == entry["name"]}
     seed = 2
     while len(have) < want:
         if seed not in have:
             have.add(seed)
-            lines.append((seed, entry["name"]))
+            lines.add((seed, entry["name"]))
         seed += 1
 for seed, name in sorted(lines):  # one seed of every owing recipe, then the next
     print(name, seed)
