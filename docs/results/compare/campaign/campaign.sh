@@ -165,10 +165,10 @@ report() {  # the re-timed report, then "recipe seed" lines for the seeds the ra
     --preregistered "$plan" --json) </dev/null > "$W/owed.json"
   # a seed queued by an earlier look stays queued until it has run: no recipe leaves the
   # queue because an interim look put it behind (the groups are read when none is owed)
+  # (the new queue replaces the old one only once it is whole)
   touch "$ARCH/queue-extra.txt"
-  cp "$ARCH/queue-extra.txt" "$W/queue-extra.before"
-  "$PY" - "$final/report.json" "$W/owed.json" "$W/queue-extra.before" \
-    > "$ARCH/queue-extra.txt" <<'EOF'
+  "$PY" - "$final/report.json" "$W/owed.json" "$ARCH/queue-extra.txt" \
+    > "$ARCH/queue-extra.txt.new" <<'EOF'
 import json, sys
 report = json.load(open(sys.argv[1]))
 runs, want = report["runs"], report["groups_preregistration"]["seeds"]
@@ -193,6 +193,7 @@ for entry in owed:
 for seed, name in sorted(lines):  # one seed of every owing recipe, then the next
     print(name, seed)
 EOF
+  mv "$ARCH/queue-extra.txt.new" "$ARCH/queue-extra.txt"
   echo "[campaign] report: $final; owed seeds: $ARCH/queue-extra.txt"
   cat "$ARCH/queue-extra.txt"
 }
@@ -211,6 +212,7 @@ case "${1:-run}" in
     mkdir -p "$COMMITTED/evaluation" "$COMMITTED/runs"
     cp "$ARCH/report.json" "$COMMITTED/"
     if [ -f "$ARCH/campaign.log" ]; then cp "$ARCH/campaign.log" "$COMMITTED/"; fi
+    if [ -f "$ARCH/queue-extra.txt" ]; then cp "$ARCH/queue-extra.txt" "$COMMITTED/"; fi
     cp -r "$ARCH/evaluation/." "$COMMITTED/evaluation/"
     cp -r "$ARCH/runs/." "$COMMITTED/runs/"
     if [ -d "$ARCH/netem" ]; then cp -r "$ARCH/netem" "$COMMITTED/"; fi
