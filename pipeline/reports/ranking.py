@@ -432,7 +432,10 @@ def answer(row: dict) -> str:
         text = (f"leaders not separable at this power (detectable difference {span}): "
                 f"{', '.join(leaders)}")  # fmt: skip
     else:
-        text = f"{leaders[0]} is ahead of every recipe tested against it (Welch, p < {ALPHA})"
+        tests = sorted({by_name[n].get("test", "welch") for n in row["behind"]})
+        names = " or ".join("paired t-test" if t == "paired" else "Welch" for t in tests)
+        text = (f"{leaders[0]} is ahead of every recipe tested against it "
+                f"({names or 'no test'}, p < {ALPHA})")  # fmt: skip
     if first["lower_bound"]:
         text += f" ({first['name']}'s mean is a lower bound: a seed missed the target)"
     return text
