@@ -310,3 +310,45 @@ def test_gpu_benchmark_times_packed_sequences_beside_padded_ones(tiny_corpus, tm
     runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
     assert [(r["optimizer"], r["packing"]) for r in runs] == [("lamb", False), ("lamb", True)]
     assert all("error" not in r and r["samples_per_s"] > 0 for r in runs)
+
+
+def _gpu_check_invocations() -> tuple[list[list[str]], list[int]]:
+    """The bench.gpu argument lists bench/gpu_check.sh runs (its COMMON array with each
+    ``bench NAME LIMIT ...`` line, and the packing call), and the step limits it sets."""
+    import re
+
+    text = (REPO / "bench" / "gpu_check.sh").read_text()
+    text = text.replace("\\\n", " ")
+    common = shlex.split(re.search(r"^COMMON=\((.*?)\)", text, re.M | re.S).group(1))
+    steps = re.findall(r"^bench (\S+) (\d+) (.*)$", text, re.M)
+    calls = [common + shlex.split(rest) for _, _, rest in steps]
+    packing = re.search(r'"\$PY" -m bench\.gpu (--prepared .*?)\s+>', text, re.S)
+    calls.append(shlex.split(packing.group(1)))
+    limits = [int(n) for n in re.findall(r"^timeout (\d+) ", text, re.M)]
+    limits += [int(limit) for _, limit, _ in steps]
+    return calls, limits
+
+
+def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes():
+    """A GPU is lent for minutes: every bench.gpu call in bench/gpu_check.sh parses and
+    passes bench.gpu's own checks (with the fused kernels, as on a GPU), and the timed
+    steps fit the script's 570-second plan, which leaves a 10-minute call room to
+    prepare the data."""
+    from bench import gpu
+    from onebit_bert.kernels import triton_available
+
+    calls, limits = _gpu_check_invocations()
+    assert len(calls) == 4, calls  # eager, compiled at 128 and 512, packing
+    parser = gpu.build_parser()
+    seen = set()
+    for argv in calls:
+        argv = [a.replace("$DATA", "/nonexistent") for a in argv]
+        args = parser.parse_args(argv)
+        assert args.precisions == ["bf16"] and args.device == "cuda"
+        assert str(args.prepared) == "/nonexistent"
+        seen.update((args.compile, n) for n in args.seq_lengths)
+        if "fused" in args.impl and triton_available():
+            gpu.check_arguments(parser, args)  # as on a GPU: Triton there, device CUDA
+    # the targets' four cells: eager and compiled, at 128 and at 512
+    assert {("off", "128"), ("off", "512"), ("on", "128"), ("on", "512")} <= seen
+    assert len(limits) == 4 and sum(limits) <= 570, limits
