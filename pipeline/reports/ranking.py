@@ -432,10 +432,12 @@ def answer(row: dict) -> str:
         text = (f"leaders not separable at this power (detectable difference {span}): "
                 f"{', '.join(leaders)}")  # fmt: skip
     else:
-        tests = sorted({by_name[n].get("test", "welch") for n in row["behind"]})
+        # each recipe behind was judged by the paired test or Welch's (see _compare)
+        tests = sorted({by_name[n]["test"] for n in row["behind"]})
         names = " or ".join("paired t-test" if t == "paired" else "Welch" for t in tests)
-        text = (f"{leaders[0]} is ahead of every recipe tested against it "
-                f"({names or 'no test'}, p < {ALPHA})")  # fmt: skip
+        text = (f"{leaders[0]} is ahead of every recipe tested against it ({names}, "
+                f"p < {ALPHA})" if tests else f"{leaders[0]} is first; no other recipe "
+                "could be tested against it")  # fmt: skip
     if first["lower_bound"]:
         text += f" ({first['name']}'s mean is a lower bound: a seed missed the target)"
     return text

@@ -508,6 +508,9 @@ def test_the_answer_is_a_group_of_leaders_and_the_recipes_clearly_behind():
     # where the seeds pair, the answer names the paired test it ran
     next(e for e in alone["ranking"] if e["name"] == "slow")["test"] = "paired"
     assert "against it (paired t-test, p < 0.05)" in ranking.answer(alone)
+    # with nothing behind it (every other recipe untested), no test is claimed
+    alone["untested"], alone["behind"] = alone["untested"] + ["slow"], []
+    assert "is first; no other recipe could be tested against it" in ranking.answer(alone)
 
 
 def test_detectable_difference_shrinks_with_seeds_and_needs_two_a_side():
