@@ -504,7 +504,8 @@ def test_the_answer_is_a_group_of_leaders_and_the_recipes_clearly_behind():
     assert alone["leaders"] == ["fast"] and alone["behind"] == ["slow"]
     assert ranking.answer(alone).startswith("fast 10.5 s [")
     assert "(2/2) is ahead of every recipe tested against it (Welch, p < 0.05)" in (
-        ranking.answer(alone))
+        ranking.answer(alone)
+    )
     # where the seeds pair, the answer names the paired test it ran
     next(e for e in alone["ranking"] if e["name"] == "slow")["test"] = "paired"
     assert "against it (paired t-test, p < 0.05)" in ranking.answer(alone)
