@@ -435,9 +435,10 @@ def answer(row: dict) -> str:
         # each recipe behind was judged by the paired test or Welch's (see _compare)
         tests = sorted({by_name[n]["test"] for n in row["behind"]})
         names = " or ".join("paired t-test" if t == "paired" else "Welch" for t in tests)
-        text = (f"{leaders[0]} is ahead of every recipe tested against it ({names}, "
-                f"p < {ALPHA})" if tests else f"{leaders[0]} is first; no other recipe "
-                "could be tested against it")  # fmt: skip
+        if tests:
+            text = f"{leaders[0]} is ahead of every recipe tested against it ({names}, p < {ALPHA})"
+        else:
+            text = f"{leaders[0]} is first; no other recipe could be tested against it"
     if first["lower_bound"]:
         text += f" ({first['name']}'s mean is a lower bound: a seed missed the target)"
     return text
