@@ -114,3 +114,53 @@ def test_a_crossing_outside_the_searched_links_says_on_which_side(tmp_path):
     (inside, *_) = rows_for(8.5)
     assert "beyond" not in inside
     assert " to " not in "\n".join(crossover.crossover_lines([inside]))
+
+
+def test_the_samples_to_the_target_are_compared_on_paired_seeds(tmp_path):
+    path = tmp_path / "netem.json"
+    path.write_text(json.dumps({"results": [_row(25, 8.0, 8.5), _row(10000, 8.0, 8.5)]}))
+    report = two_seed_report()
+    # without a data identity the seeds pair with nothing: no comparison, no sentence
+    rows = crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
+    assert "samples_paired" not in rows[0]
+    assert "Samples to the target" not in "\n".join(crossover.crossover_lines(rows))
+
+    data = {"tokenizer_sha256": "t", "shards_sha256": "s"}
+    steps = {("lamb", 1): 2000, ("lamb", 2): 2200, ("lamb", 3): 2100, ("onebit_lamb", 1): 2400,
+             ("onebit_lamb", 2): 2200, ("onebit_lamb", 3): 2310}  # fmt: skip
+    for run in report["runs"]:
+        run.update(data=data, steps=3000)
+        run["time_to_target"]["samples"] = 128 * steps[(run["name"], run["seed"])]
+
+    def seed(like, k, stage, steps, reached=True):
+        block = {"reached": True, "samples": 128 * steps, "stage_steps": {stage: steps}}
+        if not reached:
+            block = {"reached": False, "run_end": {"stage_steps": {stage: steps}}}
+        report["runs"].append({**report["runs"][like], "seed": k, "time_to_target": block})
+
+    seed(0, 3, "default", 2100)
+    seed(2, 3, "compression", 2310)
+    seed(0, 4, "default", 1900)
+    seed(2, 4, "compression", 3000, reached=False)  # a seed that missed pairs with nothing
+
+    paired = crossover.paired_samples(report, "lamb", "onebit_lamb")
+    ratios = [1.2, 1.0, 1.1]
+    assert paired["seeds"] == [1, 2, 3]
+    assert paired["ratios"] == pytest.approx(ratios)
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
+    assert paired["geometric_mean"] == pytest.approx(math.exp(mean))
+    assert paired["t"] == pytest.approx(mean / (sd / math.sqrt(3)))
+    assert paired["df"] == 2 and 0.05 < paired["p"] < 0.5
+    # the paired test's detectable difference on 3 pairs: (t(0.975, 2) + t(0.8, 2)) sd / sqrt(3)
+    assert paired["detectable_difference"] == pytest.approx(
+        math.expm1((4.302653 + 1.060660) * sd / math.sqrt(3)), rel=1e-4
+    )
+
+    rows = crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
+    assert rows[0]["samples_paired"] == paired
+    text = "\n".join(crossover.crossover_lines(rows))
+    assert "on the 3 seeds that pair and reached it in both: ×1.097" in text
+    assert "per seed 1: 1.200, 2: 1.000, 3: 1.100" in text
+    assert crossover.paired_samples(report, "lamb", "adamw") is None
