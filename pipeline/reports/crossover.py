@@ -20,7 +20,7 @@ from pipeline.reports import ranking
 from pipeline.reports.crossover_check import check
 from pipeline.reports.figures import pyplot
 from pipeline.reports.linkmodel import load_profiles, profile_key, repeats_in, step_seconds
-from pipeline.reports.stats import mean_std
+from pipeline.reports.stats import mean_std, t_quantile
 
 LINKS_GBPS = (0.1, 1.0, 10.0, 25.0, 100.0)
 WORKERS = (4, 16, 64)
@@ -176,10 +176,10 @@ def crossovers(report: dict, profiles: dict, a: str = "lamb", b: str = "onebit_l
 def paired_samples(report: dict, a: str, b: str) -> dict | None:
     """``b``'s samples to the target against ``a``'s on the seeds that pair
     (:func:`pipeline.reports.ranking.pairing_key`: same seed, data, batch and length) and
-    reached it in both: the ratio per seed, their geometric mean, and the paired two-sided
-    t-test on the log ratio with its detectable difference; None with fewer than two such
-    pairs. A recipe's seeds differ in the steps they take, not in the speed of a step, so
-    this spread is what widens the crossover's range."""
+    reached it in both: the ratio per seed, their geometric mean with its 95 % t interval,
+    and the paired two-sided t-test on the log ratio with its detectable difference; None
+    with fewer than two such pairs. A recipe's seeds differ in the steps they take, not in
+    the speed of a step, so this spread is what widens the crossover's range."""
 
     def reached(name: str) -> dict[tuple, dict]:
         out = {}
@@ -197,9 +197,12 @@ def paired_samples(report: dict, a: str, b: str) -> dict | None:
     ys = [second[k]["time_to_target"]["samples"] for k in keys]
     mean, sd, p = ranking.paired_t_test(xs, ys)
     n = len(keys)
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
     return {"pair": [a, b], "seeds": [first[k]["seed"] for k in keys],
             "samples": [xs, ys], "ratios": [y / x for x, y in zip(xs, ys, strict=True)],
-            "geometric_mean": math.exp(mean), "df": n - 1, "p": p,
+            "geometric_mean": math.exp(mean), "interval": [math.exp(mean - half),
+                                                           math.exp(mean + half)],
+            "df": n - 1, "p": p,
             "t": mean / (sd / math.sqrt(n)) if sd else None,
             "detectable_difference": ranking.paired_detectable_difference(sd, n)}  # fmt: skip
 
@@ -211,14 +214,16 @@ def samples_lines(paired: dict | None) -> list[str]:
     a, b = paired["pair"]
     seeds = ", ".join(f"{s}: {r:.3f}" for s, r in zip(paired["seeds"], paired["ratios"],
                                                       strict=True))  # fmt: skip
+    low, high = paired["interval"]
     t = "no spread" if paired["t"] is None else f"t {paired['t']:.2f} on {paired['df']} df"
     return [
         f"Samples to the target, {b} against {a}, on the {len(paired['seeds'])} seeds that "
-        f"pair and reached it in both: ×{paired['geometric_mean']:.3f} (geometric mean of "
-        f"the ratios; per seed {seeds}). Paired two-sided t-test on the log ratio: {t}, "
-        f"p {paired['p']:.2g}; detectable difference at {ranking.POWER:.0%} power "
-        f"{paired['detectable_difference']:.0%}. A recipe's seeds differ in steps, not in the "
-        "speed of a step, so this spread is what widens the range above.",
+        f"pair and reached it in both: ×{paired['geometric_mean']:.3f}, 95 % interval "
+        f"[{low:.3f}, {high:.3f}] (geometric mean of the ratios; per seed {seeds}). Paired "
+        f"two-sided t-test on the log ratio: {t}, p {paired['p']:.2g}; detectable difference "
+        f"at {ranking.POWER:.0%} power {paired['detectable_difference']:.0%}. A recipe's "
+        "seeds differ in steps, not in the speed of a step, so this spread is what widens "
+        "the range above.",
         "",
     ]
 

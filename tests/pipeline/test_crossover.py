@@ -151,6 +151,8 @@ def test_the_samples_to_the_target_are_compared_on_paired_seeds(tmp_path):
     mean = sum(logs) / 3
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
     assert paired["geometric_mean"] == pytest.approx(math.exp(mean))
+    half = 4.302653 * sd / math.sqrt(3)  # t(0.975, 2)
+    assert paired["interval"] == pytest.approx([math.exp(mean - half), math.exp(mean + half)])
     assert paired["t"] == pytest.approx(mean / (sd / math.sqrt(3)))
     assert paired["df"] == 2 and 0.05 < paired["p"] < 0.5
     # the paired test's detectable difference on 3 pairs: (t(0.975, 2) + t(0.8, 2)) sd / sqrt(3)
@@ -161,6 +163,8 @@ def test_the_samples_to_the_target_are_compared_on_paired_seeds(tmp_path):
     rows = crossover.report_crossovers(report, [str(path)], "lamb", "onebit_lamb")
     assert rows[0]["samples_paired"] == paired
     text = "\n".join(crossover.crossover_lines(rows))
-    assert "on the 3 seeds that pair and reached it in both: ×1.097" in text
+    assert "on the 3 seeds that pair and reached it in both: ×1.097, 95 % interval" in text
+    low, high = (f"{math.exp(mean + k * half):.3f}" for k in (-1, 1))
+    assert f"×1.097, 95 % interval [{low}, {high}] (geometric mean" in text
     assert "per seed 1: 1.200, 2: 1.000, 3: 1.100" in text
     assert crossover.paired_samples(report, "lamb", "adamw") is None
