@@ -8,11 +8,13 @@ markers naming the report::
     ...generated text...
     <!-- /headline -->
 
-``python -m pipeline.reports.pages`` rewrites every such block from its report (``--check``: only
-says which pages differ, exit code 1). :func:`report_md_drift` checks the other direction:
-every table of a ``report.md`` that its ``report.json`` holds the numbers of (strategies,
-groups, crossover, same data, tuning) is rendered again from the JSON and must appear in it line for
-line.
+``python -m pipeline.reports.pages`` rewrites every such block from its report
+(``--check``: only says which pages differ, exit code 1), and checks the README's table
+rows that cite a comparison report: each decimal they quote must be one of the report's
+answers (:func:`row_drift`; exit code 1 when not: a row is fixed by hand).
+:func:`report_md_drift` checks the other direction: every table of a ``report.md`` that its
+``report.json`` holds the numbers of (strategies, groups, crossover, same data, tuning) is
+rendered again from the JSON and must appear in it line for line.
 """
 
 from __future__ import annotations
@@ -124,6 +126,57 @@ def report_md_drift(report_dir: Path) -> list[str]:
     return [line for line in expected if line and line not in markdown]
 
 
+ROW_NUMBER = re.compile(r"(?<![\d.])(\d+\.\d+)(?![\d.]|\s*×)")
+"""A decimal number in a table row, other than a ratio (``1.62×``)."""
+
+
+def quotable(report: dict) -> set[float]:
+    """The values a page may quote from a comparison report's answers: every group entry's
+    mean time and interval in hours, the crossovers (Gbit/s; at each repeat, their ranges)
+    and the paired samples ratio with its interval, and the test's alpha."""
+    values = {ranking.ALPHA}
+    for row in report.get("groups") or []:
+        for entry in row["ranking"]:
+            values.update(v / 3600 for v in (entry["mean"], *(entry.get("interval") or ())))
+    for row in report.get("crossover") or []:
+        found = (row["crossover_gbps"], *row["crossover_range_gbps"],
+                 *row.get("crossover_by_repeat_gbps", ()))  # fmt: skip
+        values.update(v for v in found if v is not None)
+        paired = row.get("samples_paired")
+        if paired:
+            values.update((paired["geometric_mean"], *paired["interval"]))
+    return values
+
+
+def row_drift(text: str, report_md: str, report: dict) -> list[str]:
+    """The numbers of ``text``'s table rows that cite ``report_md`` (a markdown link to it)
+    which none of the report's quotable values (:func:`quotable`) gives at the same
+    decimals (empty: no drift). Ratios (``1.62×``) and whole numbers are not checked."""
+    values = quotable(report)
+    stale = []
+    for line in text.splitlines():
+        if not line.startswith("| ") or f"]({report_md})" not in line:
+            continue
+        for token in ROW_NUMBER.findall(line):
+            decimals = len(token.split(".")[1])
+            if not any(f"{v:.{decimals}f}" == token for v in values):
+                stale.append(f"{token} in: {line[:60]}…")
+    return stale
+
+
+def readme_drift(root: Path = REPO) -> list[str]:
+    """:func:`row_drift` of README.md's rows that cite a comparison report (one with
+    groups)."""
+    text = (root / "README.md").read_text()
+    stale = []
+    for link in sorted(set(re.findall(r"\]\((docs/results/[^)#]*/report\.md)\)", text))):
+        json_path = root / f"{link.removesuffix('.md')}.json"
+        report = json.loads(json_path.read_text()) if json_path.is_file() else {}
+        if "groups" in report:  # a comparison report; other reports are not read here
+            stale += row_drift(text, link, report)
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m pipeline.reports.pages [--check]``: rewrite (or check) the quoted headlines."""
     parser = argparse.ArgumentParser(prog="python -m pipeline.reports.pages", description=__doc__)
@@ -139,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
                 path.write_text(new)
     verb = "differ from their reports" if args.check else "rewritten"
     print(f"{verb}: {', '.join(stale)}" if stale else "every quoted headline matches its report")
-    return 1 if stale and args.check else 0
+    numbers = readme_drift()
+    if numbers:  # a row is prose: it is fixed by hand, never rewritten
+        print("README.md rows quote numbers their report does not give (edit them by hand): "
+              + "; ".join(numbers))  # fmt: skip
+    return 1 if (stale and args.check) or numbers else 0
 
 
 if __name__ == "__main__":

@@ -78,3 +78,19 @@ def test_the_headline_says_which_seeds_the_preregistration_still_owes():
     assert "to 1 seeds, all run):" in pages.headline(
         {**report, "groups_preregistration": done}, "r.json"
     )
+
+
+def test_the_readmes_rows_quote_only_the_reports_numbers():
+    assert pages.readme_drift() == [], "edit the README's rows to the report's numbers"
+    report = json.loads((TUNED / "report.json").read_text())
+    link = "docs/results/compare/tuned/report.md"
+    first = report["groups"][0]["ranking"][0]
+    shown = f"{first['mean'] / 3600:.2f}"
+    cross = report["crossover"][0]["crossover_gbps"]
+    row = f"| q | a | {shown} h, α 0.05, 1.62× at 100 Mbit/s, {cross:.2f} Gbit/s | [d]({link}) |"
+    assert pages.row_drift(row, link, report) == []
+    # a number the report does not give, at the same decimals, is caught
+    stale = row.replace(f"{shown} h", "9.99 h")
+    assert [s.split()[0] for s in pages.row_drift(stale, link, report)] == ["9.99"]
+    # a row that cites another page is not read
+    assert pages.row_drift(stale.replace(link, "other.md"), link, report) == []
