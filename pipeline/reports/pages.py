@@ -132,19 +132,22 @@ ROW_NUMBER = re.compile(r"(?<![\d.])(\d+\.\d+)(?![\d.]|\s*×)")
 
 def quotable(report: dict) -> set[float]:
     """The values a page may quote from a comparison report's answers: every group entry's
-    mean time and interval in hours, the crossovers (Gbit/s; at each repeat, their ranges)
-    and the paired samples ratio with its interval, and the test's alpha."""
+    mean time and interval in hours and its p against the first, the crossovers (Gbit/s;
+    at each repeat, their ranges), the paired samples ratio with its interval and p, and
+    the test's alpha."""
     values = {ranking.ALPHA}
     for row in report.get("groups") or []:
         for entry in row["ranking"]:
             values.update(v / 3600 for v in (entry["mean"], *(entry.get("interval") or ())))
+            if entry.get("p_vs_first") is not None:
+                values.add(entry["p_vs_first"])
     for row in report.get("crossover") or []:
         found = (row["crossover_gbps"], *row["crossover_range_gbps"],
                  *row.get("crossover_by_repeat_gbps", ()))  # fmt: skip
         values.update(v for v in found if v is not None)
         paired = row.get("samples_paired")
         if paired:
-            values.update((paired["geometric_mean"], *paired["interval"]))
+            values.update((paired["geometric_mean"], paired["p"], *paired["interval"]))
     return values
 
 
