@@ -63,6 +63,13 @@ def test_the_report_json_carries_one_data_identity_one_sweep_and_the_groups():
         assert row["leaders"] and "paired" in row["test"]
         censored = [e for e in row["ranking"] if e["lower_bound"]]
         assert all(any(e["censored"]) for e in censored)
+        # the groups are read: every leader has the seeds the rule asks, each a pair
+        by_name = {e["name"]: e for e in row["ranking"]}
+        for name in row["leaders"]:
+            assert by_name[name]["seeds"] >= plan.seeds
+        for name in row["leaders"][1:]:
+            assert by_name[name]["pairs_vs_first"] >= plan.seeds
+    assert ranking.seeds_owed(report, plan.within, plan.seeds, plan.leaders) == []
 
 
 def test_the_headline_says_which_seeds_the_preregistration_still_owes():
