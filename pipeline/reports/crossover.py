@@ -190,7 +190,7 @@ def paired_samples(report: dict, a: str, b: str) -> dict | None:
         return out
 
     first, second = reached(a), reached(b)
-    keys = sorted(set(first) & set(second), key=lambda k: str(first[k]["seed"]).zfill(9))
+    keys = sorted(set(first) & set(second), key=lambda k: k[0])  # by seed
     if len(keys) < 2:
         return None
     xs = [first[k]["time_to_target"]["samples"] for k in keys]
