@@ -44,6 +44,18 @@ class ModelConfig:
     init_optimizer: bool = False
     """With a checkpoint in ``init_from``: also take its optimizer state and step count
     (1-bit LAMB's stage, trust ratios and momenta carry over, as in DeepSpeed's recipe)."""
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
+    """Compile the BERT body (embeddings, encoder, pooler) with ``torch.compile`` in this
+    mode; the MLM and NSP heads stay eager (the MLM head runs on the masked positions,
+    whose number changes with every batch). default: fused kernels; reduce-overhead: also
+    replays the body's forward and backward as CUDA graphs (one recorded per batch shape:
+    with ``data.packing`` the number of rows varies, and each new count records its own);
+    max-autotune: also searches matrix-product kernels at the first step (minutes). The
+    first step and the first validation pass compile (keep ``collective_timeout_s`` above
+    that). Checkpoints and the exported model are the same either way. A compiled run
+    does not repeat an eager one step for step: fused kernels round differently and
+    compiled dropout draws other masks, so a resume that changes this needs
+    ``resume.allow_changes``. off (default): eager."""
 
 
 @dataclass

@@ -51,6 +51,14 @@ def build_model(cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0) -> Ber
     return BertForPreTraining(bert_config(cfg, cfg.vocab_size or vocab_size, pad_token_id))
 
 
+def compile_body(model: BertForPreTraining, mode: str) -> None:
+    """Compile ``model``'s BERT body in place with ``torch.compile`` in ``mode``
+    (``model.compile``; "off": nothing). In place, so parameter names, checkpoints and the
+    exported model stay those of the eager model."""
+    if mode != "off":
+        model.bert.compile(mode=mode)
+
+
 def untrained_position_rows(model: BertForPreTraining, seq_length: int) -> dict[str, torch.Tensor]:
     """Position embeddings beyond the phase's sequence length get no gradient: their rows,
     as a momentum mask for optimizers that would otherwise move them."""

@@ -40,7 +40,7 @@ from pretrain import checkpointing, outputs
 from pretrain.config import PretrainConfig
 from pretrain.data import BatchSchedule, Prefetcher, make_batch
 from pretrain.evaluation import validate, weights_finite
-from pretrain.model import PretrainingLoss, build_model, untrained_position_rows
+from pretrain.model import PretrainingLoss, build_model, compile_body, untrained_position_rows
 from pretrain.records import (
     BAD_STEP,
     STAT_KEYS,
@@ -251,6 +251,7 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         checkpointing.seed_everything(cfg.seed, 0)  # identical initial weights on every rank
         self.model = build_model(cfg.model, self.ids.vocab_size, self.ids.pad).to(ctx.device)
+        compile_body(self.model, cfg.model.compile)
         checkpointing.seed_everything(cfg.seed, ctx.rank)  # different dropout per rank
         self.loss_module = PretrainingLoss(self.model)
         self.strategy = build_strategy(

@@ -17,6 +17,7 @@ RECORDED = {
     "batch": {"global_batch_size": 32},
     "logging": {"progress_every": 10},
     "data": {"path": "d", "validation_every": 50},
+    "model": {"compile": "off"},
 }
 
 
@@ -42,6 +43,11 @@ def test_cadence_changes_pass_and_trajectory_changes_are_listed():
     }
     ok, refused = resume_changes(RECORDED, changed, ["optimizer", "batch.global_batch_size"])
     assert set(ok) == {"optimizer.lr", "batch.global_batch_size"} and set(refused) == {"data.path"}
+    # compiling the model changes rounding and dropout's masks: a trajectory change
+    assert resume_changes(RECORDED, _with(model__compile="default")) == (
+        {},
+        {"model.compile": ["off", "default"]},
+    )
     # a field the recorded config predates is no change
     assert resume_changes(RECORDED, _with(optimizer__coeff_beta=0.9)) == ({}, {})
     with pytest.raises(
