@@ -1,8 +1,10 @@
 """BERT-Large training throughput and peak memory on one GPU at sequence lengths 128 and
 512, ours vs HF Trainer.
 
-For every sequence length, precision (bf16, fp16) and compile setting (eager,
-``torch.compile``), in this one run on the same GPU, model, micro-batch and precision:
+For every sequence length, precision (bf16, fp16) and compile setting (eager, or
+``torch.compile`` in ``--compile-mode``: for our loop, the BERT body compiled as a run with
+``model.compile`` has it), in this one run on the same GPU, model, micro-batch and
+precision:
 
 - the project's training loop with LAMB, 1-bit LAMB and AdamW. The loop is
   ``pretrain.train.Trainer.train_step``, the step its ``run()`` repeats (batch assembly and
@@ -38,9 +40,12 @@ says which.
 ``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). One
 more, untimed step of our loop runs under torch's CUDA sync debug mode:
 ``host_syncs_per_step`` counts the times it made the host wait for the GPU
-(``bench/host_syncs.py``). A configuration that fails (out of memory, a compile error) is
-recorded with its error and the others go on; the exit status is 1 when an eager
-configuration failed.
+(``bench/host_syncs.py``). With ``--profile-steps N``, N more steps per implementation run
+before that one under ``torch.profiler``: each row's ``profile`` says where a step's time
+went (matrix products, attention, communication, the optimizer's step, the rest, the GPU
+idle) and names its largest kernels (``bench/step_profile.py``). A configuration that
+fails (out of memory, a compile error) is recorded with its error and the others go on;
+the exit status is 1 when an eager configuration failed.
 
 ``--device cpu`` runs the same code on the CPU, in fp32, as a dry run of the benchmark's
 plumbing (a small ``--model`` makes it quick): its figures measure nothing about a GPU.
@@ -184,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
             "30522, BERT's uncased vocabulary, whatever the corpus's tokenizer learned)",
         ),
         "--max-documents": (3000, "Wikipedia articles to prepare (default: 3000, as bench-train)"),
+        "--profile-steps": (
+            0,
+            "steps per implementation profiled after the timed ones, for each row's profile: "
+            "the step's time by category and its largest kernels (default: 0, none)",
+        ),
     }
     for flag, (default, text) in counts.items():
         parser.add_argument(flag, type=int, default=default, help=text)
@@ -211,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
             "both",
             "eager, torch.compile, or both (default: both)",
         ),
+        "--compile-mode": (
+            ("default", "reduce-overhead", "max-autotune"),
+            "default",
+            "torch.compile's mode for our loop when compiled (model.compile; "
+            "reduce-overhead adds CUDA graphs; default: default)",
+        ),
         "--model": (MODELS, "bert-large", "the model preset (default: bert-large)"),
         "--packing": (
             ("off", "on", "both"),
@@ -232,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.steps, args.batch_size, args.max_documents, args.repeats) < 1:
         parser.error("--steps, --batch-size, --max-documents and --repeats must be >= 1")
+    if args.profile_steps < 0:
+        parser.error("--profile-steps must be >= 0 (0: no profile)")
     if "fused" in args.impl:
         from onebit_bert.kernels import interpreting, triton_available
 
@@ -349,6 +367,7 @@ def our_loop(
     sequences packed into as few rows as fit (``data.packing``)."""
     from bench.common import pretrain_config
     from bench.host_syncs import count_host_syncs
+    from bench.step_profile import profile_steps
     from bench.yardstick import StepClock, model_flops, optimizer_figures
     from onebit_bert.config import from_dict
     from onebit_bert.distributed import init_distributed
@@ -356,7 +375,7 @@ def our_loop(
     from pretrain.train import Trainer
 
     rounds = args.repeats * len(args.impl)
-    total = args.warmup_steps + rounds * args.steps
+    total = args.warmup_steps + rounds * args.steps + len(args.impl) * args.profile_steps
     settings = pretrain_config(
         data,
         run_dir,
@@ -370,6 +389,8 @@ def our_loop(
         strategy={"force_compression": True} if optimizer == "onebit_lamb" else None,
     )
     settings["precision"] = precision
+    # compiled as a run with model.compile compiles: the BERT body, the heads eager
+    settings["model"]["compile"] = args.compile_mode if compiled else "off"
     settings["data"]["packing"] = packing
     ctx = init_distributed(backend=None if device.cuda else "gloo", env={})
     trainer = Trainer(from_dict(PretrainConfig, settings), ctx)
@@ -379,10 +400,6 @@ def our_loop(
         impls = args.impl if switch is not None else ["torch"]
         clock = StepClock(device.torch, device.cuda)
         clock.wrap(opt)
-        if compiled:
-            # The encoder, where the time goes; the MLM head on masked positions has a
-            # shape that changes with every batch and stays eager.
-            trainer.model.bert.compile()
         for step in range(1, args.warmup_steps + 1):
             if switch is not None:
                 switch(impls[step % len(impls)])
@@ -399,6 +416,20 @@ def our_loop(
                     step += 1
                     seconds[impl].append(device.time_step(partial(trainer.train_step, step)))
                 optimizer_seconds[impl] += clock.take()
+        profiles = {}
+        for impl in impls if args.profile_steps else []:
+            if switch is not None:
+                switch(impl)
+            try:
+                profiles[impl] = profile_steps(
+                    lambda i, first=step + 1: trainer.train_step(first + i),
+                    args.profile_steps,
+                    device.cuda,
+                )
+            except Exception as err:  # a failed profile leaves the timed figures standing
+                traceback.print_exc()
+                profiles[impl] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            step += args.profile_steps
         _, syncs = count_host_syncs(lambda: trainer.train_step(step + 1), ctx.device)
         flops = model_flops(trainer.model, batch, trainer.seq_length)
         params = sum(p.numel() for group in opt.param_groups for p in group["params"])
@@ -411,6 +442,8 @@ def our_loop(
             step_seconds = figures[impl]["step_seconds_median"]
             tflops = flops["model_flops_per_step"] / step_seconds / 1e12
             figures[impl]["model_tflops_per_s"] = float(f"{tflops:.4g}")
+            if impl in profiles:
+                figures[impl]["profile"] = profiles[impl]
         return {
             "impls": figures,
             **flops,
@@ -443,6 +476,7 @@ def hf_loop(data: Path, out_dir: Path, precision: str, compiled: bool, batch, ar
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         torch_compile=compiled,
+        **({"torch_compile_mode": args.compile_mode} if compiled else {}),
         use_cpu=not device.cuda,
     )
     # seconds[i] is step i + 2's: the first timed step is warmup_steps + 1
@@ -472,6 +506,7 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                 mode = "compiled" if compiled else "eager"
                 common = {"seq_length": seq_length, "batch_size": batch, "precision": precision}
                 common["compile"] = compiled
+                common["compile_mode"] = args.compile_mode if compiled else None
                 peak = peak_tflops(device.name, precision, args.peak_tflops)
                 hf = None
                 if args.hf_baseline:

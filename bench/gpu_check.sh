@@ -6,7 +6,8 @@
 #      alternating on one trainer per configuration (--impl reference,fused): eager at
 #      lengths 128 and 512 with the optimizers timed alone, then compiled at 128, then
 #      compiled at 512 (three invocations, so that a late one running out of time keeps
-#      the earlier figures);
+#      the earlier figures); the compiled ones also profile 2 steps per implementation
+#      (each row's profile: the step's time by category, its largest kernels);
 #   3. LAMB with packed sequences (data.packing) beside padded rows, eager, both lengths,
 #      in the time the others left (skipped with under 45 s).
 # Usage: OUT=dir bash bench/gpu_check.sh   (PY: the Python to use; default: the project's
@@ -51,8 +52,8 @@ bench() {
     tail -n 1 "$OUT/bench-$name.out" >"$OUT/bench-$name.json"
 }
 bench eager 120 --compile off --seq-lengths 128,512
-bench compiled-128 120 --compile on --seq-lengths 128 --no-optimizer-steps
-bench compiled-512 110 --compile on --seq-lengths 512 --no-optimizer-steps
+bench compiled-128 120 --compile on --seq-lengths 128 --no-optimizer-steps --profile-steps 2
+bench compiled-512 110 --compile on --seq-lengths 512 --no-optimizer-steps --profile-steps 2
 # packed sequences (data.packing) against padded rows, LAMB, eager, both lengths: in what
 # is left of 570 s, so that the whole script stays inside a 10-minute call
 left=$((570 - ($(date +%s) - started)))

@@ -140,6 +140,7 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
         assert run["seq_length"] == 128 and run["batch_size"] == 8
         assert run["clock"] == "perf_counter"
         assert run["peak_memory_gib"] is None  # no device memory counter on the CPU
+        assert "profile" not in run  # only with --profile-steps
     ours = {r["optimizer"]: r for r in runs if r["loop"] == "ours"}
     assert ours["onebit_lamb"]["stage"] == "compression"
     for run in ours.values():
@@ -312,6 +313,139 @@ def test_gpu_benchmark_times_packed_sequences_beside_padded_ones(tiny_corpus, tm
     assert all("error" not in r and r["samples_per_s"] > 0 for r in runs)
 
 
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+        ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_nn", "gemm"),
+        ("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_64x64_32x6_tn_align4>(...)", "gemm"),
+        ("aten::addmm", "gemm"),
+        ("aten::mm", "gemm"),
+        ("void pytorch_flash::flash_fwd_kernel<...>", "attention"),
+        ("fmha_cutlassB_f32_aligned_64x64_k64_sm80(PyTorchMemEffAttention::...)", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+        ("c10d::allreduce_", "communication"),
+        ("void at::native::vectorized_elementwise_kernel<4, ...>", "other"),
+        ("triton_poi_fused_add_mul_0", "other"),
+        ("triton_poi_fused_addmm_gelu_1", "other"),  # Inductor's bias and GELU after a GEMM
+        ("aten::broadcast_tensors", "other"),
+        ("aten::add_", "other"),
+    ],
+)
+def test_step_profile_classifies_kernel_and_op_names(name, category):
+    from bench.step_profile import classify
+
+    assert classify(name) == category
+
+
+PROFILE_CATEGORIES = ("gemm", "attention", "communication", "optimizer", "other", "idle")
+
+
+def test_step_profile_counts_kernels_launched_in_the_optimizer_step_as_its_own():
+    """The CUDA attribution, on events made by hand as torch 2.13's profiler gives them: a
+    kernel launched inside an ``Optimizer.step#`` range is the optimizer's, whether an aten
+    op launched it (linked to that op) or it was launched bare, as Triton's are (found by
+    its launch call's time); the GPU-side span of the range counts nothing; the rest goes
+    by name. Op ids and CUDA correlation ids are separate counters that may coincide."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from bench.step_profile import device_work, summarise
+
+    def event(id, name, start, end, kind, linked=0, cuda=False):
+        return FunctionEvent(
+            id=id, name=name, thread=1, start_us=start, end_us=end, activity_type=kind,
+            device_type=DeviceType.CUDA if cuda else DeviceType.CPU, linked_correlation_id=linked,
+            is_user_annotation=kind.endswith("user_annotation"),
+        )  # fmt: skip
+
+    step = event(1, "Optimizer.step#Lamb.step", 20, 60, "user_annotation")
+    foreach = event(8, "aten::_foreach_add_", 22, 30, "cpu_op")  # id 8: the NCCL kernel's too
+    step.append_cpu_child(foreach)
+    foreach.set_cpu_parent(step)
+    events = [
+        event(2, "aten::mm", 0, 10, "cpu_op"),
+        event(5, "cudaLaunchKernel", 2, 4, "cuda_runtime", linked=2),
+        step,
+        foreach,
+        event(6, "cudaLaunchKernel", 24, 26, "cuda_runtime", linked=8),
+        event(7, "cuLaunchKernel", 40, 42, "cuda_driver"),  # bare: no op to link to
+        event(8, "cudaLaunchKernel", 64, 65, "cuda_runtime"),
+        event(5, "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 5, 15, "kernel", linked=2, cuda=True),
+        event(6, "multi_tensor_apply_kernel<...>", 30, 33, "kernel", linked=8, cuda=True),
+        event(7, "lamb_update", 45, 50, "kernel", cuda=True),
+        event(9, "Optimizer.step#Lamb.step", 30, 50, "gpu_user_annotation", cuda=True),
+        event(8, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 66, 76, "kernel", cuda=True),
+    ]
+    work = device_work(events)
+    assert [(name[:8], category) for name, category, _ in work] == [
+        ("sm90_xmm", "gemm"),
+        ("multi_te", "optimizer"),
+        ("lamb_upd", "optimizer"),
+        ("ncclDevK", "communication"),
+    ]
+    profile = summarise(work, wall_ms=0.1, steps=1, source="cuda kernels")
+    gpu = {"gemm": 0.01, "communication": 0.01, "optimizer": 0.008, "idle": 0.072}
+    assert profile["categories"] == {**dict.fromkeys(PROFILE_CATEGORIES, 0.0), **gpu}
+    assert profile["busy_ms_per_step"] == 0.028 and profile["shares"]["idle"] == 0.72
+    assert [entry["ms_per_step"] for entry in profile["top"]] == [0.01, 0.01, 0.005, 0.003]
+
+
+def test_gpu_benchmark_profiles_steps_on_the_cpu(tiny_corpus, tmp_path):
+    """--profile-steps: each row of our loop carries where its profiled steps' time went
+    (the CPU's op self times in the dry run), the optimizer's step counted on its own."""
+    from bench import gpu
+
+    parser = gpu.build_parser()
+    command = CPU_DRY_RUN + " --optimizers lamb,onebit_lamb --no-hf-baseline --repeats 1"
+    args = parser.parse_args(shlex.split(command + " --profile-steps 1"))
+    gpu.check_arguments(parser, args)
+    runs = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
+    assert [r["optimizer"] for r in runs] == ["lamb", "onebit_lamb"]
+    for run in runs:
+        assert "error" not in run, run
+        profile = run["profile"]
+        assert "error" not in profile, profile
+        assert profile["steps"] == 1 and profile["source"] == "cpu ops, self time"
+        categories, wall = profile["categories"], profile["wall_ms_per_step"]
+        assert tuple(categories) == PROFILE_CATEGORIES
+        assert all(ms >= 0 for ms in categories.values()), categories
+        assert categories["gemm"] > 0 and categories["optimizer"] > 0, categories
+        busy = profile["busy_ms_per_step"]
+        assert busy == pytest.approx(sum(categories.values()) - categories["idle"], rel=1e-3)
+        assert busy + categories["idle"] >= wall * 0.999
+        shares = sum(profile["shares"].values())
+        assert shares == pytest.approx(sum(categories.values()) / wall, rel=0.01)
+        top = [entry["ms_per_step"] for entry in profile["top"]]
+        assert 0 < len(top) <= 12 and top == sorted(top, reverse=True)
+        assert all(entry["calls_per_step"] > 0 for entry in profile["top"])
+    assert parser.parse_args([]).profile_steps == 0  # without the option, no profile
+    with pytest.raises(SystemExit):
+        gpu.check_arguments(parser, parser.parse_args(shlex.split(command + " --profile-steps -1")))
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_compiles_the_body_as_model_compile_does(tiny_corpus, tmp_path):
+    """--compile on: our loop trains with model.compile in --compile-mode (the BERT body
+    compiled by Inductor, on the CPU here), and the row says which mode."""
+    from torch._dynamo.utils import counters
+
+    from bench import gpu
+
+    command = CPU_DRY_RUN.replace("--compile off", "--compile on --compile-mode reduce-overhead")
+    command += " --repeats 1 --optimizers lamb --no-hf-baseline"
+    parser = gpu.build_parser()
+    args = parser.parse_args(shlex.split(command))
+    gpu.check_arguments(parser, args)
+    counters.clear()
+    (run,) = gpu.run_all({128: tiny_corpus}, tmp_path, args, gpu.Device("cpu"))
+    assert "error" not in run and run["samples_per_s"] > 0, run
+    assert run["compile"] is True and run["compile_mode"] == "reduce-overhead"
+    assert counters["stats"]["unique_graphs"] >= 1
+
+
 def _gpu_check_invocations() -> tuple[list[list[str]], list[int]]:
     """The bench.gpu argument lists bench/gpu_check.sh runs (its COMMON array with each
     ``bench NAME LIMIT ...`` line, and the packing call), and the step limits it sets."""
@@ -347,6 +481,8 @@ def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes():
         assert args.precisions == ["bf16"] and args.device == "cuda"
         assert str(args.prepared) == "/nonexistent"
         seen.update((args.compile, n) for n in args.seq_lengths)
+        if args.compile == "on":  # one GPU run returns the compiled steps' profiles
+            assert args.profile_steps > 0, argv
         if "fused" in args.impl and triton_available():
             gpu.check_arguments(parser, args)  # as on a GPU: Triton there, device CUDA
     # the targets' four cells: eager and compiled, at 128 and at 512
