@@ -239,6 +239,30 @@ def test_a_compiled_model_trains_like_the_eager_one_and_resumes_exactly(tiny_cor
     assert mlm_losses(tmp_path / "straight") != mlm_losses(tmp_path / "compiled")  # dropout on
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [{"optimizer.name": "lamb"}, {"optimizer.name": "onebit_lamb", "comm.overlap": True}],
+    ids=["lamb-ddp", "onebit_lamb-overlap"],
+)
+def test_a_compiled_model_on_two_ranks_follows_the_eager_run(tiny_corpus, tmp_path, overrides):
+    """model.compile under DDP's gradient hooks (LAMB) and under 1-bit LAMB's momentum
+    exchange folded into the backward pass (comm.overlap), 2 gloo ranks, no dropout: the
+    losses follow the eager run's. 1-bit LAMB's weights only to 1e-2: the signs of momenta
+    near zero flip with the rounding."""
+    common = {"model.dropout": 0.0, "schedule.max_steps": 8, **overrides}
+    runs = {}
+    for mode in ("off", "default"):
+        cfg = tiny_config(tiny_corpus, tmp_path / mode, **common, **{"model.compile": mode})
+        runs[mode] = run_ranks(train_in_process, 2, cfg)[0]
+    np.testing.assert_allclose(
+        mlm_losses(tmp_path / "default"), mlm_losses(tmp_path / "off"), rtol=1e-4
+    )
+    tolerance = 1e-2 if overrides["optimizer.name"] == "onebit_lamb" else 1e-5
+    for name, tensor in runs["off"]["model"].items():
+        torch.testing.assert_close(runs["default"]["model"][name], tensor, rtol=0, atol=tolerance)
+
+
 def test_preemption_signal_checkpoints_and_exits_cleanly(tiny_corpus, tmp_path):
     cfg = tiny_config(
         tiny_corpus, tmp_path / "run", **{"schedule.max_steps": 10**6, "checkpoint.every": 10**6}
