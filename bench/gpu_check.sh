@@ -13,7 +13,8 @@
 # Usage: OUT=dir bash bench/gpu_check.sh   (PY: the Python to use; default: the project's
 # .venv if there is one, else python3, e.g. a machine's own CUDA build of torch).
 # Writes to $OUT (default runs/gpu_check): test-gpu.log, bench-*.json (the JSON line of each
-# invocation), bench-*.log (its stderr); the prepared data goes to $DATA (default
+# invocation), bench-*.log (its stderr), summary.md (bench/gpu_summary.py: the tables and
+# the targets' verdicts); the prepared data goes to $DATA (default
 # runs/gpu_check_data, reused when there). Exits non-zero when a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,5 +68,6 @@ if [ "$left" -ge 45 ]; then
 else
     say "bench packing skipped: ${left} s left"
 fi
+"$PY" -m bench.gpu_summary "$OUT" >"$OUT/summary.md" || status=1  # the tables, the targets
 say "done, status $status"
 exit $status

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -488,3 +490,84 @@ def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes():
     # the targets' four cells: eager and compiled, at 128 and at 512
     assert {("off", "128"), ("off", "512"), ("on", "128"), ("on", "512")} <= seen
     assert len(limits) == 4 and sum(limits) <= 570, limits
+
+
+def _comparison(seq_length, compiled, onebit_fused):
+    return {"seq_length": seq_length, "precision": "bf16", "compile": compiled,
+            "onebit_over_lamb_samples_fused": onebit_fused}  # fmt: skip
+
+
+def _row(optimizer, seq_length, compiled, **figures):
+    return {"loop": "ours", "optimizer": optimizer, "impl": "fused", "seq_length": seq_length,
+            "precision": "bf16", "compile": compiled, "packing": False, **figures}  # fmt: skip
+
+
+def test_gpu_summary_judges_each_target_from_the_figures():
+    """bench/gpu_summary.py's verdicts: at the thresholds a target is met, past them
+    missed, and a configuration that was not measured says so."""
+    from bench.gpu_summary import targets
+
+    summary = {
+        "runs": [
+            _row("lamb", 128, True, mfu=0.45),
+            _row("lamb", 512, True, mfu=0.6),  # another length: not the target's
+            _row("onebit_lamb", 128, False, optimizer_vs_floor=2.0),
+            _row("onebit_lamb", 512, False, optimizer_vs_floor=2.01),
+        ],
+        "comparisons": [
+            _comparison(128, False, 0.95),
+            _comparison(512, False, 0.949),
+            _comparison(128, True, 1.2),
+        ],
+        "optimizer_steps": [
+            {"optimizer": "onebit_lamb", "impl": "fused", "optimizer_vs_floor": 1.5},
+            {"optimizer": "onebit_lamb", "impl": "reference", "optimizer_vs_floor": 9.0},
+        ],
+    }
+    verdicts = {t["target"]: (t["value"], t["verdict"]) for t in targets([summary])}
+    ratio = "1-bit LAMB / LAMB samples/s, fused, "
+    assert verdicts[ratio + "eager, length 128"] == (0.95, "met")
+    assert verdicts[ratio + "eager, length 512"] == (0.949, "missed")
+    assert verdicts[ratio + "compiled, length 128"] == (1.2, "met")
+    assert verdicts[ratio + "compiled, length 512"] == (None, "not measured")
+    floor = "1-bit LAMB's compression step / its floor, fused (the worst row)"
+    assert verdicts[floor] == (2.01, "missed")  # the reference's 9.0 is not the target's
+    assert verdicts["LAMB's MFU, compiled, length 128 (the better implementation)"] == (
+        0.45,
+        "met",
+    )
+    assert {t["verdict"] for t in targets([])} == {"not measured"}  # nothing ran
+
+
+def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny_corpus, tmp_path):
+    """The summary of a folder as bench/gpu_check.sh leaves it: one invocation's JSON (a
+    CPU dry run with a profile), one that timed out (empty), the test log's last line."""
+    from bench import gpu
+    from bench.gpu_summary import main
+    from bench.yardstick import comparisons
+
+    command = CPU_DRY_RUN + " --optimizers lamb,onebit_lamb --no-hf-baseline --repeats 1"
+    parser = gpu.build_parser()
+    args = parser.parse_args(shlex.split(command + " --profile-steps 1"))
+    runs = gpu.run_all({128: tiny_corpus}, tmp_path / "runs", args, gpu.Device("cpu"))
+    summary = {"gpu": None, "torch": "x", "runs": runs, "comparisons": comparisons(runs, []),
+               "optimizer_steps": []}  # fmt: skip
+    folder = tmp_path / "check"
+    folder.mkdir()
+    (folder / "bench-eager.json").write_text(json.dumps(summary) + "\n")
+    (folder / "bench-compiled-512.json").write_text("")
+    (folder / "test-gpu.log").write_text("...\n=== 36 passed, 3 skipped in 80.1s ===\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(folder)]) == 0
+    text = out.getvalue()
+    assert "CUDA tests: 36 passed, 3 skipped in 80.1s" in text
+    assert "`bench-compiled-512.json` holds no result" in text
+    loop = text.split("## Our loop")[1].split("##")[0]
+    assert loop.count("| 128 | eager |") == 2  # LAMB and 1-bit LAMB, the reference kernels
+    ratios = text.split("## Ratios within one invocation")[1].split("##")[0]
+    want = round(runs[1]["samples_per_s"] / runs[0]["samples_per_s"], 3)
+    assert f"| 128 | eager | {want:,.3f} | – |" in ratios
+    profile = text.split("## Where a step's time goes")[1].split("##")[0]
+    assert profile.count("| 128 | eager |") == 2 and "aten::" in profile
+    assert text.count("| not measured |") == 6  # no fused kernels, nothing compiled

@@ -1,0 +1,306 @@
+"""The tables and the targets' verdicts of a GPU check, from what it wrote.
+
+``bench/gpu_check.sh`` leaves ``test-gpu.log`` and one ``bench-<name>.json`` per bench.gpu
+invocation (the JSON line it printed) in one folder. This reads them and prints Markdown:
+
+- the CUDA tests' last line;
+- per configuration (sequence length, eager or compiled), LAMB and 1-bit LAMB with the
+  reference and the fused kernels: samples/s, MFU, the optimizer step's GPU time, its
+  floor and their ratio, and 1-bit LAMB's samples/s over LAMB's per implementation (the
+  ratios come from one invocation: ``comparisons``);
+- the optimizer steps timed alone;
+- where a profiled step's time went (``profile``: shares of the wall time by category and
+  the largest kernels);
+- packed against padded rows;
+- the GPU-speed targets, each met, missed, or not measured:
+  1-bit LAMB's compression-stage samples/s at least 0.95 × LAMB's (fused kernels; eager
+  and compiled, lengths 128 and 512); the compression step's GPU time at most 2 × its
+  bytes/bandwidth floor; LAMB compiled at length 128 at 45 % MFU or more.
+
+    python -m bench.gpu_summary runs/gpu_check > summary.md
+
+A file that is missing or holds no JSON is named in the output, and the rest is still
+summarised: a check that ran out of time keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SAMPLES_RATIO_TARGET = 0.95
+FLOOR_RATIO_TARGET = 2.0
+MFU_TARGET = 0.45
+CATEGORIES = ("gemm", "attention", "communication", "optimizer", "other", "idle")
+NAMES = {"lamb": "LAMB", "onebit_lamb": "1-bit LAMB", "adamw": "AdamW"}
+
+
+def load(folder: Path) -> tuple[list[dict], list[str]]:
+    """The bench.gpu summaries in ``folder`` (``bench-*.json``, by name), and a note for
+    each file that holds none."""
+    summaries, notes = [], []
+    for path in sorted(folder.glob("bench-*.json")):
+        text = path.read_text().strip()
+        try:
+            summary = json.loads(text) if text else None
+        except json.JSONDecodeError:
+            summary = None
+        if not isinstance(summary, dict) or "runs" not in summary:
+            notes.append(f"`{path.name}` holds no result (the invocation failed or timed out)")
+            continue
+        summaries.append(summary)
+    return summaries, notes
+
+
+def _mode(run: dict) -> str:
+    if not run.get("compile"):
+        return "eager"
+    mode = run.get("compile_mode") or "default"
+    return "compiled" if mode == "default" else f"compiled ({mode})"
+
+
+def _number(value, digits: int = 1, percent: bool = False) -> str:
+    if value is None:
+        return "–"
+    if percent:
+        return f"{100 * value:.{digits}f} %"
+    return f"{value:,.{digits}f}"
+
+
+def _packing(summary: dict) -> bool:
+    """Whether ``summary`` is a packed-against-padded invocation."""
+    return any(run.get("packing") for run in summary["runs"])
+
+
+def _ours(summaries: list[dict]) -> list[dict]:
+    """Our loop's rows, but those of packed-against-padded invocations."""
+    return [
+        run for s in summaries if not _packing(s) for run in s["runs"] if run.get("loop") == "ours"
+    ]
+
+
+def loop_table(summaries: list[dict]) -> list[str]:
+    """Our loop's rows: samples/s, MFU and the optimizer step beside its floor."""
+    lines = [
+        "| length | mode | optimizer | kernels | samples/s | MFU | optimizer step (ms) "
+        "| floor (ms) | step / floor |",
+        "|---:|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in _ours(summaries):
+        if "error" in run:
+            lines.append(
+                f"| {run['seq_length']} | {_mode(run)} | {NAMES.get(run['optimizer'])} | "
+                f"{run.get('impl', '–')} | failed: {run['error'][:80]} | | | | |"
+            )
+            continue
+        lines.append(
+            f"| {run['seq_length']} | {_mode(run)} | {NAMES.get(run['optimizer'])} "
+            f"| {run.get('impl', '–')} | {_number(run.get('samples_per_s'))} "
+            f"| {_number(run.get('mfu'), percent=True)} "
+            f"| {_number(run.get('optimizer_step_ms'), 2)} "
+            f"| {_number(run.get('optimizer_floor_ms'), 2)} "
+            f"| {_number(run.get('optimizer_vs_floor'), 2)} |"
+        )
+    return lines
+
+
+def comparison_table(summaries: list[dict]) -> list[str]:
+    """1-bit LAMB over LAMB and fused over reference, per configuration of one invocation."""
+    lines = [
+        "| length | mode | 1-bit LAMB / LAMB, reference | 1-bit LAMB / LAMB, fused "
+        "| LAMB fused / reference | 1-bit LAMB fused / reference |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for summary in [s for s in summaries if not _packing(s)]:
+        for row in summary.get("comparisons", []):
+            if "seq_length" not in row:
+                continue
+            mode = "compiled" if row["compile"] else "eager"
+            lines.append(
+                f"| {row['seq_length']} | {mode} "
+                f"| {_number(row.get('onebit_over_lamb_samples_reference'), 3)} "
+                f"| {_number(row.get('onebit_over_lamb_samples_fused'), 3)} "
+                f"| {_number(row.get('lamb_fused_over_reference_samples'), 3)} "
+                f"| {_number(row.get('onebit_lamb_fused_over_reference_samples'), 3)} |"
+            )
+    return lines
+
+
+def alone_table(summaries: list[dict]) -> list[str]:
+    rows = [r for s in summaries for r in s.get("optimizer_steps", [])]
+    if not rows:
+        return []
+    lines = [
+        "| optimizer | kernels | step (ms) | floor (ms) | step / floor |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {NAMES.get(r['optimizer'])} | {r['impl']} | {_number(r['optimizer_step_ms'], 2)} "
+            f"| {_number(r.get('optimizer_floor_ms'), 2)} "
+            f"| {_number(r.get('optimizer_vs_floor'), 2)} |"
+        )
+    return lines
+
+
+def profile_table(summaries: list[dict]) -> list[str]:
+    """Shares of a profiled step's wall time by category, and its three largest kernels."""
+    runs = [r for r in _ours(summaries) if isinstance(r.get("profile"), dict)]
+    if not runs:
+        return []
+    header = " | ".join(CATEGORIES)
+    lines = [
+        f"| length | mode | optimizer | kernels | wall (ms) | {header} | largest kernels |",
+        "|---:|---|---|---|---:|" + "---:|" * len(CATEGORIES) + "---|",
+    ]
+    for run in runs:
+        profile = run["profile"]
+        head = f"| {run['seq_length']} | {_mode(run)} | {NAMES.get(run['optimizer'])} "
+        head += f"| {run.get('impl', '–')} "
+        if "error" in profile:
+            lines.append(head + f"| failed: {profile['error'][:80]} |" + " |" * len(CATEGORIES))
+            continue
+        shares = " | ".join(_number(profile["shares"][c], 1, percent=True) for c in CATEGORIES)
+        top = "; ".join(
+            f"{t['name'][:40]} ({t['category']}, {t['ms_per_step']:.2f} ms)"
+            for t in profile["top"][:3]
+        )
+        lines.append(head + f"| {_number(profile['wall_ms_per_step'], 1)} | {shares} | {top} |")
+    return lines
+
+
+def packing_table(summaries: list[dict]) -> list[str]:
+    runs = [r for s in summaries if _packing(s) for r in s["runs"] if r.get("loop") == "ours"]
+    if not runs:
+        return []
+    lines = ["| length | optimizer | rows | samples/s |", "|---:|---|---|---:|"]
+    for r in runs:
+        rows = "packed" if r["packing"] else "padded"
+        rate = _number(r.get("samples_per_s")) if "error" not in r else "failed"
+        lines.append(f"| {r['seq_length']} | {NAMES.get(r['optimizer'])} | {rows} | {rate} |")
+    return lines
+
+
+def targets(summaries: list[dict]) -> list[dict]:
+    """Each target's figures and verdict: ``met``, ``missed`` or ``not measured``."""
+    out = []
+    comparisons = {
+        (row["seq_length"], bool(row["compile"])): row
+        for s in summaries
+        if not _packing(s)
+        for row in s.get("comparisons", [])
+        if "seq_length" in row
+    }
+    for seq_length in (128, 512):
+        for compiled in (False, True):
+            row = comparisons.get((seq_length, compiled), {})
+            value = row.get("onebit_over_lamb_samples_fused")
+            mode = "compiled" if compiled else "eager"
+            out.append(
+                _verdict(
+                    f"1-bit LAMB / LAMB samples/s, fused, {mode}, length {seq_length}",
+                    value,
+                    value is not None and value >= SAMPLES_RATIO_TARGET,
+                    f">= {SAMPLES_RATIO_TARGET}",
+                )
+            )
+    runs = _ours(summaries)
+    floors = [
+        r["optimizer_vs_floor"]
+        for r in runs
+        if r["optimizer"] == "onebit_lamb"
+        and r.get("impl") == "fused"
+        and "optimizer_vs_floor" in r
+    ]
+    floors += [
+        r["optimizer_vs_floor"]
+        for s in summaries
+        for r in s.get("optimizer_steps", [])
+        if r["optimizer"] == "onebit_lamb" and r["impl"] == "fused" and "optimizer_vs_floor" in r
+    ]
+    worst = max(floors) if floors else None
+    out.append(
+        _verdict(
+            "1-bit LAMB's compression step / its floor, fused (the worst row)",
+            worst,
+            worst is not None and worst <= FLOOR_RATIO_TARGET,
+            f"<= {FLOOR_RATIO_TARGET}",
+        )
+    )
+    mfus = [
+        r["mfu"]
+        for r in runs
+        if r["optimizer"] == "lamb"
+        and r.get("compile")
+        and r["seq_length"] == 128
+        and r.get("mfu") is not None
+    ]
+    best = max(mfus) if mfus else None
+    out.append(
+        _verdict(
+            "LAMB's MFU, compiled, length 128 (the better implementation)",
+            best,
+            best is not None and best >= MFU_TARGET,
+            f">= {MFU_TARGET:.0%}",
+        )
+    )
+    return out
+
+
+def _verdict(name: str, value, met: bool, target: str) -> dict:
+    verdict = "not measured" if value is None else ("met" if met else "missed")
+    return {"target": name, "wanted": target, "value": value, "verdict": verdict}
+
+
+def test_line(folder: Path) -> str:
+    log = folder / "test-gpu.log"
+    if not log.is_file():
+        return "no `test-gpu.log`"
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1].strip("= ") if lines else "`test-gpu.log` is empty"
+
+
+def render(folder: Path) -> str:
+    summaries, notes = load(folder)
+    out = [f"# GPU check: {folder}", ""]
+    first = summaries[0] if summaries else {}
+    if first:
+        out.append(
+            f"GPU {first.get('gpu')}, torch {first.get('torch')}, CUDA {first.get('cuda')}, "
+            f"model {first.get('model')}, bandwidth {first.get('bandwidth_gbs')} GB/s "
+            f"({first.get('bandwidth_source')}); MFU: `{first.get('flop_formula')}`."
+        )
+        out.append("")
+    out += [f"CUDA tests: {test_line(folder)}", ""]
+    out += [f"- {note}" for note in notes] + ([""] if notes else [])
+    sections = [
+        ("Our loop", loop_table(summaries)),
+        ("Ratios within one invocation", comparison_table(summaries)),
+        ("Optimizer steps alone", alone_table(summaries)),
+        ("Where a step's time goes (shares of the wall time)", profile_table(summaries)),
+        ("Packed against padded rows (LAMB, eager)", packing_table(summaries)),
+    ]
+    for title, table in sections:
+        if len(table) > 2:
+            out += [f"## {title}", "", *table, ""]
+    out += ["## Targets", "", "| target | wanted | measured | verdict |", "|---|---|---:|---|"]
+    for t in targets(summaries):
+        value = "–" if t["value"] is None else f"{t['value']:.3g}"
+        out.append(f"| {t['target']} | {t['wanted']} | {value} | {t['verdict']} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_summary", description=__doc__)
+    parser.add_argument("folder", type=Path, help="what bench/gpu_check.sh wrote ($OUT)")
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder: give the one bench/gpu_check.sh wrote")
+    sys.stdout.write(render(args.folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
