@@ -24,7 +24,9 @@ The figures, in ms per step:
 
 The optimizer's share on CUDA is the kernels launched from inside its step: those whose
 launch call (``cudaLaunchKernel``, ``cuLaunchKernel``) the host made inside the range, or
-that are linked to an operation nested in it. The launch time is the one that finds the
+that are linked to an operation nested in it (on torch builds whose events lack the
+activity type and the link, both added in 2026, by the launch calls' names and times
+alone). The launch time is the one that finds the
 fused Triton kernels, which launch outside any aten operation and so have no linked one.
 On the CPU it is the self time of the operations nested in the step. Those kernels and
 operations count under ``optimizer`` only, so a collective the optimizer makes itself
@@ -88,6 +90,7 @@ memory-efficient attention kernels are CUTLASS ones). A name no pattern finds is
 _MATCHERS = [(name, re.compile("|".join(patterns), re.I)) for name, patterns in CATEGORIES]
 OPTIMIZER_RANGE = "Optimizer.step#"  # torch names its ranges Optimizer.step#<Class>.step
 LAUNCHES = ("cuda_runtime", "cuda_driver")  # the host-side calls, kineto's activity types
+LAUNCH_NAME = re.compile(r"^cu\w*Launch")
 BUSY = ("gemm", "attention", "communication", "optimizer", "other")
 TOP = 12
 
@@ -154,25 +157,45 @@ def host_work(events) -> list[tuple[str, str, float]]:
     return work
 
 
+def _activity(event) -> str | None:
+    """Kineto's activity type of ``event`` (``cpu_op``, ``cuda_runtime``, ``kernel``, ...).
+    On torch builds from before ``FunctionEvent.activity_type`` existed, a host event
+    named like a launch call (``cudaLaunchKernel``, ``cuLaunchKernel``,
+    ``cudaGraphLaunch``) is ``cuda_runtime``, another host event ``cpu_op``."""
+    from torch.autograd import DeviceType
+
+    kind = getattr(event, "activity_type", None)
+    if kind is not None or event.device_type != DeviceType.CPU:
+        return kind
+    return "cuda_runtime" if LAUNCH_NAME.match(event.name) else "cpu_op"
+
+
 def device_work(events) -> list[tuple[str, str, float]]:
     """``(name, category, microseconds)`` of every kernel, copy and memset on the GPU
     (torch's GPU-side spans of ``record_function`` ranges left out: they cover kernels)."""
     from torch.autograd import DeviceType
 
     ranges = [e.time_range for e in _optimizer_ranges(events)]
-    nested_ops = {e.id for e in _optimizer_events(events) if e.activity_type == "cpu_op"}
+    nested_ops = {
+        e.id
+        for e in _optimizer_events(events)
+        if _activity(e) == "cpu_op" and not e.is_user_annotation
+    }
     # a launch call's id is its kernel's (CUPTI's correlation id); ops have ids of their own
     launched_inside = {
         e.id
         for e in events
-        if e.activity_type in LAUNCHES
-        and any(r.start <= e.time_range.start <= r.end for r in ranges)
+        if _activity(e) in LAUNCHES and any(r.start <= e.time_range.start <= r.end for r in ranges)
+    }
+    annotations = {
+        e.name for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation
     }
     work = []
     for e in events:
-        if e.device_type != DeviceType.CUDA or e.is_user_annotation:
+        if e.device_type != DeviceType.CUDA or e.is_user_annotation or e.name in annotations:
             continue
-        optimizer = e.id in launched_inside or e.linked_correlation_id in nested_ops
+        linked = getattr(e, "linked_correlation_id", 0)
+        optimizer = e.id in launched_inside or linked in nested_ops
         category = "optimizer" if optimizer else classify(e.name)
         work.append((e.name, category, e.time_range.elapsed_us()))
     return work

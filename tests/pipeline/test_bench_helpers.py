@@ -393,6 +393,13 @@ def test_step_profile_counts_kernels_launched_in_the_optimizer_step_as_its_own()
     assert profile["categories"] == {**dict.fromkeys(PROFILE_CATEGORIES, 0.0), **gpu}
     assert profile["busy_ms_per_step"] == 0.028 and profile["shares"]["idle"] == 0.72
     assert [entry["ms_per_step"] for entry in profile["top"]] == [0.01, 0.01, 0.005, 0.003]
+    # as older torch builds give them: no activity type, no link, the GPU-side span of
+    # the range unflagged; the launch calls' names and times still find the optimizer's
+    for e in events:
+        del e.activity_type, e.linked_correlation_id
+        if e.device_type == DeviceType.CUDA:
+            e.is_user_annotation = False
+    assert device_work(events) == work
 
 
 def test_gpu_benchmark_profiles_steps_on_the_cpu(tiny_corpus, tmp_path):
