@@ -35,6 +35,13 @@ FLOOR_RATIO_TARGET = 2.0
 MFU_TARGET = 0.45
 CATEGORIES = ("gemm", "attention", "communication", "optimizer", "other", "idle")
 NAMES = {"lamb": "LAMB", "onebit_lamb": "1-bit LAMB", "adamw": "AdamW"}
+STEP_KEYS = ("optimizer_step_ms", "optimizer_floor_ms", "optimizer_vs_floor")
+RATIO_KEYS = (
+    "onebit_over_lamb_samples_reference",
+    "onebit_over_lamb_samples_fused",
+    "lamb_fused_over_reference_samples",
+    "onebit_lamb_fused_over_reference_samples",
+)
 
 
 def load(folder: Path) -> tuple[list[dict], list[str]]:
@@ -69,6 +76,21 @@ def _number(value, digits: int = 1, percent: bool = False) -> str:
     return f"{value:,.{digits}f}"
 
 
+def _line(*cells) -> str:
+    """One Markdown table row of ``cells``."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def _config(run: dict) -> list[str]:
+    """The cells that name a row of our loop: length, mode, optimizer, kernels."""
+    name = NAMES.get(run["optimizer"], run["optimizer"])
+    return [run["seq_length"], _mode(run), name, run.get("impl", "–")]
+
+
+def _figures(row: dict, keys: tuple[str, ...], digits: int) -> list[str]:
+    return [_number(row.get(key), digits) for key in keys]
+
+
 def _packing(summary: dict) -> bool:
     """Whether ``summary`` is a packed-against-padded invocation."""
     return any(run.get("packing") for run in summary["runs"])
@@ -90,19 +112,10 @@ def loop_table(summaries: list[dict]) -> list[str]:
     ]
     for run in _ours(summaries):
         if "error" in run:
-            lines.append(
-                f"| {run['seq_length']} | {_mode(run)} | {NAMES.get(run['optimizer'])} | "
-                f"{run.get('impl', '–')} | failed: {run['error'][:80]} | | | | |"
-            )
+            lines.append(_line(*_config(run), f"failed: {run['error'][:80]}", *[""] * 4))
             continue
-        lines.append(
-            f"| {run['seq_length']} | {_mode(run)} | {NAMES.get(run['optimizer'])} "
-            f"| {run.get('impl', '–')} | {_number(run.get('samples_per_s'))} "
-            f"| {_number(run.get('mfu'), percent=True)} "
-            f"| {_number(run.get('optimizer_step_ms'), 2)} "
-            f"| {_number(run.get('optimizer_floor_ms'), 2)} "
-            f"| {_number(run.get('optimizer_vs_floor'), 2)} |"
-        )
+        rate, mfu = _number(run.get("samples_per_s")), _number(run.get("mfu"), percent=True)
+        lines.append(_line(*_config(run), rate, mfu, *_figures(run, STEP_KEYS, 2)))
     return lines
 
 
@@ -118,13 +131,7 @@ def comparison_table(summaries: list[dict]) -> list[str]:
             if "seq_length" not in row:
                 continue
             mode = "compiled" if row["compile"] else "eager"
-            lines.append(
-                f"| {row['seq_length']} | {mode} "
-                f"| {_number(row.get('onebit_over_lamb_samples_reference'), 3)} "
-                f"| {_number(row.get('onebit_over_lamb_samples_fused'), 3)} "
-                f"| {_number(row.get('lamb_fused_over_reference_samples'), 3)} "
-                f"| {_number(row.get('onebit_lamb_fused_over_reference_samples'), 3)} |"
-            )
+            lines.append(_line(row["seq_length"], mode, *_figures(row, RATIO_KEYS, 3)))
     return lines
 
 
@@ -137,11 +144,7 @@ def alone_table(summaries: list[dict]) -> list[str]:
         "|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(
-            f"| {NAMES.get(r['optimizer'])} | {r['impl']} | {_number(r['optimizer_step_ms'], 2)} "
-            f"| {_number(r.get('optimizer_floor_ms'), 2)} "
-            f"| {_number(r.get('optimizer_vs_floor'), 2)} |"
-        )
+        lines.append(_line(NAMES.get(r["optimizer"]), r["impl"], *_figures(r, STEP_KEYS, 2)))
     return lines
 
 
@@ -157,17 +160,17 @@ def profile_table(summaries: list[dict]) -> list[str]:
     ]
     for run in runs:
         profile = run["profile"]
-        head = f"| {run['seq_length']} | {_mode(run)} | {NAMES.get(run['optimizer'])} "
-        head += f"| {run.get('impl', '–')} "
         if "error" in profile:
-            lines.append(head + f"| failed: {profile['error'][:80]} |" + " |" * len(CATEGORIES))
+            failed = f"failed: {profile['error'][:80]}"
+            lines.append(_line(*_config(run), failed, *[""] * (len(CATEGORIES) + 1)))
             continue
-        shares = " | ".join(_number(profile["shares"][c], 1, percent=True) for c in CATEGORIES)
+        shares = [_number(profile["shares"][c], 1, percent=True) for c in CATEGORIES]
         top = "; ".join(
             f"{t['name'][:40]} ({t['category']}, {t['ms_per_step']:.2f} ms)"
             for t in profile["top"][:3]
         )
-        lines.append(head + f"| {_number(profile['wall_ms_per_step'], 1)} | {shares} | {top} |")
+        wall = _number(profile["wall_ms_per_step"], 1)
+        lines.append(_line(*_config(run), wall, *shares, top))
     return lines
 
 
@@ -179,7 +182,7 @@ def packing_table(summaries: list[dict]) -> list[str]:
     for r in runs:
         rows = "packed" if r["packing"] else "padded"
         rate = _number(r.get("samples_per_s")) if "error" not in r else "failed"
-        lines.append(f"| {r['seq_length']} | {NAMES.get(r['optimizer'])} | {rows} | {rate} |")
+        lines.append(_line(r["seq_length"], NAMES.get(r["optimizer"]), rows, rate))
     return lines
 
 
