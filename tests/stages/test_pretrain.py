@@ -240,6 +240,29 @@ def test_a_compiled_model_trains_like_the_eager_one_and_resumes_exactly(tiny_cor
 
 
 @pytest.mark.slow
+def test_a_compiled_model_takes_packed_batches_and_validates(tiny_corpus, tmp_path):
+    """model.compile with data.packing (rows vary in number, attention masked per sequence)
+    and a validation pass every 3 steps (eval mode, no gradients: compiled again): without
+    dropout the losses follow the eager run's."""
+    single = _single()
+    common = {"model.dropout": 0.0, "schedule.max_steps": 6, "data.packing": True}
+    common["data.validation_every"] = 3
+    for mode in ("off", "default"):
+        cfg = tiny_config(tiny_corpus, tmp_path / mode, **common, **{"model.compile": mode})
+        train_in_process(single, cfg)
+    eager, compiled = mlm_losses(tmp_path / "off"), mlm_losses(tmp_path / "default")
+    assert len(compiled) == 6
+    np.testing.assert_allclose(compiled, eager, rtol=1e-4)
+    validations = [
+        [r["val_mlm_loss"] for r in read_metrics(tmp_path / mode / "metrics.jsonl")
+         if "val_mlm_loss" in r]
+        for mode in ("off", "default")
+    ]  # fmt: skip
+    assert len(validations[1]) >= 2
+    np.testing.assert_allclose(validations[1], validations[0], rtol=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [{"optimizer.name": "lamb"}, {"optimizer.name": "onebit_lamb", "comm.overlap": True}],
