@@ -321,10 +321,12 @@ def batch_for(seq_length: int, batch_size: int) -> int:
     return max(1, batch_size * 128 // seq_length)
 
 
-def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict]:
+def run_all(data: dict[int, Path], tmp: Path, args, device: Device, done=None) -> list[dict]:
     """Every configuration on ``data`` (sequence length -> the data stage's shard folder);
     one row per loop, optimizer and implementation. Sets ``args.bandwidth`` (GB/s: given
-    or measured) for the optimizer's floor."""
+    or measured) for the optimizer's floor. ``done(rows)``, if given, is called with each
+    configuration's rows as soon as it has run."""
+    done = done or (lambda rows: None)
     from bench.yardstick import measure_bandwidth, peak_tflops
 
     args.bandwidth = args.bandwidth_gbs or measure_bandwidth(device.torch, device.type)
@@ -348,6 +350,7 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                     )
                     hf = measure(name, run, device)
                     runs.append({"loop": "hf_trainer", "optimizer": "adamw", **common, **hf})
+                    done(runs[-1:])
                 for optimizer, packing in product(args.optimizers, packings):
                     name = f"ours_{optimizer}_{seq_length}_{precision}_{mode}"
                     name += "_packed" if packing else ""
@@ -364,6 +367,7 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                         packing,
                     )
                     result = measure(name, run, device)
+                    first = len(runs)
                     for impl, figures in result.pop("impls", {"-": {}}).items():
                         row = {"loop": "ours", "optimizer": optimizer, "impl": impl, **common}
                         row["packing"] = packing
@@ -376,7 +380,18 @@ def run_all(data: dict[int, Path], tmp: Path, args, device: Device) -> list[dict
                                 row["samples_per_s"] / hf["samples_per_s"], 3
                             )
                         runs.append(row)
+                    done(runs[first:])
     return runs
+
+
+def append_rows(path: Path | None, rows: list[dict]) -> None:
+    """Append ``rows`` to ``path`` as JSON lines, flushed at once (``--rows-out``): what
+    ran is kept if the invocation is stopped before its summary."""
+    if path is None:
+        return
+    with open(path, "a") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
 
 
 def prepared_vocab_size(out: Path) -> int:
@@ -420,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"no prepared shards at {', '.join(missing)}: prepare those lengths")
         vocab_size = prepared_vocab_size(out)
-        runs = run_all(data, tmp, args, device)
+        runs = run_all(data, tmp, args, device, partial(append_rows, args.rows_out))
         steps = []
         if args.optimizer_steps:
             from bench.yardstick import standalone_optimizer_steps

@@ -13,7 +13,8 @@
 # Usage: OUT=dir bash bench/gpu_check.sh   (PY: the Python to use; default: the project's
 # .venv if there is one, else python3, e.g. a machine's own CUDA build of torch).
 # Writes to $OUT (default runs/gpu_check): test-gpu.log, bench-*.json (the JSON line of each
-# invocation), bench-*.log (its stderr), summary.md (bench/gpu_summary.py: the tables and
+# invocation), bench-*.rows.jsonl (its rows, written as each configuration finishes: kept
+# when a time limit stops it), bench-*.log (its stderr), summary.md (bench/gpu_summary.py: the tables and
 # the targets' verdicts); the prepared data goes to $DATA (default
 # runs/gpu_check_data, reused when there). Exits non-zero when a step failed.
 set -uo pipefail
@@ -23,6 +24,7 @@ if [ -z "${PY:-}" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 mkdir -p "$OUT"
+rm -f "$OUT"/bench-*.rows.jsonl  # appended to as rows finish: start them empty
 status=0
 started=$(date +%s)
 say() { echo "gpu_check: $* ($(($(date +%s) - started)) s)" >&2; }
@@ -48,8 +50,8 @@ bench() {
     local name=$1 limit=$2
     shift 2
     say "bench $name"
-    timeout "$limit" "$PY" -m bench.gpu "${COMMON[@]}" "$@" >"$OUT/bench-$name.out" \
-        2>"$OUT/bench-$name.log" || status=1
+    timeout "$limit" "$PY" -m bench.gpu "${COMMON[@]}" "$@" --rows-out "$OUT/bench-$name.rows.jsonl" \
+        >"$OUT/bench-$name.out" 2>"$OUT/bench-$name.log" || status=1
     tail -n 1 "$OUT/bench-$name.out" >"$OUT/bench-$name.json"
 }
 bench eager 120 --compile off --seq-lengths 128,512
@@ -63,7 +65,7 @@ if [ "$left" -ge 45 ]; then
     timeout "$((left < 90 ? left : 90))" "$PY" -m bench.gpu --prepared "$DATA" --precisions bf16 \
         --optimizers lamb --impl fused --no-hf-baseline --no-optimizer-steps --steps 6 \
         --warmup-steps 4 --repeats 1 --compile off --seq-lengths 128,512 --packing both \
-        >"$OUT/bench-packing.out" 2>"$OUT/bench-packing.log" || status=1
+        --rows-out "$OUT/bench-packing.rows.jsonl" >"$OUT/bench-packing.out" 2>"$OUT/bench-packing.log" || status=1
     tail -n 1 "$OUT/bench-packing.out" >"$OUT/bench-packing.json"
 else
     say "bench packing skipped: ${left} s left"

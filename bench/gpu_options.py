@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (default, text) in counts.items():
         parser.add_argument(flag, type=int, default=default, help=text)
     parser.add_argument(
+        "--rows-out",
+        type=Path,
+        default=None,
+        help="also append each configuration's rows to this file as JSON lines as soon as "
+        "it has run, so that an invocation stopped by a time limit keeps them",
+    )
+    parser.add_argument(
         "--peak-tflops",
         type=float,
         help="the peak MFU divides by (default: the GPU's dense bf16/fp16 peak where known)",

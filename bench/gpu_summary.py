@@ -19,7 +19,8 @@ invocation (the JSON line it printed) in one folder. This reads them and prints 
 
     python -m bench.gpu_summary runs/gpu_check > summary.md
 
-A file that is missing or holds no JSON is named in the output, and the rest is still
+An invocation without its JSON summary is named in the output; the rows it wrote as each
+configuration finished (``bench-<name>.rows.jsonl``) stand in for it, and the rest is
 summarised: a check that ran out of time keeps what it measured.
 """
 
@@ -44,20 +45,51 @@ RATIO_KEYS = (
 )
 
 
-def load(folder: Path) -> tuple[list[dict], list[str]]:
-    """The bench.gpu summaries in ``folder`` (``bench-*.json``, by name), and a note for
-    each file that holds none."""
-    summaries, notes = [], []
-    for path in sorted(folder.glob("bench-*.json")):
+def _read_json(path: Path):
+    try:
         text = path.read_text().strip()
-        try:
-            summary = json.loads(text) if text else None
-        except json.JSONDecodeError:
-            summary = None
-        if not isinstance(summary, dict) or "runs" not in summary:
-            notes.append(f"`{path.name}` holds no result (the invocation failed or timed out)")
+        return json.loads(text) if text else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The complete JSON lines of ``path`` (a line cut off by a kill is left out)."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def load(folder: Path) -> tuple[list[dict], list[str]]:
+    """The bench.gpu summaries in ``folder`` (``bench-<name>.json``, by name), and a note
+    for each invocation without one. Where the summary is missing, the rows the invocation
+    wrote as it went (``bench-<name>.rows.jsonl``, ``--rows-out``) stand in for it, with
+    the ratios of those rows."""
+    from bench.yardstick import comparisons
+
+    names = {p.name.removesuffix(".json") for p in folder.glob("bench-*.json")}
+    names |= {p.name.removesuffix(".rows.jsonl") for p in folder.glob("bench-*.rows.jsonl")}
+    names = {n for n in names if not n.endswith(".rows")}
+    summaries, notes = [], []
+    for name in sorted(names):
+        summary = _read_json(folder / f"{name}.json")
+        if isinstance(summary, dict) and "runs" in summary:
+            summaries.append(summary)
             continue
-        summaries.append(summary)
+        rows = _read_rows(folder / f"{name}.rows.jsonl")
+        if not rows:
+            notes.append(f"`{name}.json` holds no result (the invocation failed or timed out)")
+            continue
+        notes.append(
+            f"`{name}.json` holds no result (the invocation failed or timed out); the "
+            f"{len(rows)} rows it finished are read from `{name}.rows.jsonl`"
+        )
+        summaries.append({"runs": rows, "comparisons": comparisons(rows, [])})
     return summaries, notes
 
 

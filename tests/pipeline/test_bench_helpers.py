@@ -195,19 +195,22 @@ def test_gpu_benchmark_comparisons_are_ratios_of_one_invocation():
     assert flops["model_flops_per_step"] == 6 * n * 128 + 12 * 2 * 128 * 32 * 128
 
 
-def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys):
+def test_gpu_benchmark_needs_no_data_outside_the_repository(capsys, tmp_path):
     """bench-gpu's default corpus is generated, prepared at both sequence lengths, and the
-    model padded to BERT's vocabulary whatever the tokenizer learned (CPU dry run)."""
+    model padded to BERT's vocabulary whatever the tokenizer learned (CPU dry run); with
+    --rows-out the rows are also written as they finish."""
     from bench import gpu
 
+    rows = tmp_path / "rows.jsonl"
     status = gpu.main(
         shlex.split(
             "--device cpu --model bert-tiny --precisions fp32 --compile off --steps 1 "
             "--warmup-steps 2 --batch-size 8 --optimizers lamb --no-hf-baseline "
-            "--impl reference --repeats 1"
+            f"--impl reference --repeats 1 --rows-out {rows}"
         )
     )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [json.loads(line) for line in rows.read_text().splitlines()] == summary["runs"]
     assert status == 0 and summary["failures"] == 0
     assert summary["corpus"] == "generated" and summary["seq_lengths"] == [128, 512]
     assert not any(r["packing"] for r in summary["runs"])
@@ -548,7 +551,11 @@ def test_gpu_summary_judges_each_target_from_the_figures():
 
 def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny_corpus, tmp_path):
     """The summary of a folder as bench/gpu_check.sh leaves it: one invocation's JSON (a
-    CPU dry run with a profile), one that timed out (empty), the test log's last line."""
+    CPU dry run with a profile), one that timed out before its JSON but after writing its
+    rows (--rows-out; the line a kill cut short left out), one that left nothing, the
+    test log's last line."""
+    from functools import partial
+
     from bench import gpu
     from bench.gpu_summary import main
     from bench.yardstick import comparisons
@@ -556,12 +563,18 @@ def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny
     command = CPU_DRY_RUN + " --optimizers lamb,onebit_lamb --no-hf-baseline --repeats 1"
     parser = gpu.build_parser()
     args = parser.parse_args(shlex.split(command + " --profile-steps 1"))
-    runs = gpu.run_all({128: tiny_corpus}, tmp_path / "runs", args, gpu.Device("cpu"))
-    summary = {"gpu": None, "torch": "x", "runs": runs, "comparisons": comparisons(runs, []),
-               "optimizer_steps": []}  # fmt: skip
     folder = tmp_path / "check"
     folder.mkdir()
+    rows = folder / "bench-partial.rows.jsonl"
+    done = partial(gpu.append_rows, rows)
+    runs = gpu.run_all({128: tiny_corpus}, tmp_path / "runs", args, gpu.Device("cpu"), done)
+    assert [json.loads(line) for line in rows.read_text().splitlines()] == runs
+    with open(rows, "a") as out:
+        out.write('{"loop": "ours", "optimi')  # a row the kill cut short
+    summary = {"gpu": None, "torch": "x", "runs": runs, "comparisons": comparisons(runs, []),
+               "optimizer_steps": []}  # fmt: skip
     (folder / "bench-eager.json").write_text(json.dumps(summary) + "\n")
+    (folder / "bench-partial.json").write_text("")
     (folder / "bench-compiled-512.json").write_text("")
     (folder / "test-gpu.log").write_text("...\n=== 36 passed, 3 skipped in 80.1s ===\n")
     out = io.StringIO()
@@ -569,12 +582,13 @@ def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny
         assert main([str(folder)]) == 0
     text = out.getvalue()
     assert "CUDA tests: 36 passed, 3 skipped in 80.1s" in text
-    assert "`bench-compiled-512.json` holds no result" in text
+    assert "`bench-compiled-512.json` holds no result (the invocation failed" in text
+    assert "the 2 rows it finished are read from `bench-partial.rows.jsonl`" in text
     loop = text.split("## Our loop")[1].split("##")[0]
-    assert loop.count("| 128 | eager |") == 2  # LAMB and 1-bit LAMB, the reference kernels
+    assert loop.count("| 128 | eager |") == 4  # LAMB and 1-bit LAMB, from each invocation
     ratios = text.split("## Ratios within one invocation")[1].split("##")[0]
     want = round(runs[1]["samples_per_s"] / runs[0]["samples_per_s"], 3)
-    assert f"| 128 | eager | {want:,.3f} | – |" in ratios
+    assert ratios.count(f"| 128 | eager | {want:,.3f} | – |") == 2
     profile = text.split("## Where a step's time goes")[1].split("##")[0]
-    assert profile.count("| 128 | eager |") == 2 and "aten::" in profile
+    assert profile.count("| 128 | eager |") == 4 and "aten::" in profile
     assert text.count("| not measured |") == 6  # no fused kernels, nothing compiled
