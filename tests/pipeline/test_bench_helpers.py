@@ -592,3 +592,28 @@ def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny
     profile = text.split("## Where a step's time goes")[1].split("##")[0]
     assert profile.count("| 128 | eager |") == 4 and "aten::" in profile
     assert text.count("| not measured |") == 6  # no fused kernels, nothing compiled
+
+
+@pytest.mark.slow
+def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
+    """bench/kernel_bytes.py in its child process (Triton's interpreter): LAMB's fused
+    step moves 40 bytes per parameter (read g, m, v, w and write m, v; then read m, v, w
+    and write w), a little more for the pointer tables and the scalars, and 1-bit LAMB's
+    compression step lies between its floor and twice it, every kernel counted."""
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_bytes", "--model", "bert-tiny", "--vocab-size", "300"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lamb, onebit = json.loads(out.stdout.strip().splitlines()[-1])["steps"]
+    assert lamb["optimizer"] == "lamb" and 40 <= lamb["bytes_per_parameter"] < 40.5
+    assert set(lamb["kernels"]) == {"lamb_measure", "scaled_step", "segment_reduce"}
+    assert lamb["kernels"]["lamb_measure"]["written_per_parameter"] == 8.0  # m and v
+    assert onebit["stage"] == "compression"
+    assert {"onebit_fold", "onebit_measure", "pack", "expand", "scaled_step"} <= set(
+        onebit["kernels"]
+    )
+    assert 56.5 < onebit["bytes_per_parameter"] < 2 * 56.5
+    parts = sum(k["bytes_per_parameter"] for k in onebit["kernels"].values())
+    assert parts == pytest.approx(onebit["bytes_per_parameter"], abs=0.1)

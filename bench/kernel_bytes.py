@@ -1,0 +1,155 @@
+"""The bytes the fused optimizer kernels read and write per parameter, counted in Triton's
+interpreter, beside the model of them and the floor.
+
+A GPU is not needed for this figure: in the interpreter (``TRITON_INTERPRET=1``) every
+load and store a kernel issues passes through one function, and :func:`counting` adds up
+the elements each one touches (its mask) times their size, per kernel. That is the
+traffic the kernels ask of memory if no cache keeps anything between two accesses: an
+upper bound on what a GPU's memory moves for them, and with the bandwidth the time they
+cannot beat. Scalars and pointer tables count as well (a few bytes per block of 2,048
+elements).
+
+For LAMB's and 1-bit LAMB's steps (the compression stage, one rank, so the worker's and
+the server's halves of the 1-bit all-reduce both run here), with the fused kernels, on
+``--model``'s parameters with fixed random gradients, this counts the kernels of one step
+after the stage switch, and prints as JSON: bytes per parameter by kernel and in all,
+the model of ``docs/results/2026-11-28-fused-kernels-cpu.md`` (40 and about 96 bytes) and
+the floor of ``bench/yardstick.py`` (28 and 56.5).
+
+What the kernels do not move is not here: the torch operations around them (the message
+buffers' zeroing, the per-tensor factors on one value per tensor) and, on several ranks,
+the network. Slow (the interpreter runs each program in Python): about a minute for
+bert-tiny's parameters on 2 cores.
+
+    python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000]
+
+Runs itself again in a child process with ``TRITON_INTERPRET=1`` when the interpreter is
+not on (Triton fixes its mode when it is imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a file: make bench importable
+    sys.path.insert(0, str(REPO))
+
+MODELLED = {"lamb": 40.0, "onebit_lamb": 96.0}
+"""Bytes per parameter of the fused step, counted from the code before this measurement
+(``docs/results/2026-11-28-fused-kernels-cpu.md``)."""
+
+
+@contextlib.contextmanager
+def counting():
+    """Within the block, every interpreted kernel's loads and stores are counted: yields a
+    dict ``kernel name -> {"read": bytes, "written": bytes, "launches": n}``."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
+    load, store, call = builder.create_masked_load, builder.create_masked_store, executor.__call__
+    counts: dict = defaultdict(lambda: {"read": 0, "written": 0, "launches": 0})
+    current = ["?"]
+
+    def counted_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        counts[current[0]]["read"] += int(np.count_nonzero(mask.data)) * size
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def counted_store(self, ptrs, value, mask, cache_policy):
+        size = value.data.dtype.itemsize
+        counts[current[0]]["written"] += int(np.count_nonzero(mask.data)) * size
+        return store(self, ptrs, value, mask, cache_policy)
+
+    def named_call(self, *args, **kwargs):
+        current[0] = self.fn.__name__
+        counts[current[0]]["launches"] += 1
+        return call(self, *args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
+    executor.__call__ = named_call
+    try:
+        yield counts
+    finally:
+        builder.create_masked_load, builder.create_masked_store = load, store
+        executor.__call__ = call
+
+
+def step_bytes(name: str, model: str, vocab_size: int) -> dict:
+    """One fused step of optimizer ``name`` on ``model``'s parameters, counted."""
+    import torch
+
+    from bench.yardstick import optimizer_bytes_per_parameter
+    from onebit_bert.distributed.comm import Communicator
+    from onebit_bert.optim.build import OptimizerConfig, build_optimizer
+    from pretrain.config import ModelConfig
+    from pretrain.model import build_model
+
+    torch.manual_seed(0)
+    net = build_model(ModelConfig(preset=model), vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    for p in net.parameters():
+        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
+    cfg = OptimizerConfig(name=name, lr=5e-3, freeze_step=1, eps=1e-6, weight_decay=0.01)
+    opt = build_optimizer(cfg, net, Communicator(None, device="cpu"))
+    opt.set_kernels("fused")
+    params = sum(p.numel() for group in opt.param_groups for p in group["params"])
+    for _ in range(2):  # the warmup stage's step, then the first compressing one
+        opt.step()
+    with counting() as counts:
+        opt.step()
+    kernels = {
+        kernel: {
+            "launches": c["launches"],
+            "bytes_per_parameter": round((c["read"] + c["written"]) / params, 2),
+            "read_per_parameter": round(c["read"] / params, 2),
+            "written_per_parameter": round(c["written"] / params, 2),
+        }
+        for kernel, c in sorted(counts.items())
+    }
+    total = sum(c["read"] + c["written"] for c in counts.values()) / params
+    floor = optimizer_bytes_per_parameter(name)
+    return {
+        "optimizer": name,
+        "stage": getattr(opt, "stage", None),
+        "params": params,
+        "kernels": kernels,
+        "bytes_per_parameter": round(total, 2),
+        "modelled_bytes_per_parameter": MODELLED[name],
+        "floor_bytes_per_parameter": floor,
+        "over_floor": round(total / floor, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernel_bytes", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", default="bert-tiny", help="the parameters' preset")
+    parser.add_argument(
+        "--vocab-size", type=int, default=1000, help="embedding rows (default: 1000)"
+    )
+    args = parser.parse_args(argv)
+    from onebit_bert.kernels import interpreting, triton_available
+
+    if not triton_available():
+        parser.error("needs Triton (pip install '.[gpu]')")
+    if not interpreting():
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        command = [sys.executable, "-m", "bench.kernel_bytes", *(argv or sys.argv[1:])]
+        return subprocess.run(command, cwd=REPO, env=env).returncode
+    rows = [step_bytes(name, args.model, args.vocab_size) for name in ("lamb", "onebit_lamb")]
+    print(json.dumps({"benchmark": "kernel_bytes", "model": args.model, "steps": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
