@@ -9,8 +9,9 @@ upper bound on what a GPU's memory moves for them, and with the bandwidth the ti
 cannot beat. Scalars and pointer tables count as well (a few bytes per block of 2,048
 elements).
 
-For LAMB's and 1-bit LAMB's steps (the compression stage, one rank, so the worker's and
-the server's halves of the 1-bit all-reduce both run here), with the fused kernels, on
+For LAMB's and 1-bit LAMB's steps (the compression stage; at one rank the worker's and
+the server's halves of the 1-bit all-reduce both run on every element, on ``--world-size``
+gloo ranks the server's on each rank's 1/W of them), with the fused kernels, on
 ``--model``'s parameters with fixed random gradients, this counts the kernels of one step
 after the stage switch, and prints as JSON: bytes per parameter by kernel and in all,
 the model of ``docs/results/2026-11-28-fused-kernels-cpu.md`` (40 and about 96 bytes) and
@@ -21,7 +22,7 @@ buffers' zeroing, the per-tensor factors on one value per tensor) and, on severa
 the network. Slow (the interpreter runs each program in Python): about a minute for
 bert-tiny's parameters on 2 cores.
 
-    python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000]
+    python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000] [--world-size 1]
 
 Runs itself again in a child process with ``TRITON_INTERPRET=1`` when the interpreter is
 not on (Triton fixes its mode when it is imported).
@@ -83,8 +84,9 @@ def counting():
         executor.__call__ = call
 
 
-def step_bytes(name: str, model: str, vocab_size: int) -> dict:
-    """One fused step of optimizer ``name`` on ``model``'s parameters, counted."""
+def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
+    """One fused step of optimizer ``name`` on ``model``'s parameters, counted (on this
+    rank of ``comm``'s group; default: one rank)."""
     import torch
 
     from bench.yardstick import optimizer_bytes_per_parameter
@@ -99,7 +101,8 @@ def step_bytes(name: str, model: str, vocab_size: int) -> dict:
     for p in net.parameters():
         p.grad = torch.randn(p.shape, generator=generator) * 1e-3
     cfg = OptimizerConfig(name=name, lr=5e-3, freeze_step=1, eps=1e-6, weight_decay=0.01)
-    opt = build_optimizer(cfg, net, Communicator(None, device="cpu"))
+    comm = comm or Communicator(None, device="cpu")
+    opt = build_optimizer(cfg, net, comm)
     opt.set_kernels("fused")
     params = sum(p.numel() for group in opt.param_groups for p in group["params"])
     for _ in range(2):  # the warmup stage's step, then the first compressing one
@@ -116,17 +119,39 @@ def step_bytes(name: str, model: str, vocab_size: int) -> dict:
         for kernel, c in sorted(counts.items())
     }
     total = sum(c["read"] + c["written"] for c in counts.values()) / params
-    floor = optimizer_bytes_per_parameter(name)
+    floor = optimizer_bytes_per_parameter(name, comm.world_size)
     return {
         "optimizer": name,
+        "world_size": comm.world_size,
         "stage": getattr(opt, "stage", None),
         "params": params,
         "kernels": kernels,
         "bytes_per_parameter": round(total, 2),
-        "modelled_bytes_per_parameter": MODELLED[name],
+        # the model of 2026-11-28 is for one rank
+        "modelled_bytes_per_parameter": MODELLED[name] if comm.world_size == 1 else None,
         "floor_bytes_per_parameter": floor,
         "over_floor": round(total / floor, 3),
     }
+
+
+def _rank_main(rank, world_size, store, out_path, model, vocab_size):
+    """One gloo rank of ``--world-size``: both steps counted here; rank 0 saves its rows
+    (every rank does the same share of the work)."""
+    import torch
+    import torch.distributed as dist
+
+    from bench.common import init_gloo
+    from onebit_bert.distributed.comm import Communicator
+
+    torch.set_num_threads(1)
+    init_gloo(rank, world_size, store)
+    try:
+        comm = Communicator(dist.group.WORLD)
+        rows = [step_bytes(name, model, vocab_size, comm) for name in MODELLED]
+        if rank == 0:
+            torch.save(rows, out_path)
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vocab-size", type=int, default=1000, help="embedding rows (default: 1000)"
     )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="gloo ranks the 1-bit all-reduce spans; the counts are one rank's (default: 1)",
+    )
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error("--world-size must be at least 1")
     from onebit_bert.kernels import interpreting, triton_available
 
     if not triton_available():
@@ -146,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         command = [sys.executable, "-m", "bench.kernel_bytes", *(argv or sys.argv[1:])]
         return subprocess.run(command, cwd=REPO, env=env).returncode
-    rows = [step_bytes(name, args.model, args.vocab_size) for name in ("lamb", "onebit_lamb")]
+    if args.world_size > 1:
+        from bench.common import run_gloo_ranks
+
+        rows = run_gloo_ranks(_rank_main, args.world_size, args.model, args.vocab_size)
+    else:
+        rows = [step_bytes(name, args.model, args.vocab_size) for name in MODELLED]
     print(json.dumps({"benchmark": "kernel_bytes", "model": args.model, "steps": rows}))
     return 0
 
