@@ -36,17 +36,20 @@ def sum_squares(x, err, partial, partial_input, n_bytes, received, scales, ranks
                 stride, real, SERVER: tl.constexpr, MEASURE: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """``partial[program]``: the sum of the squared values over this tile's real elements;
-    with ``MEASURE`` (worker) also ``partial_input[program]``, that of ``x`` alone."""
+    with ``MEASURE`` (worker) also ``partial_input[program]``, that of ``x`` alone (``x``
+    read once for both; only a worker measures)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, 8)
     index = rows[:, None] * 8 + cols[None, :]
-    v = _value(x, err, index, rows, cols, n_bytes, received, scales, ranks, ranks_f, stride,
-               real, SERVER)  # fmt: skip
-    v = tl.where(index < real, v, 0.0)
-    tl.store(partial + tl.program_id(0), tl.sum(tl.sum(v * v, axis=1), axis=0))
     if MEASURE:
         plain = tl.load(x + index, mask=rows[:, None] < n_bytes, other=0.0)
+        v = plain + tl.load(err + index, mask=rows[:, None] < n_bytes, other=0.0)
         tl.store(partial_input + tl.program_id(0), tl.sum(tl.sum(plain * plain, axis=1), axis=0))
+    else:
+        v = _value(x, err, index, rows, cols, n_bytes, received, scales, ranks, ranks_f, stride,
+                   real, SERVER)  # fmt: skip
+    v = tl.where(index < real, v, 0.0)
+    tl.store(partial + tl.program_id(0), tl.sum(tl.sum(v * v, axis=1), axis=0))
 
 
 @triton.jit
