@@ -17,9 +17,10 @@ after the stage switch, and prints as JSON: bytes per parameter by kernel and in
 the model of ``docs/results/2026-11-28-fused-kernels-cpu.md`` (40 and about 96 bytes) and
 the floor of ``bench/yardstick.py`` (28 and 56.5).
 
-What the kernels do not move is not here: the torch operations around them (the message
-buffers' zeroing, the per-tensor factors on one value per tensor) and, on several ranks,
-the network. Slow (the interpreter runs each program in Python): about a minute for
+The torch operations around the kernels are not counted; ``outside_kernels`` lists those
+that touch at least 1 % as many elements as there are parameters (views and allocations
+aside), so that what the count leaves out is seen. The network, on several ranks, is not
+here either. Slow (the interpreter runs each program in Python): about a minute for
 bert-tiny's parameters on 2 cores.
 
     python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000] [--world-size 1]
@@ -43,6 +44,31 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make bench importable
     sys.path.insert(0, str(REPO))
 
+KERNEL_RANGE = "interpreted kernel"
+NO_TRAFFIC = {
+    "aten::" + name
+    for name in [
+        "slice",
+        "view",
+        "view_as",
+        "reshape",
+        "select",
+        "as_strided",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "t",
+        "transpose",
+        "narrow",
+        "alias",
+        "detach",
+        "empty",
+        "empty_like",
+        "new_empty",
+        "empty_strided",
+    ]
+}
+"""torch operations that move no data (views, allocations)."""
 MODELLED = {"lamb": 40.0, "onebit_lamb": 96.0}
 """Bytes per parameter of the fused step, counted from the code before this measurement
 (``docs/results/2026-11-28-fused-kernels-cpu.md``)."""
@@ -53,6 +79,7 @@ def counting():
     """Within the block, every interpreted kernel's loads and stores are counted: yields a
     dict ``kernel name -> {"read": bytes, "written": bytes, "launches": n}``."""
     import numpy as np
+    import torch
     from triton.runtime import interpreter
 
     builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
@@ -73,7 +100,8 @@ def counting():
     def named_call(self, *args, **kwargs):
         current[0] = self.fn.__name__
         counts[current[0]]["launches"] += 1
-        return call(self, *args, **kwargs)
+        with torch.profiler.record_function(KERNEL_RANGE):  # its copies are the interpreter's
+            return call(self, *args, **kwargs)
 
     builder.create_masked_load, builder.create_masked_store = counted_load, counted_store
     executor.__call__ = named_call
@@ -107,7 +135,7 @@ def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
     params = sum(p.numel() for group in opt.param_groups for p in group["params"])
     for _ in range(2):  # the warmup stage's step, then the first compressing one
         opt.step()
-    with counting() as counts:
+    with counting() as counts, torch.profiler.profile(record_shapes=True) as prof:
         opt.step()
     kernels = {
         kernel: {
@@ -131,7 +159,34 @@ def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
         "modelled_bytes_per_parameter": MODELLED[name] if comm.world_size == 1 else None,
         "floor_bytes_per_parameter": floor,
         "over_floor": round(total / floor, 3),
+        "outside_kernels": outside_kernels(prof.events(), params // 100),
     }
+
+
+def outside_kernels(events, least: int) -> list[dict]:
+    """The torch operations of the step that run outside the kernels and touch at least
+    ``least`` elements (their largest input), views and allocations left out: what the
+    count above does not see. The interpreter's own copies of a kernel's arguments are
+    inside :data:`KERNEL_RANGE` and left out too."""
+    found: dict = defaultdict(int)
+    for e in events:
+        if not e.name.startswith("aten::") or e.name in NO_TRAFFIC:
+            continue
+        parent, inside = e.cpu_parent, False
+        while parent is not None and not inside:
+            inside = parent.name == KERNEL_RANGE or parent.name.startswith("aten::")
+            parent = parent.cpu_parent
+        elements = max((_numel(shape) for shape in e.input_shapes or []), default=0)
+        if not inside and elements >= least:
+            found[e.name, elements] += 1
+    return [{"op": op, "elements": n, "calls": c} for (op, n), c in sorted(found.items())]
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape if isinstance(shape, list | tuple) else []:
+        count *= size if isinstance(size, int) else 1
+    return count if shape else 0
 
 
 def _rank_main(rank, world_size, store, out_path, model, vocab_size):

@@ -617,6 +617,11 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     assert 56.5 < onebit["bytes_per_parameter"] < 2 * 56.5
     parts = sum(k["bytes_per_parameter"] for k in onebit["kernels"].values())
     assert parts == pytest.approx(onebit["bytes_per_parameter"], abs=0.1)
+    # outside the kernels: nothing for LAMB; for 1-bit LAMB only the message's bytes (an
+    # eighth of an element each), copied for the exchange at one rank
+    assert lamb["outside_kernels"] == []
+    assert {op["op"] for op in onebit["outside_kernels"]} == {"aten::copy_"}
+    assert all(op["elements"] < onebit["params"] / 7 for op in onebit["outside_kernels"])
     # on 2 gloo ranks the server's half runs on half the elements: less traffic, LAMB's same
     out = subprocess.run(
         [sys.executable, "-m", "bench.kernel_bytes", "--model", "bert-tiny", "--vocab-size", "300",
