@@ -15,6 +15,7 @@ import pytest
 
 from bench.hf_mlm_baseline import run_hf_mlm_baseline
 from bench.rss import PeakRSS
+from tests.helpers.compilers import NEEDS_CXX
 from tests.helpers.paths import REPO, SHARED_DATA
 
 VOCAB = SHARED_DATA / "bert_vocab" / "uncased" / "vocab.txt"
@@ -439,6 +440,7 @@ def test_gpu_benchmark_profiles_steps_on_the_cpu(tiny_corpus, tmp_path):
 
 
 @pytest.mark.slow
+@NEEDS_CXX
 def test_gpu_benchmark_compiles_the_body_as_model_compile_does(tiny_corpus, tmp_path):
     """--compile on: our loop trains with model.compile in --compile-mode (the BERT body
     compiled by Inductor, on the CPU here), and the row says which mode."""

@@ -19,6 +19,7 @@ from pretrain.config import PretrainConfig, ScheduleConfig
 from pretrain.data import BatchSchedule, TokenIds, mask_tokens
 from pretrain.schedule import lr_multiplier
 from pretrain.train import train
+from tests.helpers.compilers import NEEDS_CXX
 from tests.helpers.distributed_harness import run_ranks
 from tests.helpers.runs import (
     REPO,
@@ -205,6 +206,7 @@ def test_model_compile_compiles_the_body_in_place_and_leaves_the_heads_eager(tin
 
 
 @pytest.mark.slow
+@NEEDS_CXX
 def test_a_compiled_model_trains_like_the_eager_one_and_resumes_exactly(tiny_corpus, tmp_path):
     """model.compile: without dropout, 6 steps of LAMB with the body compiled follow the
     eager run to float rounding, and the checkpoint holds the same parameter names; with
@@ -240,6 +242,7 @@ def test_a_compiled_model_trains_like_the_eager_one_and_resumes_exactly(tiny_cor
 
 
 @pytest.mark.slow
+@NEEDS_CXX
 def test_a_compiled_model_takes_packed_batches_and_validates(tiny_corpus, tmp_path):
     """model.compile with data.packing (rows vary in number, attention masked per sequence)
     and a validation pass every 3 steps (eval mode, no gradients: compiled again): without
@@ -263,6 +266,7 @@ def test_a_compiled_model_takes_packed_batches_and_validates(tiny_corpus, tmp_pa
 
 
 @pytest.mark.slow
+@NEEDS_CXX
 @pytest.mark.parametrize(
     "overrides",
     [{"optimizer.name": "lamb"}, {"optimizer.name": "onebit_lamb", "comm.overlap": True}],
