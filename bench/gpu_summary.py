@@ -300,7 +300,8 @@ def test_line(folder: Path) -> str:
 def render(folder: Path) -> str:
     summaries, notes = load(folder)
     out = [f"# GPU check: {folder}", ""]
-    first = summaries[0] if summaries else {}
+    # the set-up from a whole summary (rows an invocation left without one carry none)
+    first = next((s for s in summaries if "torch" in s), {})
     if first:
         out.append(
             f"GPU {first.get('gpu')}, torch {first.get('torch')}, CUDA {first.get('cuda')}, "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -69,6 +70,7 @@ NO_TRAFFIC = {
     ]
 }
 """torch operations that move no data (views, allocations)."""
+OPTIMIZERS = ("lamb", "onebit_lamb")
 MODELLED = {"lamb": 40.0, "onebit_lamb": 96.0}
 """Bytes per parameter of the fused step, counted from the code before this measurement
 (``docs/results/2026-11-28-fused-kernels-cpu.md``)."""
@@ -117,22 +119,12 @@ def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
     rank of ``comm``'s group; default: one rank)."""
     import torch
 
-    from bench.yardstick import optimizer_bytes_per_parameter
-    from onebit_bert.distributed.comm import Communicator
-    from onebit_bert.optim.build import OptimizerConfig, build_optimizer
-    from pretrain.config import ModelConfig
-    from pretrain.model import build_model
+    from bench.yardstick import optimizer_bytes_per_parameter, optimizer_on_preset
 
     torch.manual_seed(0)
-    net = build_model(ModelConfig(preset=model), vocab_size)
-    generator = torch.Generator().manual_seed(0)
-    for p in net.parameters():
-        p.grad = torch.randn(p.shape, generator=generator) * 1e-3
-    cfg = OptimizerConfig(name=name, lr=5e-3, freeze_step=1, eps=1e-6, weight_decay=0.01)
-    comm = comm or Communicator(None, device="cpu")
-    opt = build_optimizer(cfg, net, comm)
+    opt, params = optimizer_on_preset(name, model, vocab_size, "cpu", comm)
     opt.set_kernels("fused")
-    params = sum(p.numel() for group in opt.param_groups for p in group["params"])
+    world_size = comm.world_size if comm is not None else 1
     for _ in range(2):  # the warmup stage's step, then the first compressing one
         opt.step()
     with counting() as counts, torch.profiler.profile(record_shapes=True) as prof:
@@ -147,16 +139,16 @@ def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
         for kernel, c in sorted(counts.items())
     }
     total = sum(c["read"] + c["written"] for c in counts.values()) / params
-    floor = optimizer_bytes_per_parameter(name, comm.world_size)
+    floor = optimizer_bytes_per_parameter(name, world_size)
     return {
         "optimizer": name,
-        "world_size": comm.world_size,
+        "world_size": world_size,
         "stage": getattr(opt, "stage", None),
         "params": params,
         "kernels": kernels,
         "bytes_per_parameter": round(total, 2),
         # the model of 2026-11-28 is for one rank
-        "modelled_bytes_per_parameter": MODELLED[name] if comm.world_size == 1 else None,
+        "modelled_bytes_per_parameter": MODELLED[name] if world_size == 1 else None,
         "floor_bytes_per_parameter": floor,
         "over_floor": round(total / floor, 3),
         "outside_kernels": outside_kernels(prof.events(), params // 100),
@@ -183,10 +175,10 @@ def outside_kernels(events, least: int) -> list[dict]:
 
 
 def _numel(shape) -> int:
-    count = 1
-    for size in shape if isinstance(shape, list | tuple) else []:
-        count *= size if isinstance(size, int) else 1
-    return count if shape else 0
+    """Elements of one recorded input shape (0 for a scalar, a non-tensor or a list)."""
+    if not shape or not all(isinstance(size, int) for size in shape):
+        return 0
+    return math.prod(shape)
 
 
 def _rank_main(rank, world_size, store, out_path, model, vocab_size):
@@ -202,7 +194,7 @@ def _rank_main(rank, world_size, store, out_path, model, vocab_size):
     init_gloo(rank, world_size, store)
     try:
         comm = Communicator(dist.group.WORLD)
-        rows = [step_bytes(name, model, vocab_size, comm) for name in MODELLED]
+        rows = [step_bytes(name, model, vocab_size, comm) for name in OPTIMIZERS]
         if rank == 0:
             torch.save(rows, out_path)
     finally:
@@ -239,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = run_gloo_ranks(_rank_main, args.world_size, args.model, args.vocab_size)
     else:
-        rows = [step_bytes(name, args.model, args.vocab_size) for name in MODELLED]
+        rows = [step_bytes(name, args.model, args.vocab_size) for name in OPTIMIZERS]
     print(json.dumps({"benchmark": "kernel_bytes", "model": args.model, "steps": rows}))
     return 0
 

@@ -152,11 +152,10 @@ def optimizer_figures(
     return out
 
 
-def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) -> list[dict]:
-    """Each of ``args.optimizers`` that has kernels to choose (LAMB, 1-bit LAMB) stepping
-    the ``args.model`` preset's parameters alone, with fixed random gradients: ``args.steps``
-    timed steps per implementation, ``args.repeats`` rounds, implementations alternating
-    within each round. 1-bit LAMB freezes at step 1, so every timed step compresses."""
+def optimizer_on_preset(name: str, preset: str, vocab_size: int, device: str, comm=None):
+    """Optimizer ``name`` (5e-3, eps 1e-6, weight decay 0.01; 1-bit LAMB freezing at step 1)
+    over a fresh ``preset`` model's parameters on ``device``, each with a fixed random
+    gradient (scale 1e-3), and their count. ``comm``: its group (default: one rank)."""
     import torch
 
     from onebit_bert.distributed.comm import Communicator
@@ -164,15 +163,23 @@ def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) ->
     from pretrain.config import ModelConfig
     from pretrain.model import build_model
 
+    model = build_model(ModelConfig(preset=preset), vocab_size).to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, device=device, generator=generator) * 1e-3
+    cfg = OptimizerConfig(name=name, lr=5e-3, freeze_step=1, eps=1e-6, weight_decay=0.01)
+    opt = build_optimizer(cfg, model, comm or Communicator(None, device=device))
+    return opt, sum(p.numel() for group in opt.param_groups for p in group["params"])
+
+
+def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) -> list[dict]:
+    """Each of ``args.optimizers`` that has kernels to choose (LAMB, 1-bit LAMB) stepping
+    the ``args.model`` preset's parameters alone, with fixed random gradients: ``args.steps``
+    timed steps per implementation, ``args.repeats`` rounds, implementations alternating
+    within each round. 1-bit LAMB freezes at step 1, so every timed step compresses."""
     rows = []
     for name in [n for n in args.optimizers if n in ("lamb", "onebit_lamb")]:
-        model = build_model(ModelConfig(preset=args.model), args.vocab_size).to(device.type)
-        generator = torch.Generator(device=device.type).manual_seed(0)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, device=device.type, generator=generator) * 1e-3
-        cfg = OptimizerConfig(name=name, lr=5e-3, freeze_step=1, eps=1e-6, weight_decay=0.01)
-        opt = build_optimizer(cfg, model, Communicator(None, device=device.type))
-        params = sum(p.numel() for group in opt.param_groups for p in group["params"])
+        opt, params = optimizer_on_preset(name, args.model, args.vocab_size, device.type)
         for impl in impls * 2:  # the stage switch, compilation of the kernels
             opt.set_kernels(impl)
             opt.step()
@@ -192,7 +199,7 @@ def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) ->
                     **optimizer_figures(name, seconds[impl], params, bandwidth_gbs),
                 }
             )
-        del opt, model
+        del opt  # the model goes with it: only the optimizer holds its parameters
         device.release()
     return rows
 
