@@ -172,6 +172,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--steps, --batch-size, --max-documents and --repeats must be >= 1")
     if args.profile_steps < 0:
         parser.error("--profile-steps must be >= 0 (0: no profile)")
+    if args.rows_out is not None and not args.rows_out.parent.is_dir():
+        parser.error(f"--rows-out: no folder {args.rows_out.parent} to write {args.rows_out} in")
     if "fused" in args.impl:
         from onebit_bert.kernels import interpreting, triton_available
 

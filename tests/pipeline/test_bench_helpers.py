@@ -437,6 +437,9 @@ def test_gpu_benchmark_profiles_steps_on_the_cpu(tiny_corpus, tmp_path):
     assert parser.parse_args([]).profile_steps == 0  # without the option, no profile
     with pytest.raises(SystemExit):
         gpu.check_arguments(parser, parser.parse_args(shlex.split(command + " --profile-steps -1")))
+    missing = ["--rows-out", str(tmp_path / "missing" / "rows.jsonl")]
+    with pytest.raises(SystemExit):  # refused before anything runs, not after the first rows
+        gpu.check_arguments(parser, parser.parse_args([*shlex.split(command), *missing]))
 
 
 @pytest.mark.slow
