@@ -480,7 +480,7 @@ def _gpu_check_invocations() -> tuple[list[list[str]], list[int]]:
     return calls, limits
 
 
-def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes():
+def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes(tmp_path):
     """A GPU is lent for minutes: every bench.gpu call in bench/gpu_check.sh parses and
     passes bench.gpu's own checks (with the fused kernels, as on a GPU), and the timed
     steps fit the script's 570-second plan, which leaves a 10-minute call room to
@@ -493,7 +493,8 @@ def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes():
     parser = gpu.build_parser()
     seen = set()
     for argv in calls:
-        argv = [a.replace("$DATA", "/nonexistent") for a in argv]
+        # $OUT: the folder the script makes before any call
+        argv = [a.replace("$DATA", "/nonexistent").replace("$OUT", str(tmp_path)) for a in argv]
         args = parser.parse_args(argv)
         assert args.precisions == ["bf16"] and args.device == "cuda"
         assert str(args.prepared) == "/nonexistent"
