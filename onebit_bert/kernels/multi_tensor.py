@@ -50,6 +50,9 @@ POINTER_ARGUMENTS = {
     "exp_avg_sq": "v_ptrs",
     "exp_avg_sq_fresh": "fresh_ptrs",
     "previous": "prev_ptrs",
+    "folded": "x_ptrs",
+    "worker_error": "e_ptrs",
+    "masks": "mask_ptrs",
 }
 """Each operand's role (its pointer table is cached by role) -> the kernels' argument."""
 
@@ -66,24 +69,45 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
 class TensorTable:
     """The block table of a list of tensors (their sizes, in order) and the pointer tables
     of the operands that share that layout (parameters, gradients, moments), each rebuilt
-    only when an address changes."""
+    only when an address changes.
 
-    def __init__(self, tensors: list[torch.Tensor], block: int = BLOCK):
+    A block covers at most ``block`` elements of one tensor. ``cuts``: positions in the
+    tensors' concatenation where a block must also end (the bucket boundaries of a
+    compressed buffer), so that every block lies inside one bucket."""
+
+    def __init__(self, tensors: list[torch.Tensor], block: int = BLOCK, cuts=()):
         self.device = tensors[0].device
         self.block = block
         numels = [t.numel() for t in tensors]
         self.count = len(numels)
-        tensor_of, starts, first, counts = [], [], [], []
+        self.cuts = tuple(cuts)
+        tensor_of, starts, ends, first, counts, positions = [], [], [], [], [], []
+        pending = sorted(self.cuts)
+        origin = 0
         for i, n in enumerate(numels):
             first.append(len(starts))
-            blocks = max(1, -(-n // block))
-            counts.append(blocks)
-            tensor_of += [i] * blocks
-            starts += [j * block for j in range(blocks)]
+            start = 0
+            while True:
+                end = min(start + block, n)
+                while pending and pending[0] <= origin + start:
+                    pending.pop(0)
+                if pending and origin + start < pending[0] < origin + end:
+                    end = pending[0] - origin
+                tensor_of.append(i)
+                starts.append(start)
+                ends.append(end)
+                positions.append(origin + start)
+                start = end
+                if start >= n:
+                    break
+            counts.append(len(starts) - first[-1])
+            origin += n
         self.blocks = len(starts)
-        self.numels = _to_device(numels, self.device)
+        self.block_positions = positions
+        """Where each block starts in the tensors' concatenation (on the host)."""
         self.block_tensor = _to_device(tensor_of, self.device)
         self.block_start = _to_device(starts, self.device)
+        self.block_end = _to_device(ends, self.device)
         self.first_block = _to_device(first, self.device)
         self.block_count = _to_device(counts, self.device)
         self._sizes = numels
@@ -92,12 +116,18 @@ class TensorTable:
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         return [t.numel() for t in tensors] == self._sizes
 
-    def pointers(self, role: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The addresses of ``tensors`` (laid out as this table's) on the device."""
-        addresses = tuple(t.data_ptr() for t in tensors)
+    def pointers(self, role: str, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """The addresses of ``tensors`` (laid out as this table's; 0 for None) on the
+        device."""
+        return self.values(role, [0 if t is None else t.data_ptr() for t in tensors])
+
+    def values(self, role: str, values: list[int]) -> torch.Tensor:
+        """``values`` (one int per tensor) as an int64 tensor on the device, copied only
+        when they change."""
+        key = tuple(values)
         cached = self._pointers.get(role)
-        if cached is None or cached[0] != addresses:
-            cached = (addresses, _to_device(list(addresses), self.device))
+        if cached is None or cached[0] != key:
+            cached = (key, _to_device(list(key), self.device))
             self._pointers[role] = cached
         return cached[1]
 
@@ -123,7 +153,7 @@ class TensorTable:
         getattr(triton_module("multi_tensor"), kernel)[self.grid()](
             block_tensor=self.block_tensor,
             block_start=self.block_start,
-            numels=self.numels,
+            block_end=self.block_end,
             BLOCK=self.block,
             **pointers,
             **arguments,
@@ -131,16 +161,16 @@ class TensorTable:
 
 
 class TableCache:
-    """One :class:`TensorTable` per list of parameters (by identity and sizes)."""
+    """One :class:`TensorTable` per list of parameters (by identity and sizes) and cuts."""
 
     def __init__(self):
-        self._tables: dict[tuple[int, ...], TensorTable] = {}
+        self._tables: dict[tuple, TensorTable] = {}
 
-    def table(self, params: list[torch.Tensor]) -> TensorTable:
-        key = tuple(id(p) for p in params)
+    def table(self, params: list[torch.Tensor], cuts=()) -> TensorTable:
+        key = (tuple(id(p) for p in params), tuple(cuts))
         table = self._tables.get(key)
         if table is None or not table.matches(params) or table.device != params[0].device:
-            table = self._tables[key] = TensorTable(params)
+            table = self._tables[key] = TensorTable(params, cuts=cuts)
         return table
 
 
@@ -287,3 +317,94 @@ def onebit_measure(
     if not with_decay:
         return largest, None, None
     return largest, table.reduce(part_u).sqrt(), table.reduce(part_ud).sqrt()
+
+
+def onebit_fold_squares(
+    table: TensorTable,
+    grads: list[torch.Tensor],
+    momenta: list[torch.Tensor],
+    folded: list[torch.Tensor],
+    errors: list[torch.Tensor],
+    coeffs: torch.Tensor,
+    beta1: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``folded = (β1·m + (1-β1)·g) · coeffs[t]`` with the momenta left as they are, and
+    per block the sums of ``folded²`` and of ``(folded + errors)²`` (the 1-bit worker's
+    first pass, done here so that it needs no pass of its own)."""
+    part_x, part_xe = table.partials(), table.partials()
+    table.launch(
+        "onebit_fold_squares",
+        {"grads": grads, "exp_avg": momenta, "folded": folded, "worker_error": errors},
+        coeffs=coeffs,
+        part_x=part_x,
+        part_xe=part_xe,
+        **_decay("beta1", beta1),
+    )
+    return part_x, part_xe
+
+
+def onebit_measure_signs(
+    table: TensorTable,
+    momenta: list[torch.Tensor],
+    fresh: list[torch.Tensor],
+    second: list[torch.Tensor],
+    params: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    positions: list[int],
+    signs,
+    coeffs: torch.Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    mask_untrained: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`onebit_measure` with the averaged momentum read from ``signs`` (the 1-bit
+    all-reduce's gathered messages, :class:`~onebit_bert.distributed.codecs.onebit.
+    GatheredSigns`) and the old one from ``momenta``, which it overwrites. ``positions``:
+    where each tensor starts in the compressed buffer; ``masks``: each tensor's momentum
+    mask at its shape, or None."""
+    drift, part_u, part_ud = table.partials(), table.partials(), table.partials()
+    with_decay = weight_decay != 0.0
+    table.launch(
+        "onebit_measure_signs",
+        {
+            "exp_avg": momenta,
+            "exp_avg_sq_fresh": fresh,
+            "exp_avg_sq": second,
+            "params": params,
+            "masks": masks,
+        },
+        positions=table.values("positions", positions),
+        messages=signs.addresses,
+        scales=signs.scales,
+        step=signs.step,
+        padded=signs.padded,
+        ranks=signs.ranks,
+        coeffs=coeffs,
+        part_drift=drift,
+        part_u=part_u,
+        part_ud=part_ud,
+        neg_beta1=-beta1,
+        one_minus_beta1=1.0 - beta1,
+        **_decay("beta2", beta2),
+        eps=eps,
+        wd=weight_decay,
+        MASK_UNTRAINED=mask_untrained,
+        WD=with_decay,
+    )
+    largest = table.reduce(drift, maximum=True)
+    if not with_decay:
+        return largest, None, None
+    return largest, table.reduce(part_u).sqrt(), table.reduce(part_ud).sqrt()
+
+
+def segment_sums(partial: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``out[i]``: the sum of ``partial[first[i] : first[i] + count[i]]``, in order (the
+    same bits on every run)."""
+    out = torch.empty(first.numel(), dtype=torch.float32, device=partial.device)
+    triton_module("multi_tensor").segment_reduce[(first.numel(),)](
+        first, count, partial, out, MAX=False, BLOCK=REDUCE_BLOCK
+    )
+    return out

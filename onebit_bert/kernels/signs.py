@@ -62,6 +62,8 @@ class FusedSignOps:
     their length a multiple of ``8 × ranks``."""
 
     name = "fused"
+    takes_squares = True
+    """:meth:`compress` takes the sum of squares from a caller that has it."""
 
     def __init__(self, block: int = BYTES_PER_PROGRAM):
         self.block = block
@@ -85,7 +87,9 @@ class FusedSignOps:
             return torch.zeros((), dtype=torch.float32, device=partial.device)
         return partial.sum().sqrt() / math.sqrt(real)
 
-    def _encode(self, x, err, message, body, real, received, scales, ranks, stride, server):
+    def _encode(
+        self, x, err, message, body, real, received, scales, ranks, stride, server, squares=None
+    ):
         k = triton_module("signs")
         n_bytes = err.numel() // 8
         grid = self._grid(n_bytes)
@@ -96,8 +100,13 @@ class FusedSignOps:
         common = dict(SERVER=server, MEASURE=measured is not None, BLOCK=self.block)
         # both passes read the same sources: the received rows (a server) and the real count
         sources = (received, scales, ranks, float(ranks), stride, real)
-        k.sum_squares[grid](x, err, partial, input_sq, n_bytes, *sources, **common)
-        scale = self._scale(partial, real)
+        if squares is None:
+            k.sum_squares[grid](x, err, partial, input_sq, n_bytes, *sources, **common)
+            scale = self._scale(partial, real)
+        else:  # the caller summed (x + err)² over the real elements, and x² if measured
+            scale = self._scale(squares, real)
+            if measured is not None:
+                sums[0].zero_()
         width = message.shape[-1] if message.dim() == 2 else message.numel()
         k.pack[grid](x, err, scale, message, error_sq, n_bytes, body, width, *sources, **common)
         message.view(-1, body + SCALE_BYTES)[:, body:] = scale.reshape(1).view(torch.uint8)
@@ -108,15 +117,23 @@ class FusedSignOps:
         return scale
 
     def compress(
-        self, x: torch.Tensor, error: torch.Tensor, real: int, table, rows: int
+        self,
+        x: torch.Tensor,
+        error: torch.Tensor,
+        real: int,
+        table,
+        rows: int,
+        squares: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Worker: ``(rows, x.numel()/8/rows + 4)`` message bytes, row ``j`` chunk ``j``'s
         signs of ``x + error`` and the scale; ``error`` updated. ``x`` is left as it was
         (the reference leaves ``x + error`` there; nobody reads it before the expansion
-        overwrites it)."""
+        overwrites it). ``squares``: the sum of ``(x + error)²`` over the real elements,
+        where the caller has it (one pass fewer; inside :meth:`measure` the caller then
+        adds the inputs' squares itself)."""
         body = x.numel() // 8 // rows
         message = torch.empty(rows, body + SCALE_BYTES, dtype=torch.uint8, device=x.device)
-        self._encode(x, error, message, body, real, x, error, 0, 0, server=False)
+        self._encode(x, error, message, body, real, x, error, 0, 0, False, squares)
         return message
 
     def serve(self, incoming: torch.Tensor, error: torch.Tensor, real: int, table) -> torch.Tensor:

@@ -38,7 +38,7 @@ from onebit_bert.kernels import multi_tensor, use_fused
 from onebit_bert.kernels.multi_tensor import TableCache
 from onebit_bert.optim import defaults
 from onebit_bert.optim.auto_freeze import AutoFreezeConfig
-from onebit_bert.optim.compressed import WarmupThenCompress
+from onebit_bert.optim.compressed import FUSED, WarmupThenCompress
 from onebit_bert.optim.deepspeed import FromDeepSpeed, onebit_lamb_kwargs
 from onebit_bert.optim.lamb import (
     begin_step,
@@ -109,6 +109,10 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
 
     NAME = NAME
     SECTION = "onebit"
+    expand_in_update = True
+    """With the fused kernels, fold beside the momentum and read the 1-bit average from
+    the servers' messages in the update (:meth:`_fold_and_compress`: 16 bytes per
+    parameter fewer than a separate fold and expansion); False keeps those passes."""
     OTHER_STATE_HINT = "load LAMB states into LAMB"
     deepspeed_kwargs = staticmethod(onebit_lamb_kwargs)
 
@@ -157,12 +161,14 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self._init_freeze(freeze_step, auto_freeze, total_steps)
         self._scratch: torch.Tensor | None = None
         self._tables = TableCache()
+        self._full_masks: dict = {}
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
+        self.last_step_kernels: str | None = None
 
     def _on_new_flat(self, flat: torch.Tensor) -> None:
-        self._scratch = torch.empty_like(flat)
+        self._scratch = torch.zeros_like(flat)  # its padding is compressed as zeros
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -209,10 +215,14 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         previous = self._scratch
         refresh = self._refresh_due(self._step)
         overlapped = self._take_overlapped()
+        signs = None
         if overlapped is not None:  # folded and all-reduced during the backward pass
             overlapped.finish()
         else:
             self._prepare_compression(members, flat)
+            if not refresh and self._expands_in_update(layout):
+                signs = self._fold_and_compress(layout, flat)
+        if overlapped is None and signs is None:
             for group, params in layout:
                 if params and not self._fused_fold(group, params):
                     self._fold_for_compression(group, params)
@@ -227,6 +237,8 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
                 continue
             if refresh:
                 factor, trust = self._compressed_update(group, params, previous, offset, True)
+            elif signs is not None:
+                factor, trust = self._update_from_signs(group, params, signs, offset)
             elif self._fits(params):
                 factor, trust = self._fused_compressed_update(group, params, previous, offset)
             else:
@@ -237,6 +249,13 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self.last_factors = torch.cat(factors)
         self.last_trust_ratios = torch.cat(ratios)
         self.last_refreshed = refresh
+        self.last_step_kernels = (
+            "reference"
+            if refresh or not all(self._fits(params) for _, params in layout if params)
+            else "fused, expanded in the update"
+            if signs is not None
+            else "fused"
+        )
 
     def _refresh_due(self, step: int) -> bool:
         """Whether compression step ``step`` refreshes the coefficients."""
@@ -415,3 +434,127 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         factor, trust = self._factor_and_trust(group, states, factor, norms)
         multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
         return factor, trust
+
+    # ------------------------------------------------- fused, expanded in the update
+    def _expands_in_update(self, layout) -> bool:
+        """Whether this compression step folds beside the momentum and expands the 1-bit
+        average inside the update (:meth:`_fold_and_compress`): every group in the fused
+        kernels, and this optimizer's own codec able to leave the expansion to it."""
+        return (
+            self.expand_in_update
+            and self._own_codec
+            and getattr(self.codec, "expands_later", False)
+            and all(self._fits(params) for _, params in layout if params)
+        )
+
+    def _bucket_table(self, params, start: int, step: int):
+        """The kernels' table of ``params`` (from element ``start`` of the fused buffer)
+        with a block boundary at every bucket boundary."""
+        numel = sum(p.numel() for p in params)
+        first = start // step + 1
+        cuts = [k * step - start for k in range(first, -(-(start + numel) // step))]
+        return self._tables.table(params, cuts)
+
+    def _fold_and_compress(self, layout, flat: torch.Tensor):
+        """The fold and the 1-bit average in two passes fewer than :meth:`_fused_fold`
+        and the codec's: ``x = (β1·m + (1-β1)·g)·c`` goes to the scratch buffer, the
+        momentum stays where it is (the update reads it as the old one), the worker's sums
+        of squares come out of the same pass, and the average comes back as the servers'
+        messages (:class:`~onebit_bert.distributed.codecs.onebit.GatheredSigns`) for
+        :meth:`_update_from_signs` to read."""
+        feedback = self.codec.fused_feedback(FUSED, self._flat_numel)
+        step = feedback.buckets[0].size
+        worker_error = feedback.worker_error
+        base = flat.data_ptr()
+        inputs, squares, bucket_of_block = [], [], []
+        for group, params in layout:
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            momenta = [st["exp_avg"] for st in states]
+            start = (momenta[0].data_ptr() - base) // momenta[0].element_size()
+            table = self._bucket_table(params, start, step)
+            part_x, part_xe = multi_tensor.onebit_fold_squares(
+                table,
+                self._gradients(params, None),
+                momenta,
+                self._views(self._scratch, params, start),
+                self._views(worker_error, params, start),
+                torch.stack([st["scaling_coeff"] for st in states]),
+                group["betas"][0],
+            )
+            inputs.append(part_x)
+            squares.append(part_xe)
+            bucket_of_block += [(start + at) // step for at in table.block_positions]
+        first, count = _segments(bucket_of_block, len(feedback.buckets))
+        per_bucket = multi_tensor.segment_sums(
+            torch.cat(squares), first.to(flat.device), count.to(flat.device)
+        )
+        before = self.comm.snapshot()
+        with self.comm.traffic("momentum"):
+            signs, error = self.codec.average_signs(
+                self._scratch, self._flat_numel, FUSED, per_bucket, torch.cat(inputs).sum()
+            )
+        self.last_compression_error = error
+        self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
+        self.bytes_sent += self.last_step_bytes
+        return signs
+
+    def _update_from_signs(self, group, params, signs, offset):
+        """:meth:`_fused_compressed_update` reading the averaged momentum from ``signs``
+        (the old momentum from where it still is) instead of an expanded buffer."""
+        beta1, beta2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        states = [self.state[p] for p in params]
+        momenta = [st["exp_avg"] for st in states]
+        second = [st["exp_avg_sq"] for st in states]
+        table = self._bucket_table(params, offset, signs.step)
+        factor, norm_plain, norm_decayed = multi_tensor.onebit_measure_signs(
+            table,
+            momenta,
+            [st["exp_avg_sq_fresh"] for st in states],
+            second,
+            params,
+            [self._full_mask(p) for p in params],
+            [offset + at for at in _starts(params)],
+            signs,
+            torch.stack([st["scaling_coeff"] for st in states]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            mask_untrained=self.mask_untrained,
+        )
+        norms = None if norm_plain is None else (norm_plain, norm_decayed)
+        factor, trust = self._factor_and_trust(group, states, factor, norms)
+        multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
+        return factor, trust
+
+    def _full_mask(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s momentum mask at ``p``'s shape (contiguous fp32), or None."""
+        mask = self._masks.get(p)
+        if mask is None:
+            return None
+        full = self._full_masks.get(p)
+        if full is None or full[0] is not mask:
+            full = self._full_masks[p] = (mask, mask.expand_as(p).contiguous())
+        return full[1]
+
+
+def _segments(ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For sorted ``ids``: where each of ``0 .. n-1`` first occurs and how often (int64)."""
+    first, count = [0] * n, [0] * n
+    for at, i in enumerate(ids):
+        if count[i] == 0:
+            first[i] = at
+        count[i] += 1
+    return torch.tensor(first, dtype=torch.int64), torch.tensor(count, dtype=torch.int64)
+
+
+def _starts(params: list[torch.Tensor]) -> list[int]:
+    """Where each of ``params`` starts in their concatenation."""
+    starts, at = [], 0
+    for p in params:
+        starts.append(at)
+        at += p.numel()
+    return starts

@@ -209,16 +209,17 @@ def resumed_toy_runs(comm, make, stop: int, save_points) -> dict:
     return out
 
 
-def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):
-    """1-bit LAMB on ``comm.device`` (the same inputs on every device) with ``kernels``;
-    results on the CPU."""
+def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto", expand_in_update=True):
+    """1-bit LAMB on ``comm.device`` (the same inputs on every device) with ``kernels``
+    (and :attr:`OneBitLamb.expand_in_update`); results on the CPU."""
     params = [torch.nn.Parameter(t.to(comm.device)) for t in init_params()]
     opt = OneBitLamb(
         param_groups(params), comm=comm, bucket_numel=bucket, kernels=kernels, **ONEBIT_LAMB_HP
     )
+    opt.expand_in_update = expand_in_update
     if mask_index is not None:
         opt.set_momentum_mask(params[mask_index], row_mask())
-    stages, byte_counts = [], []
+    stages, byte_counts, paths = [], [], []
     for step in range(1, steps + 1):
         grads = (
             local_grads(comm.rank, step)
@@ -230,6 +231,9 @@ def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):
         opt.step()
         stages.append(opt.stage)
         byte_counts.append(opt.last_step_bytes)
+        paths.append(
+            getattr(opt, "last_step_kernels", None) if opt.stage == "compression" else None
+        )
     error = opt.last_compression_error
     return {
         "params": [p.detach().cpu() for p in params],
@@ -238,6 +242,7 @@ def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto"):
         "factors": opt.last_factors.cpu(),
         "compression_error": None if error is None else error.cpu(),
         "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
+        "kernels": paths,
     }
 
 

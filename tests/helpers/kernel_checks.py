@@ -18,6 +18,7 @@ from onebit_bert.distributed.codecs.packing import pack_signs, sign_table, unpac
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.optim import Lamb
 from tests.helpers.compression import rank_inputs, run_onebit_lamb
+from tests.helpers.distributed_harness import run_ranks
 
 TABLE = sign_table("cpu")
 
@@ -199,6 +200,79 @@ def check_onebit_lamb(device: str = "cpu") -> None:
         assert torch.all(got["masked_momentum"] == 0)
 
 
+def _three_ways(comm, steps, mask, bucket):
+    """:func:`run_onebit_lamb` on this rank with the reference, the fused kernels with the
+    fold and the expansion in passes of their own, and the fused kernels reading the
+    average from the servers' messages in the update."""
+    return {
+        "reference": run_onebit_lamb(comm, steps, mask, bucket, "reference"),
+        "separate": run_onebit_lamb(comm, steps, mask, bucket, "fused", False),
+        "in_update": run_onebit_lamb(comm, steps, mask, bucket, "fused", True),
+    }
+
+
+def check_onebit_lamb_expanded_in_the_update(device: str = "cpu") -> None:
+    """The fused compression step that folds beside the momentum and reads the 1-bit
+    average from the servers' messages in the update, on 1, 2 and 3 gloo ranks, with one
+    bucket and with bucket boundaries inside tensors (and a momentum mask): it runs where
+    it should, tracks the reference and the separate passes within rounding, and every
+    rank ends with the same parameters."""
+    for world, bucket, mask in ((1, None, None), (1, 24, 2), (2, 48, 2), (3, 48, None)):
+        ranks = run_ranks(_three_ways, world, 6, mask, bucket, device=device)
+        for result in ranks:
+            ref, separate, new = result["reference"], result["separate"], result["in_update"]
+            assert new["kernels"][3:] == ["fused, expanded in the update"] * 3, new["kernels"]
+            assert separate["kernels"][3:] == ["fused"] * 3, separate["kernels"]
+            assert new["bytes"] == ref["bytes"]
+            for other in (ref, separate):
+                for a, b in zip(new["params"], other["params"], strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(new["factors"], other["factors"], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(
+                    new["compression_error"], other["compression_error"], rtol=1e-4, atol=0
+                )
+            if mask is not None:
+                assert torch.all(new["masked_momentum"] == 0)
+        for other in ranks[1:]:
+            mine, first = other["in_update"]["params"], ranks[0]["in_update"]["params"]
+            for a, b in zip(mine, first, strict=True):
+                assert torch.equal(a, b), "the ranks' parameters differ"
+
+
+def check_onebit_lamb_blocks_cut_by_buckets(device: str = "cpu") -> None:
+    """The same on tensors of several kernel blocks (2,048 elements) with bucket
+    boundaries inside blocks (every 2,000 elements), one rank: reading the average from
+    the messages in the update tracks the reference."""
+    from onebit_bert.optim import OneBitLamb
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(3000,), (60, 70), (9,), (4100,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(5)]
+
+    def run(kernels, where):
+        params = [t.clone().to(where).requires_grad_(True) for t in init]
+        groups = [
+            {"params": params[:2], "weight_decay": 0.01},
+            {"params": params[2:], "weight_decay": 0.0},
+        ]
+        opt = OneBitLamb(groups, lr=0.01, freeze_step=2, bucket_numel=2000, kernels=kernels)
+        paths = []
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads, strict=True):
+                p.grad = grad.clone().to(where)
+            opt.step()
+            paths.append(opt.last_step_kernels if opt.stage == "compression" else None)
+        return [p.detach().cpu() for p in params], opt.last_factors.cpu(), paths
+
+    want, want_factors, _ = run("reference", "cpu")
+    got, got_factors, paths = run("fused", device)
+    assert paths == [None, None] + ["fused, expanded in the update"] * 3, paths
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_factors, want_factors, rtol=1e-5, atol=1e-6)
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -208,5 +282,7 @@ CHECKS = {
         check_all_reduce,
         check_lamb,
         check_onebit_lamb,
+        check_onebit_lamb_expanded_in_the_update,
+        check_onebit_lamb_blocks_cut_by_buckets,
     )
 }

@@ -15,7 +15,12 @@ from collections.abc import Sequence
 import torch
 
 from onebit_bert.distributed.codecs.base import Codec
-from onebit_bert.distributed.codecs.compression import ErrorFeedback, SignOps, sign_ops
+from onebit_bert.distributed.codecs.compression import (
+    SCALE_BYTES,
+    ErrorFeedback,
+    SignOps,
+    sign_ops,
+)
 from onebit_bert.distributed.codecs.packing import cached_sign_table, prepare
 from onebit_bert.distributed.codecs.two_phase import Batched, TwoPhaseRun
 
@@ -33,6 +38,8 @@ class OneBitBucket:
         feedback: ErrorFeedback,
         index: int,
         ops: SignOps | None = None,
+        squares: torch.Tensor | None = None,
+        keep: bool = False,
     ):
         bucket = feedback.buckets[index]
         p = comm.world_size
@@ -46,10 +53,17 @@ class OneBitBucket:
         self.my_real = bucket.chunk_real(comm.rank, p)
         self.table = cached_sign_table(buffer.device)
         self.ops = ops if ops is not None else sign_ops(comm.device)
+        self.squares = squares
+        self.keep = keep
+        self.gathered: torch.Tensor | None = None
 
     def compress(self) -> torch.Tensor:
         """Worker: the local slice as ``(p, chunk/8 + 4)`` bytes, row j (chunk j's signs
         and this rank's scale) addressed to rank j."""
+        if self.squares is not None:
+            return self.ops.compress(
+                self.x, self.worker_error, self.real, self.table, self.rows, self.squares
+            )
         return self.ops.compress(self.x, self.worker_error, self.real, self.table, self.rows)
 
     def serve(self, incoming: torch.Tensor) -> torch.Tensor:
@@ -59,7 +73,11 @@ class OneBitBucket:
 
     def expand(self, gathered: torch.Tensor) -> None:
         """Everyone: every server's message (row i of ``gathered``) expanded into its chunk
-        of the slice; the padding is zeroed again."""
+        of the slice; the padding is zeroed again. With ``keep``, the messages are kept in
+        :attr:`gathered` instead and the slice is left as it was."""
+        if self.keep:
+            self.gathered = gathered
+            return
         self.ops.expand(gathered, self.x, self.real, self.table)
 
 
@@ -111,6 +129,53 @@ def compressed_all_reduce_many(
     ]
     if parts:
         TwoPhaseRun(comm, Batched(parts)).run()
+
+
+class GatheredSigns:
+    """A 1-bit average left unexpanded (:meth:`OneBitCodec.average_signs`): every
+    bucket's gathered server messages, as a kernel reads them. Element ``P`` of the
+    buffer is in bucket ``P // step`` (``padded`` elements in all; each bucket cut into
+    ``ranks`` chunks, the last bucket possibly shorter); ``addresses[k]``: where bucket
+    ``k``'s messages start (``ranks`` rows of ``chunk/8 + 4`` bytes: signs, then the
+    server's fp32 scale); ``scales[k, i]``: server ``i``'s scale in bucket ``k``."""
+
+    def __init__(self, feedback: ErrorFeedback, gathered: Sequence[torch.Tensor]):
+        self.messages = [g.contiguous() for g in gathered]  # alive as long as this is
+        self.step = feedback.buckets[0].size
+        self.padded = feedback.padded_numel
+        self.ranks = feedback.world_size
+        device = self.messages[0].device
+        host = torch.tensor([m.data_ptr() for m in self.messages], dtype=torch.int64)
+        pinned = device.type == "cuda"
+        self.addresses = (host.pin_memory() if pinned else host).to(device, non_blocking=pinned)
+        tails = torch.empty(
+            len(self.messages), self.ranks, SCALE_BYTES, dtype=torch.uint8, device=device
+        )
+        for k, m in enumerate(self.messages):
+            tails[k].copy_(m[:, -SCALE_BYTES:])
+        self.scales = tails.view(torch.float32).view(len(self.messages), self.ranks)
+
+
+def average_signs(
+    comm,
+    buffer: torch.Tensor,
+    feedback: ErrorFeedback,
+    ops: SignOps,
+    squares: torch.Tensor,
+) -> GatheredSigns:
+    """:func:`compressed_all_reduce` without the expansion: ``buffer`` is compressed (its
+    errors updated, the buffer itself left as it was) and the servers' messages come back
+    for the caller to read. ``squares[k]``: the sum of ``(x + worker error)²`` over bucket
+    ``k``'s real elements, which ``ops`` (one that ``takes_squares``) uses instead of a
+    pass of its own."""
+    check_compressed(comm, buffer, feedback)
+    parts = [
+        OneBitBucket(comm, buffer, feedback, index, ops, squares[index], keep=True)
+        for index in range(len(feedback.buckets))
+    ]
+    for part in parts:
+        TwoPhaseRun(comm, part).run()
+    return GatheredSigns(feedback, [part.gathered for part in parts])
 
 
 class FusedOneBitBuckets:
@@ -249,6 +314,36 @@ class OneBitCodec(Codec):
         norm = torch.linalg.vector_norm(buffer)
         compressed_all_reduce(self.comm, buffer, feedback, self.sign_ops)
         return torch.linalg.vector_norm(feedback.worker_error) / norm.clamp_min(1e-30)
+
+    @property
+    def expands_later(self) -> bool:
+        """Whether :meth:`average_signs` applies: one scale per bucket of the fused buffer
+        and per-bucket work that takes its sums of squares from the caller."""
+        return not self.per_tensor and getattr(self.sign_ops, "takes_squares", False)
+
+    def average_signs(
+        self,
+        buffer: torch.Tensor,
+        numel: int,
+        key: str,
+        squares: torch.Tensor,
+        input_squares: torch.Tensor,
+    ) -> tuple[GatheredSigns, torch.Tensor]:
+        """:meth:`all_reduce_fused`'s 1-bit average of the padded ``buffer`` whose caller
+        has folded it, summed ``squares`` (per bucket, :func:`average_signs`) and the sum
+        of ``buffer²`` (``input_squares``), and reads the average from the messages
+        itself: the :class:`GatheredSigns` and the error figure."""
+        if not self.expands_later:
+            raise RuntimeError(
+                f"average_signs needs the fused per-bucket kernels and shared scales; this "
+                f"codec has {self.sign_ops.name} ones"
+                + (" and per-tensor scales" if self.per_tensor else "")
+            )
+        feedback = self.fused_feedback(key, numel)
+        with self.sign_ops.measure(buffer.device) as measured:
+            signs = average_signs(self.comm, buffer, feedback, self.sign_ops, squares)
+        measured.input_sq += input_squares
+        return signs, measured.relative_error()
 
     def reset(self) -> None:
         for feedback in self.feedback.values():

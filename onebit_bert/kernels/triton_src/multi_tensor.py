@@ -18,13 +18,13 @@ def _at(pointers, t):
 
 
 @triton.jit
-def _block(block_tensor, block_start, numels, BLOCK: tl.constexpr):
+def _block(block_tensor, block_start, block_end, BLOCK: tl.constexpr):
     """This program's block: its index ``b``, its tensor ``t``, its elements' offsets in
-    that tensor and which of them are inside it."""
+    that tensor and which of them are inside the block (before ``block_end[b]``)."""
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
     offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
-    return b, t, offs, offs < tl.load(numels + t)
+    return b, t, offs, offs < tl.load(block_end + b)
 
 
 @triton.jit
@@ -68,13 +68,13 @@ def _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexp
 
 
 @triton.jit
-def lamb_measure(block_tensor, block_start, numels, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
+def lamb_measure(block_tensor, block_start, block_end, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
                  part_w, part_u, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc1,
                  bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
                  BLOCK: tl.constexpr):  # fmt: skip
     """LAMB's moments (written), and per block the sums of ``p²`` and of the update's
     squares (the trust ratio's two norms)."""
-    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
     p = tl.load(_at(p_ptrs, t) + offs, mask=inside, other=0.0)
     g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
     m_at = _at(m_ptrs, t) + offs
@@ -92,11 +92,11 @@ def lamb_measure(block_tensor, block_start, numels, p_ptrs, g_ptrs, m_ptrs, v_pt
 
 
 @triton.jit
-def scaled_step(block_tensor, block_start, numels, p_ptrs, m_ptrs, v_ptrs, coef, eps, bc1,
+def scaled_step(block_tensor, block_start, block_end, p_ptrs, m_ptrs, v_ptrs, coef, eps, bc1,
                 bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """``p += coef[t] · u``, the update direction recomputed from the moments."""
-    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
     p_at = _at(p_ptrs, t) + offs
     p = tl.load(p_at, mask=inside, other=0.0)
     m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
@@ -107,11 +107,11 @@ def scaled_step(block_tensor, block_start, numels, p_ptrs, m_ptrs, v_ptrs, coef,
 
 
 @triton.jit
-def onebit_fold(block_tensor, block_start, numels, g_ptrs, m_ptrs, prev_ptrs, coeffs,
+def onebit_fold(block_tensor, block_start, block_end, g_ptrs, m_ptrs, prev_ptrs, coeffs,
                 grad_scale, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold: ``prev = m``, then ``m = (β1·m + (1-β1)·g) · coeff[t]``."""
-    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
     m_at = _at(m_ptrs, t) + offs
     m = tl.load(m_at, mask=inside, other=0.0)
     tl.store(_at(prev_ptrs, t) + offs, m, mask=inside)
@@ -124,27 +124,30 @@ def onebit_fold(block_tensor, block_start, numels, g_ptrs, m_ptrs, prev_ptrs, co
 
 
 @triton.jit
-def onebit_measure(block_tensor, block_start, numels, m_ptrs, prev_ptrs, fresh_ptrs, v_ptrs,
-                   p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
-                   beta2, one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
-                   WD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """1-bit LAMB after the all-reduce: ``m /= coeff[t]`` (0 where ``v`` is 0 with
-    ``MASK_UNTRAINED``), the fresh second moment from the reconstructed gradient
-    ``(m - β1·prev)/(1-β1)`` (both written), and per block the largest drift
-    ``(sqrt(v)+eps)/(sqrt(fresh)+eps)`` and, with ``WD``, the sums of squares of
-    ``u = m/(sqrt(v)+eps)`` and of ``u + wd·p``."""
-    b, t, offs, inside = _block(block_tensor, block_start, numels, BLOCK)
-    m_at = _at(m_ptrs, t) + offs
-    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
-    m = tl.load(m_at, mask=inside, other=0.0)
-    m = tl.math.div_rn(m, tl.zeros_like(v) + tl.load(coeffs + t))
-    if MASK_UNTRAINED:
-        m = tl.where(v == 0, 0.0, m)
-    tl.store(m_at, m, mask=inside)
-    prev = tl.load(_at(prev_ptrs, t) + offs, mask=inside, other=0.0)
+def onebit_fold_squares(block_tensor, block_start, block_end, g_ptrs, m_ptrs, x_ptrs, e_ptrs,
+                        coeffs, part_x, part_xe, beta1, one_minus_beta1,
+                        BLOCK: tl.constexpr):  # fmt: skip
+    """1-bit LAMB's fold, written beside the momentum: ``x = (β1·m + (1-β1)·g) · coeff[t]``
+    (``m`` is left as it was), and per block the sums of ``x²`` and of ``(x + e)²`` with
+    ``e`` the worker's error at the same place (the 1-bit worker's first pass)."""
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
+    m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
+    g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
+    m = m * beta1
+    x = (m + one_minus_beta1 * g) * tl.load(coeffs + t)
+    tl.store(_at(x_ptrs, t) + offs, x, mask=inside)
+    v = x + tl.load(_at(e_ptrs, t) + offs, mask=inside, other=0.0)
+    tl.store(part_x + b, tl.sum(x * x, axis=0))
+    tl.store(part_xe + b, tl.sum(v * v, axis=0))
+
+
+@triton.jit
+def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_u, part_ud,
+             neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
+             WD: tl.constexpr):  # fmt: skip
+    """The rest of :func:`onebit_measure` once ``m`` is unscaled, masked and stored."""
     estimate = prev * neg_beta1
     estimate = tl.math.div_rn(estimate + m, tl.zeros_like(v) + one_minus_beta1)
-    fresh_at = _at(fresh_ptrs, t) + offs
     fresh = tl.load(fresh_at, mask=inside, other=1.0) * beta2
     fresh = fresh + one_minus_beta2 * estimate * estimate
     tl.store(fresh_at, fresh, mask=inside)
@@ -157,3 +160,70 @@ def onebit_measure(block_tensor, block_start, numels, m_ptrs, prev_ptrs, fresh_p
         decayed = u + wd * p
         tl.store(part_u + b, tl.sum(u * u, axis=0))
         tl.store(part_ud + b, tl.sum(decayed * decayed, axis=0))
+
+
+@triton.jit
+def onebit_measure(block_tensor, block_start, block_end, m_ptrs, prev_ptrs, fresh_ptrs, v_ptrs,
+                   p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
+                   beta2, one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
+                   WD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """1-bit LAMB after the all-reduce: ``m /= coeff[t]`` (0 where ``v`` is 0 with
+    ``MASK_UNTRAINED``), the fresh second moment from the reconstructed gradient
+    ``(m - β1·prev)/(1-β1)`` (both written), and per block the largest drift
+    ``(sqrt(v)+eps)/(sqrt(fresh)+eps)`` and, with ``WD``, the sums of squares of
+    ``u = m/(sqrt(v)+eps)`` and of ``u + wd·p``."""
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
+    m_at = _at(m_ptrs, t) + offs
+    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+    m = tl.load(m_at, mask=inside, other=0.0)
+    m = tl.math.div_rn(m, tl.zeros_like(v) + tl.load(coeffs + t))
+    if MASK_UNTRAINED:
+        m = tl.where(v == 0, 0.0, m)
+    tl.store(m_at, m, mask=inside)
+    prev = tl.load(_at(prev_ptrs, t) + offs, mask=inside, other=0.0)
+    _measure(m, prev, v, inside, b, t, offs, _at(fresh_ptrs, t) + offs, p_ptrs, part_drift,
+             part_u, part_ud, neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
+             WD)  # fmt: skip
+
+
+@triton.jit
+def onebit_measure_signs(block_tensor, block_start, block_end, m_ptrs, fresh_ptrs, v_ptrs,
+                         p_ptrs, mask_ptrs, positions, messages, scales, step, padded, ranks,
+                         coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1, beta2,
+                         one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
+                         WD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """:func:`onebit_measure` reading the averaged momentum from the 1-bit all-reduce's
+    gathered messages instead of a buffer it was expanded into, and the old momentum from
+    ``m`` itself (which it then overwrites). Element ``P = positions[t] + offs`` of the
+    compressed buffer (``padded`` elements) is in bucket ``k = P // step``, cut into
+    ``ranks`` chunks; byte ``(P_k % chunk) // 8`` of row ``P_k // chunk`` of that bucket's
+    messages (at ``messages[k]``, rows ``chunk/8 + 4`` bytes apart) holds its sign, and
+    ``scales[k, row]`` its size. No block may span two buckets (the table is cut at their
+    boundaries), so the bucket is found once per block and the rest in int32.
+    ``mask_ptrs[t]``, where not 0, is tensor ``t``'s momentum mask at the tensor's shape
+    (multiplied in before unscaling, as the reference masks)."""
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
+    first = tl.load(positions + t) + tl.load(block_start + b)
+    k = first // step
+    chunk = (tl.minimum(step, padded - k * step) // ranks).to(tl.int32)
+    local = (first - k * step).to(tl.int32) + tl.arange(0, BLOCK)
+    row = local // chunk
+    column = (local - row * chunk) >> 3
+    base = tl.load(messages + k).to(tl.pointer_type(tl.uint8))
+    byte = tl.load(base + row * ((chunk >> 3) + 4) + column, mask=inside, other=0)
+    s = tl.load(scales + k * ranks + row, mask=inside, other=0.0)
+    bit = (byte.to(tl.int32) >> (local & 7)) & 1  # buckets start at multiples of 8
+    m = tl.where(bit != 0, s, -s)
+    mask_at = tl.load(mask_ptrs + t)
+    if mask_at != 0:
+        m = m * tl.load(mask_at.to(tl.pointer_type(tl.float32)) + offs, mask=inside, other=1.0)
+    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+    m = tl.math.div_rn(m, tl.zeros_like(v) + tl.load(coeffs + t))
+    if MASK_UNTRAINED:
+        m = tl.where(v == 0, 0.0, m)
+    m_at = _at(m_ptrs, t) + offs
+    prev = tl.load(m_at, mask=inside, other=0.0)
+    tl.store(m_at, m, mask=inside)
+    _measure(m, prev, v, inside, b, t, offs, _at(fresh_ptrs, t) + offs, p_ptrs, part_drift,
+             part_u, part_ud, neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
+             WD)  # fmt: skip
