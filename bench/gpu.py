@@ -22,8 +22,11 @@ LAMB's step with the reference (plain torch) and the fused kernels (``optimizer.
 :mod:`onebit_bert.kernels`) on one trainer per configuration, alternating: ``--repeats``
 rounds of ``--steps`` timed steps per implementation, so that a speed-up is a ratio of
 figures from one machine and one process (``comparisons``: fused over reference, and
-1-bit LAMB over LAMB per implementation). AdamW has one implementation (torch's fused
-kernel): its row says ``impl: torch``.
+1-bit LAMB over LAMB per implementation). ``fused-separate`` adds 1-bit LAMB's fused
+kernels with the fold and the expansion in passes of their own, as they were before the
+update read the 1-bit average from the messages (``comparisons``: fused over it; LAMB
+has no such row). AdamW has one implementation (torch's fused kernel): its row says
+``impl: torch``.
 
 Each figure has its MFU (the FLOP formula is stated in the output: ``bench/yardstick.py``)
 and the optimizer step's own time (CUDA events around ``optimizer.step``) beside its
@@ -200,7 +203,13 @@ def our_loop(
     from bench.common import pretrain_config
     from bench.host_syncs import count_host_syncs
     from bench.step_profile import profile_steps
-    from bench.yardstick import StepClock, model_flops, optimizer_figures
+    from bench.yardstick import (
+        StepClock,
+        implementations,
+        model_flops,
+        optimizer_figures,
+        use_implementation,
+    )
     from onebit_bert.config import from_dict
     from onebit_bert.distributed import init_distributed
     from pretrain.config import PretrainConfig
@@ -228,8 +237,9 @@ def our_loop(
     trainer = Trainer(from_dict(PretrainConfig, settings), ctx)
     try:
         opt = trainer.strategy.optimizer
-        switch = getattr(opt, "set_kernels", None)
-        impls = args.impl if switch is not None else ["torch"]
+        chooses = hasattr(opt, "set_kernels")
+        impls = implementations(opt, args.impl) if chooses else ["torch"]
+        switch = partial(use_implementation, opt) if chooses else None
         clock = StepClock(device.torch, device.cuda)
         clock.wrap(opt)
         for step in range(1, args.warmup_steps + 1):

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 OPTIMIZERS = ("lamb", "onebit_lamb", "adamw")
-IMPLS = ("reference", "fused")
+IMPLS = ("reference", "fused", "fused-separate")
 PRECISIONS = ("bf16", "fp16", "fp32")
 MODELS = ("bert-large", "bert-base", "bert-small", "bert-mini", "bert-tiny")
 SEQ_LENGTHS = (128, 512)
@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=comma_list(IMPLS),
         default=list(IMPLS),
         help="LAMB's and 1-bit LAMB's implementations, alternated on one trainer: comma list "
-        "of reference, fused (default: both)",
+        "of reference, fused, fused-separate (1-bit LAMB's fused kernels with the fold and "
+        "the expansion in passes of their own; LAMB has no such row) (default: all)",
     )
     counts = {
         "--steps": (20, "timed steps per configuration (default: 20)"),
@@ -174,13 +175,17 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--profile-steps must be >= 0 (0: no profile)")
     if args.rows_out is not None and not args.rows_out.parent.is_dir():
         parser.error(f"--rows-out: no folder {args.rows_out.parent} to write {args.rows_out} in")
-    if "fused" in args.impl:
+    fused = [impl for impl in args.impl if impl != "reference"]
+    if fused:
         from onebit_bert.kernels import interpreting, triton_available
 
+        named = ",".join(fused)
         if not triton_available():
-            parser.error("--impl fused needs Triton (pip install '.[gpu]'); or --impl reference")
+            parser.error(f"--impl {named} needs Triton (pip install '.[gpu]'); or --impl reference")
         if args.device == "cpu" and not interpreting():
-            parser.error("--impl fused on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
+            parser.error(
+                f"--impl {named} on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)"
+            )
     if args.warmup_steps < 2:
         parser.error(
             "--warmup-steps must be >= 2: the first steps compile, switch 1-bit LAMB to its "

@@ -24,6 +24,7 @@ here either. Slow (the interpreter runs each program in Python): about a minute 
 bert-tiny's parameters on 2 cores.
 
     python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000] [--world-size 1]
+                                 [--separate-passes]
 
 Runs itself again in a child process with ``TRITON_INTERPRET=1`` when the interpreter is
 not on (Triton fixes its mode when it is imported).
@@ -79,7 +80,10 @@ MODELLED = {"lamb": 40.0, "onebit_lamb": 96.0}
 @contextlib.contextmanager
 def counting():
     """Within the block, every interpreted kernel's loads and stores are counted: yields a
-    dict ``kernel name -> {"read": bytes, "written": bytes, "launches": n}``."""
+    dict ``kernel name -> {"read": bytes, "written": bytes, "launches": n}``. An address
+    several elements of one load or store share (a byte of packed signs read for each of
+    its 8 elements, a scale for each of its rows) counts once: the memory serves one
+    access of a program once."""
     import numpy as np
     import torch
     from triton.runtime import interpreter
@@ -89,14 +93,17 @@ def counting():
     counts: dict = defaultdict(lambda: {"read": 0, "written": 0, "launches": 0})
     current = ["?"]
 
+    def touched(ptrs, mask) -> int:
+        return int(np.unique(ptrs.data[mask.data.astype(bool)]).size)
+
     def counted_load(self, ptrs, mask, other, cache_policy, is_volatile):
         size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
-        counts[current[0]]["read"] += int(np.count_nonzero(mask.data)) * size
+        counts[current[0]]["read"] += touched(ptrs, mask) * size
         return load(self, ptrs, mask, other, cache_policy, is_volatile)
 
     def counted_store(self, ptrs, value, mask, cache_policy):
         size = value.data.dtype.itemsize
-        counts[current[0]]["written"] += int(np.count_nonzero(mask.data)) * size
+        counts[current[0]]["written"] += touched(ptrs, mask) * size
         return store(self, ptrs, value, mask, cache_policy)
 
     def named_call(self, *args, **kwargs):
@@ -114,9 +121,13 @@ def counting():
         executor.__call__ = call
 
 
-def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
+def step_bytes(
+    name: str, model: str, vocab_size: int, comm=None, separate_passes: bool = False
+) -> dict:
     """One fused step of optimizer ``name`` on ``model``'s parameters, counted (on this
-    rank of ``comm``'s group; default: one rank)."""
+    rank of ``comm``'s group; default: one rank). ``separate_passes``: 1-bit LAMB with
+    its fold and the expansion in passes of their own
+    (:attr:`~onebit_bert.optim.OneBitLamb.expand_in_update` off)."""
     import torch
 
     from bench.yardstick import optimizer_bytes_per_parameter, optimizer_on_preset
@@ -124,6 +135,8 @@ def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
     torch.manual_seed(0)
     opt, params = optimizer_on_preset(name, model, vocab_size, "cpu", comm)
     opt.set_kernels("fused")
+    if separate_passes:
+        opt.expand_in_update = False
     world_size = comm.world_size if comm is not None else 1
     for _ in range(2):  # the warmup stage's step, then the first compressing one
         opt.step()
@@ -144,11 +157,14 @@ def step_bytes(name: str, model: str, vocab_size: int, comm=None) -> dict:
         "optimizer": name,
         "world_size": world_size,
         "stage": getattr(opt, "stage", None),
+        "kernels_path": getattr(opt, "last_step_kernels", "fused"),
         "params": params,
         "kernels": kernels,
         "bytes_per_parameter": round(total, 2),
-        # the model of 2026-11-28 is for one rank
-        "modelled_bytes_per_parameter": MODELLED[name] if world_size == 1 else None,
+        # the model of 2026-11-28 is for one rank and the separate passes
+        "modelled_bytes_per_parameter": (
+            MODELLED[name] if world_size == 1 and (separate_passes or name == "lamb") else None
+        ),
         "floor_bytes_per_parameter": floor,
         "over_floor": round(total / floor, 3),
         "outside_kernels": outside_kernels(prof.events(), params // 100),
@@ -181,7 +197,7 @@ def _numel(shape) -> int:
     return math.prod(shape)
 
 
-def _rank_main(rank, world_size, store, out_path, model, vocab_size):
+def _rank_main(rank, world_size, store, out_path, model, vocab_size, separate_passes):
     """One gloo rank of ``--world-size``: both steps counted here; rank 0 saves its rows
     (every rank does the same share of the work)."""
     import torch
@@ -194,7 +210,7 @@ def _rank_main(rank, world_size, store, out_path, model, vocab_size):
     init_gloo(rank, world_size, store)
     try:
         comm = Communicator(dist.group.WORLD)
-        rows = [step_bytes(name, model, vocab_size, comm) for name in OPTIMIZERS]
+        rows = [step_bytes(name, model, vocab_size, comm, separate_passes) for name in OPTIMIZERS]
         if rank == 0:
             torch.save(rows, out_path)
     finally:
@@ -215,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="gloo ranks the 1-bit all-reduce spans; the counts are one rank's (default: 1)",
     )
+    parser.add_argument(
+        "--separate-passes",
+        action="store_true",
+        help="1-bit LAMB's fold and expansion in passes of their own (before they were "
+        "folded into the worker's first pass and the update)",
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
@@ -229,9 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size > 1:
         from bench.common import run_gloo_ranks
 
-        rows = run_gloo_ranks(_rank_main, args.world_size, args.model, args.vocab_size)
+        rows = run_gloo_ranks(
+            _rank_main, args.world_size, args.model, args.vocab_size, args.separate_passes
+        )
     else:
-        rows = [step_bytes(name, args.model, args.vocab_size) for name in OPTIMIZERS]
+        rows = [
+            step_bytes(name, args.model, args.vocab_size, separate_passes=args.separate_passes)
+            for name in OPTIMIZERS
+        ]
     print(json.dumps({"benchmark": "kernel_bytes", "model": args.model, "steps": rows}))
     return 0
 

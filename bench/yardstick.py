@@ -172,6 +172,26 @@ def optimizer_on_preset(name: str, preset: str, vocab_size: int, device: str, co
     return opt, sum(p.numel() for group in opt.param_groups for p in group["params"])
 
 
+SEPARATE = "fused-separate"
+"""The implementation name of 1-bit LAMB's fused kernels with the fold and the expansion
+in passes of their own (:attr:`onebit_bert.optim.OneBitLamb.expand_in_update` off): the
+fused step as it was before those passes were folded into others."""
+
+
+def use_implementation(opt, impl: str) -> None:
+    """Take ``opt``'s later steps with implementation ``impl``: ``reference``, ``fused``
+    or :data:`SEPARATE`."""
+    opt.set_kernels("fused" if impl == SEPARATE else impl)
+    if hasattr(opt, "expand_in_update"):
+        opt.expand_in_update = impl != SEPARATE
+
+
+def implementations(opt, impls: list[str]) -> list[str]:
+    """The ones of ``impls`` that differ for ``opt``: :data:`SEPARATE` only where it has
+    something to keep apart (1-bit LAMB)."""
+    return [i for i in impls if i != SEPARATE or hasattr(opt, "expand_in_update")]
+
+
 def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) -> list[dict]:
     """Each of ``args.optimizers`` that has kernels to choose (LAMB, 1-bit LAMB) stepping
     the ``args.model`` preset's parameters alone, with fixed random gradients: ``args.steps``
@@ -180,15 +200,16 @@ def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) ->
     rows = []
     for name in [n for n in args.optimizers if n in ("lamb", "onebit_lamb")]:
         opt, params = optimizer_on_preset(name, args.model, args.vocab_size, device.type)
-        for impl in impls * 2:  # the stage switch, compilation of the kernels
-            opt.set_kernels(impl)
+        mine = implementations(opt, impls)
+        for impl in mine * 2:  # the stage switch, compilation of the kernels
+            use_implementation(opt, impl)
             opt.step()
-        seconds: dict[str, list[float]] = {impl: [] for impl in impls}
+        seconds: dict[str, list[float]] = {impl: [] for impl in mine}
         for _ in range(args.repeats):
-            for impl in impls:
-                opt.set_kernels(impl)
+            for impl in mine:
+                use_implementation(opt, impl)
                 seconds[impl] += [device.time_step(opt.step) for _ in range(args.steps)]
-        for impl in impls:
+        for impl in mine:
             rows.append(
                 {
                     "optimizer": name,
@@ -207,7 +228,8 @@ def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) ->
 def comparisons(runs: list[dict], steps: list[dict]) -> list[dict]:
     """Ratios of figures from this one invocation: per configuration, fused over reference
     (samples/s, and the optimizer step's time reference over fused) and 1-bit LAMB over
-    LAMB per implementation (samples/s); per optimizer alone, reference over fused."""
+    LAMB per implementation (samples/s); per optimizer alone, reference over fused. Where
+    1-bit LAMB ran :data:`SEPARATE` too, fused over it as well."""
     out = []
     ours = [r for r in runs if r["loop"] == "ours" and "samples_per_s" in r]
     configs = sorted({(r["seq_length"], r["precision"], r["compile"]) for r in ours})
@@ -227,6 +249,14 @@ def comparisons(runs: list[dict], steps: list[dict]) -> list[dict]:
                 row[f"{optimizer}_optimizer_step_speedup"] = round(
                     ref["optimizer_step_ms"] / new["optimizer_step_ms"], 2
                 )
+        old, new = here.get(("onebit_lamb", SEPARATE)), here.get(("onebit_lamb", "fused"))
+        if old and new:
+            row["onebit_lamb_in_update_over_separate_samples"] = round(
+                new["samples_per_s"] / old["samples_per_s"], 3
+            )
+            row["onebit_lamb_in_update_step_speedup"] = round(
+                old["optimizer_step_ms"] / new["optimizer_step_ms"], 2
+            )
         for impl in ("reference", "fused"):
             lamb, onebit = here.get(("lamb", impl)), here.get(("onebit_lamb", impl))
             if lamb and onebit:
@@ -235,6 +265,16 @@ def comparisons(runs: list[dict], steps: list[dict]) -> list[dict]:
                 )
         out.append(row)
     alone = {(r["optimizer"], r["impl"]): r for r in steps}
+    old, new = alone.get(("onebit_lamb", SEPARATE)), alone.get(("onebit_lamb", "fused"))
+    if old and new:
+        out.append(
+            {
+                "optimizer_alone": "onebit_lamb",
+                "step_speedup_in_update": round(
+                    old["optimizer_step_ms"] / new["optimizer_step_ms"], 2
+                ),
+            }
+        )
     for optimizer in ("lamb", "onebit_lamb"):
         ref, new = alone.get((optimizer, "reference")), alone.get((optimizer, "fused"))
         if ref and new:

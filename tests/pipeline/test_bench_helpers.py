@@ -10,8 +10,10 @@ import random
 import shlex
 import subprocess
 import sys
+from unittest.mock import patch
 
 import pytest
+import torch
 
 from bench.hf_mlm_baseline import run_hf_mlm_baseline
 from bench.rss import PeakRSS
@@ -164,6 +166,23 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
         )
 
 
+def test_gpu_benchmark_switches_to_the_fused_kernels_in_separate_passes():
+    from bench.yardstick import implementations, use_implementation
+    from onebit_bert.optim import Lamb, OneBitLamb
+
+    impls = ["reference", "fused", "fused-separate"]
+    onebit = OneBitLamb([torch.nn.Parameter(torch.zeros(3))], freeze_step=1)
+    lamb = Lamb([torch.nn.Parameter(torch.zeros(3))])
+    assert implementations(onebit, impls) == impls
+    assert implementations(lamb, impls) == ["reference", "fused"]  # nothing to keep apart
+    chosen = []
+    for impl in impls:
+        with patch.object(OneBitLamb, "set_kernels", lambda self, k: chosen.append(k)):
+            use_implementation(onebit, impl)
+        chosen.append(onebit.expand_in_update)
+    assert chosen == ["reference", True, "fused", True, "fused", False]
+
+
 def test_gpu_benchmark_comparisons_are_ratios_of_one_invocation():
     from bench.yardstick import comparisons, model_flops
 
@@ -186,6 +205,14 @@ def test_gpu_benchmark_comparisons_are_ratios_of_one_invocation():
     assert config["onebit_over_lamb_samples_reference"] == 0.6
     assert config["onebit_over_lamb_samples_fused"] == 0.9
     assert step == {"optimizer_alone": "onebit_lamb", "step_speedup_fused": 5.0}
+    assert "onebit_lamb_in_update_over_separate_samples" not in config
+    # with 1-bit LAMB's fused kernels in separate passes as well: fused over those
+    runs.append(row("onebit_lamb", "fused-separate", 90, 12))
+    alone.append({"optimizer": "onebit_lamb", "impl": "fused-separate", "optimizer_step_ms": 9})
+    (config, in_update, step) = comparisons(runs, alone)
+    assert config["onebit_lamb_in_update_over_separate_samples"] == 1.1
+    assert config["onebit_lamb_in_update_step_speedup"] == 1.2
+    assert in_update == {"optimizer_alone": "onebit_lamb", "step_speedup_in_update": 1.5}
 
     from pretrain.config import ModelConfig
     from pretrain.model import build_model
@@ -605,37 +632,51 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     """bench/kernel_bytes.py in its child process (Triton's interpreter): LAMB's fused
     step moves 40 bytes per parameter (read g, m, v, w and write m, v; then read m, v, w
     and write w), a little more for the pointer tables and the scalars, and 1-bit LAMB's
-    compression step lies between its floor and twice it, every kernel counted."""
+    compression step lies between its floor and twice it, every kernel counted; with the
+    fold beside the momentum and the expansion in the update it moves 16 bytes per
+    parameter fewer than with those passes on their own (``--separate-passes``)."""
     pytest.importorskip("triton")
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.kernel_bytes", "--model", "bert-tiny", "--vocab-size", "300"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    lamb, onebit = json.loads(out.stdout.strip().splitlines()[-1])["steps"]
+
+    def counted(*extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.kernel_bytes", "--model", "bert-tiny",
+             "--vocab-size", "300", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])["steps"]
+
+    lamb, onebit = counted()
     assert lamb["optimizer"] == "lamb" and 40 <= lamb["bytes_per_parameter"] < 40.5
     assert set(lamb["kernels"]) == {"lamb_measure", "scaled_step", "segment_reduce"}
     assert lamb["kernels"]["lamb_measure"]["written_per_parameter"] == 8.0  # m and v
     assert onebit["stage"] == "compression"
-    assert {"onebit_fold", "onebit_measure", "pack", "expand", "scaled_step"} <= set(
-        onebit["kernels"]
-    )
+    assert onebit["kernels_path"] == "fused, expanded in the update"
+    assert set(onebit["kernels"]) == {
+        "onebit_fold_squares",
+        "sum_squares",  # the server's only
+        "pack",
+        "onebit_measure_signs",
+        "scaled_step",
+        "segment_reduce",
+    }
+    # m, g and the worker's error read, the folded momentum written
+    assert onebit["kernels"]["onebit_fold_squares"]["written_per_parameter"] == 4.0
     assert 56.5 < onebit["bytes_per_parameter"] < 2 * 56.5
     parts = sum(k["bytes_per_parameter"] for k in onebit["kernels"].values())
     assert parts == pytest.approx(onebit["bytes_per_parameter"], abs=0.1)
+    _, separate = counted("--separate-passes")
+    assert separate["kernels_path"] == "fused"
+    assert {"onebit_fold", "onebit_measure", "expand"} <= set(separate["kernels"])
+    saved = separate["bytes_per_parameter"] - onebit["bytes_per_parameter"]
+    assert 15.5 < saved < 16.5, saved
     # outside the kernels: nothing for LAMB; for 1-bit LAMB only the message's bytes (an
     # eighth of an element each), copied for the exchange at one rank
     assert lamb["outside_kernels"] == []
     assert {op["op"] for op in onebit["outside_kernels"]} == {"aten::copy_"}
     assert all(op["elements"] < onebit["params"] / 7 for op in onebit["outside_kernels"])
     # on 2 gloo ranks the server's half runs on half the elements: less traffic, LAMB's same
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.kernel_bytes", "--model", "bert-tiny", "--vocab-size", "300",
-         "--world-size", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    lamb2, onebit2 = json.loads(out.stdout.strip().splitlines()[-1])["steps"]
+    lamb2, onebit2 = counted("--world-size", "2")
     assert onebit2["world_size"] == 2 and onebit2["floor_bytes_per_parameter"] == 52.5
     assert lamb2["bytes_per_parameter"] == lamb["bytes_per_parameter"]
     assert onebit2["bytes_per_parameter"] < onebit["bytes_per_parameter"] - 2
