@@ -273,6 +273,47 @@ def check_onebit_lamb_blocks_cut_by_buckets(device: str = "cpu") -> None:
     torch.testing.assert_close(got_factors, want_factors, rtol=1e-5, atol=1e-6)
 
 
+def check_onebit_lamb_fused_resume(device: str = "cpu") -> None:
+    """A fused 1-bit LAMB run saved after its second compressing step and continued by a
+    new optimizer from that state ends bit for bit where the uninterrupted run ends (the
+    scratch buffer that holds the folded momentum is not state)."""
+    import copy
+
+    from onebit_bert.optim import OneBitLamb
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(3000,), (40, 30), (7,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(6)]
+
+    def build(values):
+        params = [t.clone().to(device).requires_grad_(True) for t in values]
+        groups = [{"params": params[:2], "weight_decay": 0.01}, {"params": params[2:]}]
+        opt = OneBitLamb(groups, lr=0.01, freeze_step=2, bucket_numel=1000, kernels="fused")
+        return params, opt
+
+    def steps(params, opt, todo):
+        for step_grads in todo:
+            for p, grad in zip(params, step_grads, strict=True):
+                p.grad = grad.clone().to(device)
+            opt.step()
+
+    params, opt = build(init)
+    steps(params, opt, grads)
+    straight = [p.detach().cpu() for p in params]
+    assert opt.last_step_kernels == "fused, expanded in the update"
+    params, opt = build(init)
+    steps(params, opt, grads[:4])
+    saved = copy.deepcopy(opt.state_dict())
+    values = [p.detach().cpu() for p in params]
+    params, opt = build(values)
+    opt.load_state_dict(saved)
+    steps(params, opt, grads[4:])
+    assert opt.last_step_kernels == "fused, expanded in the update"
+    for a, b in zip(params, straight, strict=True):
+        assert torch.equal(a.detach().cpu(), b), "the resumed run left the straight one"
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -284,5 +325,6 @@ CHECKS = {
         check_onebit_lamb,
         check_onebit_lamb_expanded_in_the_update,
         check_onebit_lamb_blocks_cut_by_buckets,
+        check_onebit_lamb_fused_resume,
     )
 }
