@@ -627,6 +627,43 @@ def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny
     assert text.count("| not measured |") == 6  # no fused kernels, nothing compiled
 
 
+def test_kernel_compile_names_triton_types():
+    from bench.kernel_compile import triton_type
+
+    assert triton_type(torch.zeros(2)) == "*fp32"
+    assert triton_type(torch.zeros(2, dtype=torch.uint8)) == "*u8"
+    assert triton_type(torch.zeros(2, dtype=torch.int64)) == "*i64"
+    assert (triton_type(3), triton_type(2**31), triton_type(0.5)) == ("i32", "i64", "fp32")
+    assert triton_type(True) == "i1"
+    with pytest.raises(TypeError, match="complex64"):
+        triton_type(torch.zeros(2, dtype=torch.complex64))
+
+
+@pytest.mark.slow
+def test_every_fused_kernel_compiles_for_the_gpus_the_project_rents():
+    """bench/kernel_compile.py: every kernel of onebit_bert/kernels/triton_src (each
+    ``@triton.jit`` function not named with a leading underscore) is launched by the
+    recorded steps, and every launch signature compiles for sm_90 (H100, H200) down to
+    the cubin, without a GPU."""
+    pytest.importorskip("triton")
+    import ast
+
+    kernels = set()
+    for path in (REPO / "onebit_bert" / "kernels" / "triton_src").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                kernels.add(node.name)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_compile", "--arch", "90"],
+        cwd=REPO, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["failed"] == 0
+    assert {k["kernel"] for k in result["kernels"]} == kernels
+    assert all(k["cubin_bytes"] > 0 for k in result["kernels"])
+
+
 @pytest.mark.slow
 def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     """bench/kernel_bytes.py in its child process (Triton's interpreter): LAMB's fused

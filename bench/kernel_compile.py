@@ -1,0 +1,208 @@
+"""The fused optimizer kernels compiled for a CUDA GPU on a machine without one.
+
+Triton's interpreter runs the kernels on the CPU for the tests, but it is lenient: it does
+not type-check a kernel as the compiler does, and it never lowers one to a GPU's code. A
+kernel that passes every interpreted check can still fail to compile at a GPU's first step.
+This tool catches that before a GPU is at hand:
+
+1. In a child process under the interpreter (``TRITON_INTERPRET=1``), it records every
+   kernel launch of three fused steps:
+   - LAMB's step;
+   - 1-bit LAMB's compression step (its first and its second step after the freeze);
+   - the same step with the fold and the expansion as passes of their own
+     (``expand_in_update`` off).
+
+   Each launch gives a signature: the kernel, each argument's Triton type, and the values
+   of its ``tl.constexpr`` arguments.
+2. In this process, in Triton's compiled mode, it compiles every distinct signature for the
+   target (``--arch``, default 90: H100 and H200) down to the cubin. Triton ships its own
+   ``ptxas``, so no GPU and no CUDA toolkit are needed.
+
+Prints one JSON object: per signature, the kernel, its constexprs, the PTX and cubin sizes,
+and the error if it failed. Exits 1 if any signature failed. It runs in about a minute on
+2 cores.
+
+    python -m bench.kernel_compile [--arch 90] [--model bert-tiny] [--vocab-size 300]
+
+A signature compiled here is the launch's types, not its values: Triton's runtime also
+specialises on an integer's divisibility by 16 and on a value of 1. Those variants are not
+compiled here; they change the code's alignment hints, not what compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a file: make bench importable
+    sys.path.insert(0, str(REPO))
+
+MODULES = ("multi_tensor", "signs")
+"""The kernel files of ``onebit_bert/kernels/triton_src``."""
+STEPS = (("lamb", True), ("onebit_lamb", True), ("onebit_lamb", False))
+"""The recorded steps: optimizer and, for 1-bit LAMB, ``expand_in_update``."""
+
+
+def triton_type(value) -> str:
+    """The Triton type of a kernel argument: a tensor's pointer type, or a scalar's."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        names = {
+            torch.float32: "fp32",
+            torch.float16: "fp16",
+            torch.bfloat16: "bf16",
+            torch.int64: "i64",
+            torch.int32: "i32",
+            torch.uint8: "u8",
+            torch.int8: "i8",
+        }
+        if value.dtype not in names:
+            raise TypeError(f"no Triton pointer type for a {value.dtype} tensor")
+        return "*" + names[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for a {type(value).__name__} argument")
+
+
+def _module_of(fn) -> str:
+    """Which kernel file ``fn`` was defined in."""
+    name = getattr(fn, "__module__", "") or ""
+    for module in MODULES:
+        if name.endswith(f".{module}_interpreted") or name.endswith(f".{module}_compiled"):
+            return module
+    raise ValueError(f"kernel {fn.__name__} is not from onebit_bert/kernels/triton_src")
+
+
+def record(model: str, vocab_size: int) -> list[dict]:
+    """Every distinct launch signature of the fused steps of :data:`STEPS` on ``model``'s
+    parameters (under the interpreter)."""
+    import torch
+    from triton.runtime import interpreter
+
+    from bench.yardstick import optimizer_on_preset
+
+    seen: dict[str, dict] = {}
+    executor = interpreter.GridExecutor
+    call = executor.__call__
+
+    def recording(self, *args, **kwargs):
+        bound = dict(zip(self.arg_names, args, strict=False))
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        constexprs = {n: bound[n] for n in self.arg_names if n in self.constexprs}
+        signature = {
+            n: "constexpr" if n in constexprs else triton_type(bound[n]) for n in self.arg_names
+        }
+        entry = {
+            "module": _module_of(self.fn),
+            "kernel": self.fn.__name__,
+            "signature": signature,
+            "constexprs": constexprs,
+        }
+        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        return call(self, *args, **kwargs)
+
+    executor.__call__ = recording
+    try:
+        for name, in_update in STEPS:
+            torch.manual_seed(0)
+            opt, _ = optimizer_on_preset(name, model, vocab_size, "cpu")
+            opt.set_kernels("fused")
+            if hasattr(opt, "expand_in_update"):
+                opt.expand_in_update = in_update
+            for _ in range(3):  # warmup (1-bit LAMB: its last), then two compressing steps
+                opt.step()
+    finally:
+        executor.__call__ = call
+    return list(seen.values())
+
+
+def compile_all(entries: list[dict], arch: int) -> list[dict]:
+    """Each recorded signature compiled for CUDA architecture ``arch`` (compiled mode)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onebit_bert.kernels import triton_module
+
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for entry in entries:
+        fn = getattr(triton_module(entry["module"]), entry["kernel"])
+        names = list(inspect.signature(fn.fn).parameters)
+        constexprs = {(names.index(k),): v for k, v in entry["constexprs"].items()}
+        row = {"kernel": entry["kernel"], "constexprs": entry["constexprs"]}
+        started = time.perf_counter()
+        try:
+            source = ASTSource(fn=fn, signature=entry["signature"], constexprs=constexprs)
+            compiled = triton.compile(source, target=target)
+            row["ptx_bytes"] = len(compiled.asm["ptx"])
+            row["cubin_bytes"] = len(compiled.asm["cubin"])
+        except Exception as err:  # one failure must not hide the others
+            row["error"] = f"{type(err).__name__}: {err}"[:2000]
+        row["seconds"] = round(time.perf_counter() - started, 2)
+        results.append(row)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.kernel_compile", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--arch", type=int, default=90, help="CUDA compute capability × 10 (default: 90)"
+    )
+    parser.add_argument("--model", default="bert-tiny", help="the parameters' preset")
+    parser.add_argument("--vocab-size", type=int, default=300, help="embedding rows (300)")
+    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # the child's output
+    args = parser.parse_args(argv)
+    from onebit_bert.kernels import interpreting, triton_available
+
+    if not triton_available():
+        parser.error("needs Triton (pip install '.[gpu]')")
+    if args.record is not None:
+        if not interpreting():
+            parser.error("--record runs under TRITON_INTERPRET=1")
+        args.record.write_text(json.dumps(record(args.model, args.vocab_size)))
+        return 0
+    if interpreting():
+        parser.error("compiling needs Triton's compiled mode: unset TRITON_INTERPRET")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "launches.json"
+        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+        command = [sys.executable, "-m", "bench.kernel_compile", "--model", args.model,
+                   "--vocab-size", str(args.vocab_size), "--record", str(path)]  # fmt: skip
+        child = subprocess.run(command, cwd=REPO, env=env)
+        if child.returncode != 0:
+            return child.returncode
+        entries = json.loads(path.read_text())
+    results = compile_all(entries, args.arch)
+    failed = [r for r in results if "error" in r]
+    print(
+        json.dumps(
+            {
+                "benchmark": "kernel_compile",
+                "arch": args.arch,
+                "signatures": len(results),
+                "failed": len(failed),
+                "kernels": results,
+            }
+        )
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
