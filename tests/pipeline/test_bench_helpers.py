@@ -528,6 +528,9 @@ def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes(tmp_pat
         seen.update((args.compile, n) for n in args.seq_lengths)
         if args.compile == "on":  # one GPU run returns the compiled steps' profiles
             assert args.profile_steps > 0, argv
+            assert args.impl == ["reference", "fused"], argv
+        elif "--packing" not in argv:  # eager: 1-bit LAMB's separate passes beside the rest
+            assert args.impl == ["reference", "fused", "fused-separate"], argv
         if "fused" in args.impl and triton_available():
             gpu.check_arguments(parser, args)  # as on a GPU: Triton there, device CUDA
     # the targets' four cells: eager and compiled, at 128 and at 512
