@@ -249,6 +249,7 @@ def our_loop(
         clock.take()
         seconds = {impl: [] for impl in impls}
         optimizer_seconds = {impl: [] for impl in impls}
+        paths = {}  # the kernels each implementation's steps took (1-bit LAMB says)
         step = args.warmup_steps
         for _ in range(args.repeats if switch is not None else rounds):
             for impl in impls:
@@ -258,6 +259,7 @@ def our_loop(
                     step += 1
                     seconds[impl].append(device.time_step(partial(trainer.train_step, step)))
                 optimizer_seconds[impl] += clock.take()
+                paths[impl] = getattr(opt, "last_step_kernels", None)
         profiles = {}
         for impl in impls if args.profile_steps else []:
             if switch is not None:
@@ -284,6 +286,8 @@ def our_loop(
             step_seconds = figures[impl]["step_seconds_median"]
             tflops = flops["model_flops_per_step"] / step_seconds / 1e12
             figures[impl]["model_tflops_per_s"] = float(f"{tflops:.4g}")
+            if paths.get(impl) is not None:
+                figures[impl]["kernels_path"] = paths[impl]
             if impl in profiles:
                 figures[impl]["profile"] = profiles[impl]
         return {

@@ -148,6 +148,8 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
         assert "profile" not in run  # only with --profile-steps
     ours = {r["optimizer"]: r for r in runs if r["loop"] == "ours"}
     assert ours["onebit_lamb"]["stage"] == "compression"
+    assert ours["onebit_lamb"]["kernels_path"] == "reference"  # the path its steps took
+    assert "kernels_path" not in ours["lamb"]
     for run in ours.values():
         assert run["ratio_vs_hf_trainer"] > 0
         assert run["host_syncs_per_step"] > 0  # the gradient norm, at least
