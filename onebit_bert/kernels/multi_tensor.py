@@ -266,7 +266,7 @@ def onebit_fold(
         "onebit_fold",
         {"grads": grads, "exp_avg": momenta, "previous": previous},
         coeffs=coeffs,
-        grad_scale=grad_scale if grad_scale is not None else coeffs,
+        grad_scale=grad_scale.float() if grad_scale is not None else coeffs,
         **_decay("beta1", beta1),
         HAS_SCALE=grad_scale is not None,
     )

@@ -224,7 +224,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
                 signs = self._fold_and_compress(layout, flat)
         if overlapped is None and signs is None:
             for group, params in layout:
-                if params and not self._fused_fold(group, params):
+                if params:
                     self._fold_for_compression(group, params)
             if refresh:
                 self._exact_all_reduce(flat, "momentum")
@@ -296,7 +296,11 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     ) -> None:
         """Keep each momentum before the step (the scratch buffer, same layout as the
         fused one), then ``m = β1·m + (1-β1)·g`` (``g`` times ``grad_scale`` when given)
-        and the scaling coefficient."""
+        and the scaling coefficient; in one kernel where the group fits
+        (:meth:`_fused_fold`: also for the overlapped steps' folds, parameter by
+        parameter)."""
+        if self._fused_fold(group, params, grad_scale):
+            return
         beta1 = group["betas"][0]
         momenta = [self.state[p]["exp_avg"] for p in params]
         base = self._flat.data_ptr()
@@ -386,7 +390,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             [st["exp_avg_sq_fresh"] for st in states],
         )
 
-    def _fused_fold(self, group: dict, params: list[torch.Tensor]) -> bool:
+    def _fused_fold(
+        self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
+    ) -> bool:
         """:meth:`_fold_for_compression` in one kernel; False where it does not apply."""
         if not self._fits(params):
             return False
@@ -401,6 +407,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             self._views(self._scratch, params, start),
             torch.stack([st["scaling_coeff"] for st in states]),
             group["betas"][0],
+            grad_scale,
         )
         return True
 

@@ -314,6 +314,61 @@ def check_onebit_lamb_fused_resume(device: str = "cpu") -> None:
         assert torch.equal(a.detach().cpu(), b), "the resumed run left the straight one"
 
 
+def _overlapped_steps(comm, kernels: str, clip: bool) -> dict:
+    """Six steps of a small model with 1-bit LAMB (freeze at 2, buckets of 64 elements)
+    whose compression steps start their bucket all-reduces during the backward pass;
+    ``clip``: clipped bucket by bucket to a norm of 0.05 (OverlapClip; the gradients'
+    norms are above it). Counts the fused folds."""
+    from unittest.mock import patch
+
+    from onebit_bert.kernels import multi_tensor
+    from onebit_bert.optim import OneBitLamb
+    from onebit_bert.optim.compressed import OverlapClip
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(
+        comm.device
+    )
+    params = list(model.parameters())
+    opt = OneBitLamb(params, lr=0.02, freeze_step=2, comm=comm, bucket_numel=64, kernels=kernels)
+    opt.enable_overlap(comm.side_channel())
+    g = torch.Generator().manual_seed(comm.rank)
+    folds, armed, previous = [], [], [None] * len(params)
+    fold = multi_tensor.onebit_fold
+    with patch.object(
+        multi_tensor, "onebit_fold", lambda *a, **k: folds.append(1) or fold(*a, **k)
+    ):
+        for _ in range(6):
+            x = torch.randn(32, 8, generator=g).to(comm.device)
+            y = torch.randn(32, 4, generator=g).to(comm.device)
+            opt.zero_grad()
+            overlap_clip = OverlapClip(0.05, params, previous) if clip else None
+            armed.append(opt.begin_overlap(overlap_clip))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if not opt.syncs_internally:
+                comm.all_reduce_coalesced([p.grad for p in params], op="avg")
+            opt.step()
+            if armed[-1] and overlap_clip is not None:
+                previous = overlap_clip.norms()
+    return {"params": [p.detach().cpu() for p in params], "armed": armed, "folds": len(folds)}
+
+
+def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
+    """Steps that overlap the 1-bit all-reduce with the backward pass fold each gradient
+    in the fused kernel as it arrives (also clipped bucket by bucket), on 2 gloo ranks, and
+    track the reference's overlapped steps."""
+    for clip in (False, True):
+        fused = run_ranks(_overlapped_steps, 2, "fused", clip, device=device)
+        reference = run_ranks(_overlapped_steps, 2, "reference", clip, device=device)
+        for new, ref in zip(fused, reference, strict=True):
+            assert new["armed"] == ref["armed"] == [False] * 2 + [True] * 4, new["armed"]
+            assert new["folds"] > 0 and ref["folds"] == 0
+            for a, b in zip(new["params"], ref["params"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(fused[0]["params"], fused[1]["params"], strict=True):
+            assert torch.equal(a, b), "the ranks' parameters differ"
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -326,5 +381,6 @@ CHECKS = {
         check_onebit_lamb_expanded_in_the_update,
         check_onebit_lamb_blocks_cut_by_buckets,
         check_onebit_lamb_fused_resume,
+        check_onebit_lamb_overlapped_folds,
     )
 }
