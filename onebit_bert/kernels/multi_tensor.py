@@ -57,7 +57,7 @@ POINTER_ARGUMENTS = {
 """Each operand's role (its pointer table is cached by role) -> the kernels' argument."""
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int64 tensor of ``values`` on ``device`` without making the host wait (through
     pinned memory on CUDA, which torch keeps alive until the copy is done)."""
     host = torch.tensor(values, dtype=torch.int64)
@@ -105,11 +105,11 @@ class TensorTable:
         self.blocks = len(starts)
         self.block_positions = positions
         """Where each block starts in the tensors' concatenation (on the host)."""
-        self.block_tensor = _to_device(tensor_of, self.device)
-        self.block_start = _to_device(starts, self.device)
-        self.block_end = _to_device(ends, self.device)
-        self.first_block = _to_device(first, self.device)
-        self.block_count = _to_device(counts, self.device)
+        self.block_tensor = to_device(tensor_of, self.device)
+        self.block_start = to_device(starts, self.device)
+        self.block_end = to_device(ends, self.device)
+        self.first_block = to_device(first, self.device)
+        self.block_count = to_device(counts, self.device)
         self._sizes = numels
         self._pointers: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
@@ -127,7 +127,7 @@ class TensorTable:
         key = tuple(values)
         cached = self._pointers.get(role)
         if cached is None or cached[0] != key:
-            cached = (key, _to_device(list(key), self.device))
+            cached = (key, to_device(list(key), self.device))
             self._pointers[role] = cached
         return cached[1]
 

@@ -162,6 +162,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self._scratch: torch.Tensor | None = None
         self._tables = TableCache()
         self._full_masks: dict = {}
+        self._segments_cache: tuple | None = None  # the blocks' buckets, on the device
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
@@ -493,10 +494,16 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             inputs.append(part_x)
             squares.append(part_xe)
             bucket_of_block += [(start + at) // step for at in table.block_positions]
-        first, count = _segments(bucket_of_block, len(feedback.buckets))
-        per_bucket = multi_tensor.segment_sums(
-            torch.cat(squares), first.to(flat.device), count.to(flat.device)
-        )
+        key = (tuple(bucket_of_block), len(feedback.buckets))
+        if self._segments_cache is None or self._segments_cache[0] != key:
+            first, count = _segments(bucket_of_block, len(feedback.buckets))
+            device = flat.device
+            segments = (
+                multi_tensor.to_device(first, device),
+                multi_tensor.to_device(count, device),
+            )
+            self._segments_cache = (key, segments)
+        per_bucket = multi_tensor.segment_sums(torch.cat(squares), *self._segments_cache[1])
         before = self.comm.snapshot()
         with self.comm.traffic("momentum"):
             signs, error = self.codec.average_signs(
@@ -548,14 +555,14 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         return full[1]
 
 
-def _segments(ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For sorted ``ids``: where each of ``0 .. n-1`` first occurs and how often (int64)."""
+def _segments(ids: list[int], n: int) -> tuple[list[int], list[int]]:
+    """For sorted ``ids``: where each of ``0 .. n-1`` first occurs and how often."""
     first, count = [0] * n, [0] * n
     for at, i in enumerate(ids):
         if count[i] == 0:
             first[i] = at
         count[i] += 1
-    return torch.tensor(first, dtype=torch.int64), torch.tensor(count, dtype=torch.int64)
+    return first, count
 
 
 def _starts(params: list[torch.Tensor]) -> list[int]:

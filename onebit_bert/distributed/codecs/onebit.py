@@ -23,6 +23,7 @@ from onebit_bert.distributed.codecs.compression import (
 )
 from onebit_bert.distributed.codecs.packing import cached_sign_table, prepare
 from onebit_bert.distributed.codecs.two_phase import Batched, TwoPhaseRun
+from onebit_bert.kernels.multi_tensor import to_device
 
 
 class OneBitBucket:
@@ -145,9 +146,7 @@ class GatheredSigns:
         self.padded = feedback.padded_numel
         self.ranks = feedback.world_size
         device = self.messages[0].device
-        host = torch.tensor([m.data_ptr() for m in self.messages], dtype=torch.int64)
-        pinned = device.type == "cuda"
-        self.addresses = (host.pin_memory() if pinned else host).to(device, non_blocking=pinned)
+        self.addresses = to_device([m.data_ptr() for m in self.messages], device)
         tails = torch.empty(
             len(self.messages), self.ranks, SCALE_BYTES, dtype=torch.uint8, device=device
         )
