@@ -97,14 +97,18 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             the steps :func:`refresh_due` names (0: never, the authors' algorithm).
         kernels: ``auto`` (the fused kernels on CUDA), ``reference`` or ``fused``
             (:mod:`onebit_bert.kernels`) for the compression stage: the fold, the 1-bit
-            all-reduce's per-bucket work and the update. The warmup is LAMB's reference.
+            all-reduce's per-bucket work and the update; with the fused kernels a step
+            that does not overlap the backward pass reads the average from the servers'
+            messages in the update (:attr:`expand_in_update`). The warmup is LAMB's
+            reference.
 
     After each step: ``stage`` ("warmup" or "compression"), ``last_trust_ratios`` (``r``
     in warmup, ``c·f`` in compression, one per layer), ``last_factors`` (``f``, or None in
     warmup), ``last_compression_error`` (‖this rank's worker error‖ / ‖the scaled momentum
     it compressed‖, or None in warmup), ``last_step_bytes`` and ``bytes_sent`` (this
     optimizer's traffic from this rank), ``last_refreshed`` (whether the last step refreshed
-    the coefficients).
+    the coefficients), ``last_step_kernels`` (the path the last compression step took:
+    ``reference``, ``fused``, or ``fused, expanded in the update``).
     """
 
     NAME = NAME
