@@ -369,6 +369,39 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
             assert torch.equal(a, b), "the ranks' parameters differ"
 
 
+def check_onebit_lamb_set_codec_keeps_the_separate_passes(device: str = "cpu") -> None:
+    """With a codec set from the communication policy (here the 1-bit codec with per-tensor
+    scales, on the fused per-bucket kernels) the fused step keeps its fold and expansion
+    as passes of their own, and matches the reference with the same codec (at world size
+    one, where that codec leaves the folded momentum as it is)."""
+    from onebit_bert.distributed.codecs import OneBitCodec
+    from onebit_bert.kernels.signs import FusedSignOps
+    from onebit_bert.optim import OneBitLamb
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(300,), (20, 30), (5,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+
+    def run(kernels, where):
+        params = [t.clone().to(where).requires_grad_(True) for t in init]
+        comm = Communicator(None, device=where)
+        opt = OneBitLamb(params, lr=0.01, freeze_step=2, kernels=kernels, comm=comm)
+        ops = FusedSignOps() if kernels == "fused" else SignOps()
+        opt.set_codec(OneBitCodec(comm, per_tensor=True, sign_ops=ops))
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads, strict=True):
+                p.grad = grad.clone().to(where)
+            opt.step()
+        return [p.detach().cpu() for p in params], opt.last_step_kernels
+
+    want, want_path = run("reference", "cpu")
+    got, path = run("fused", device)
+    assert (want_path, path) == ("reference", "fused")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 CHECKS = {
     f.__name__: f
     for f in (
@@ -382,5 +415,6 @@ CHECKS = {
         check_onebit_lamb_blocks_cut_by_buckets,
         check_onebit_lamb_fused_resume,
         check_onebit_lamb_overlapped_folds,
+        check_onebit_lamb_set_codec_keeps_the_separate_passes,
     )
 }
