@@ -324,23 +324,35 @@ def onebit_fold_squares(
     grads: list[torch.Tensor],
     momenta: list[torch.Tensor],
     folded: list[torch.Tensor],
-    errors: list[torch.Tensor],
+    errors: list[torch.Tensor] | None,
     coeffs: torch.Tensor,
     beta1: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``folded = (β1·m + (1-β1)·g) · coeffs[t]`` with the momenta left as they are, and
-    per block the sums of ``folded²`` and of ``(folded + errors)²`` (the 1-bit worker's
-    first pass, done here so that it needs no pass of its own)."""
-    part_x, part_xe = table.partials(), table.partials()
+    grad_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``folded = (β1·m + (1-β1)·g·grad_scale) · coeffs[t]`` with the momenta left as they
+    are, and with ``errors``, per block the sums of ``folded²`` and of ``(folded +
+    errors)²`` (the 1-bit worker's first pass, done here so that it needs no pass of its
+    own; None without ``errors``)."""
+    squares = errors is not None
+    part_x = table.partials() if squares else coeffs
+    part_xe = table.partials() if squares else coeffs
     table.launch(
         "onebit_fold_squares",
-        {"grads": grads, "exp_avg": momenta, "folded": folded, "worker_error": errors},
+        {
+            "grads": grads,
+            "exp_avg": momenta,
+            "folded": folded,
+            "worker_error": errors if squares else momenta,  # not read without squares
+        },
         coeffs=coeffs,
+        grad_scale=grad_scale.float() if grad_scale is not None else coeffs,
         part_x=part_x,
         part_xe=part_xe,
         **_decay("beta1", beta1),
+        HAS_SCALE=grad_scale is not None,
+        SQUARES=squares,
     )
-    return part_x, part_xe
+    return (part_x, part_xe) if squares else None
 
 
 def onebit_measure_signs(

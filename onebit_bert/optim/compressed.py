@@ -340,6 +340,12 @@ class CompressedOptimizer(Optimizer):
     def _prepare_compression(self, members: list[torch.Tensor], flat: torch.Tensor) -> None:
         """State a compression step needs before it folds gradients (subclasses)."""
 
+    def _overlap_buffer(self, layout, flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The buffer an overlapped step compresses and whether the codec keeps the
+        average unexpanded for the update (subclasses that read it from the messages):
+        here the fused buffer, expanded."""
+        return flat, False
+
     def _fold_for_compression(
         self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
     ) -> None:
@@ -515,11 +521,17 @@ class OverlappedCompression:
     ):
         self.opt = opt
         self.clip = clip
-        self.flat = flat
         self.comm = comm
-        self.fused = opt.codec.fused_buckets(
-            flat, opt._codec_key("momentum"), opt._flat_numel, comm
-        )
+        key, numel = opt._codec_key("momentum"), opt._flat_numel
+        # the buffer compressed: the fused one, or one the optimizer folds into beside it
+        # and whose average it reads from the messages (keep)
+        self.flat, self.keep = opt._overlap_buffer(layout, flat)
+        if self.keep:
+            self.fused = opt.codec.fused_buckets(self.flat, key, numel, comm, keep=True)
+        else:
+            self.fused = opt.codec.fused_buckets(self.flat, key, numel, comm)
+        self.signs = None
+        """With ``keep``, after :meth:`finish`: the average's messages, unexpanded."""
         buckets = self.fused.buckets
         self.pending = [0] * len(buckets)
         self.where: dict[int, tuple[dict, torch.Tensor, list[int]]] = {}
@@ -594,6 +606,8 @@ class OverlappedCompression:
         with self.comm.traffic("momentum"):
             for k in reversed(range(len(self.fused.buckets))):
                 self.runs[k].finish()
+        if self.keep:
+            self.signs = self.fused.signs()
         opt = self.opt
         norm = self.norm_sq.sqrt().float()
         opt.last_compression_error = self.fused.error_norm() / norm.clamp_min(1e-30)

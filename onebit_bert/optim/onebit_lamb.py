@@ -97,10 +97,10 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             the steps :func:`refresh_due` names (0: never, the authors' algorithm).
         kernels: ``auto`` (the fused kernels on CUDA), ``reference`` or ``fused``
             (:mod:`onebit_bert.kernels`) for the compression stage: the fold, the 1-bit
-            all-reduce's per-bucket work and the update; with the fused kernels a step
-            that does not overlap the backward pass reads the average from the servers'
-            messages in the update (:attr:`expand_in_update`). The warmup is LAMB's
-            reference.
+            all-reduce's per-bucket work and the update; with the fused kernels the
+            update reads the average from the servers' messages (:attr:`expand_in_update`;
+            not with a codec set from the policy, nor on a refresh step). The warmup is
+            LAMB's reference.
 
     After each step: ``stage`` ("warmup" or "compression"), ``last_trust_ratios`` (``r``
     in warmup, ``c·f`` in compression, one per layer), ``last_factors`` (``f``, or None in
@@ -116,7 +116,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     expand_in_update = True
     """With the fused kernels, fold beside the momentum and read the 1-bit average from
     the servers' messages in the update (:meth:`_fold_and_compress`: 16 bytes per
-    parameter fewer than a separate fold and expansion); False keeps those passes."""
+    parameter fewer than a separate fold and expansion; an overlapped step folds each
+    gradient beside the momentum as it arrives, :meth:`_overlap_buffer`); False keeps
+    those passes."""
     OTHER_STATE_HINT = "load LAMB states into LAMB"
     deepspeed_kwargs = staticmethod(onebit_lamb_kwargs)
 
@@ -167,6 +169,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self._tables = TableCache()
         self._full_masks: dict = {}
         self._segments_cache: tuple | None = None  # the blocks' buckets, on the device
+        self._fold_beside = False  # the armed overlapped step folds into the scratch buffer
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
@@ -223,6 +226,8 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         signs = None
         if overlapped is not None:  # folded and all-reduced during the backward pass
             overlapped.finish()
+            signs = overlapped.signs
+            self._fold_beside = False
         else:
             self._prepare_compression(members, flat)
             if not refresh and self._expands_in_update(layout):
@@ -304,6 +309,21 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         and the scaling coefficient; in one kernel where the group fits
         (:meth:`_fused_fold`: also for the overlapped steps' folds, parameter by
         parameter)."""
+        if self._fold_beside:  # an overlapped step that reads the average in the update
+            states = [self.state[p] for p in params]
+            momenta = [st["exp_avg"] for st in states]
+            start = (momenta[0].data_ptr() - self._flat.data_ptr()) // momenta[0].element_size()
+            multi_tensor.onebit_fold_squares(
+                self._tables.table(params),
+                self._gradients(params, None),
+                momenta,
+                self._views(self._scratch, params, start),
+                None,
+                torch.stack([st["scaling_coeff"] for st in states]),
+                group["betas"][0],
+                grad_scale,
+            )
+            return
         if self._fused_fold(group, params, grad_scale):
             return
         beta1 = group["betas"][0]
@@ -448,6 +468,15 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         return factor, trust
 
     # ------------------------------------------------- fused, expanded in the update
+    def _overlap_buffer(self, layout, flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """An overlapped step that can read the average in the update folds each gradient
+        beside the momentum, into the scratch buffer, which the codec compresses and
+        leaves unexpanded; otherwise the fused buffer, as the base class does."""
+        self._fold_beside = self._expands_in_update(layout)
+        if self._fold_beside:
+            return self._scratch, True
+        return flat, False
+
     def _expands_in_update(self, layout) -> bool:
         """Whether this compression step folds beside the momentum and expands the 1-bit
         average inside the update (:meth:`_fold_and_compress`): every group in the fused

@@ -314,11 +314,12 @@ def check_onebit_lamb_fused_resume(device: str = "cpu") -> None:
         assert torch.equal(a.detach().cpu(), b), "the resumed run left the straight one"
 
 
-def _overlapped_steps(comm, kernels: str, clip: bool) -> dict:
+def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
     """Six steps of a small model with 1-bit LAMB (freeze at 2, buckets of 64 elements)
     whose compression steps start their bucket all-reduces during the backward pass;
     ``clip``: clipped bucket by bucket to a norm of 0.05 (OverlapClip; the gradients'
-    norms are above it). Counts the fused folds."""
+    norms are above it); ``expand``: :attr:`OneBitLamb.expand_in_update`. Counts the
+    launches of each fused fold and names each step's path."""
     from unittest.mock import patch
 
     from onebit_bert.kernels import multi_tensor
@@ -331,12 +332,24 @@ def _overlapped_steps(comm, kernels: str, clip: bool) -> dict:
     )
     params = list(model.parameters())
     opt = OneBitLamb(params, lr=0.02, freeze_step=2, comm=comm, bucket_numel=64, kernels=kernels)
+    opt.expand_in_update = expand
     opt.enable_overlap(comm.side_channel())
     g = torch.Generator().manual_seed(comm.rank)
-    folds, armed, previous = [], [], [None] * len(params)
-    fold = multi_tensor.onebit_fold
-    with patch.object(
-        multi_tensor, "onebit_fold", lambda *a, **k: folds.append(1) or fold(*a, **k)
+    folds = {"onebit_fold": 0, "onebit_fold_squares": 0}
+    armed, paths, previous = [], [], [None] * len(params)
+
+    def counted(name):
+        kernel = getattr(multi_tensor, name)
+
+        def call(*args, **kwargs):
+            folds[name] += 1
+            return kernel(*args, **kwargs)
+
+        return call
+
+    with (
+        patch.object(multi_tensor, "onebit_fold", counted("onebit_fold")),
+        patch.object(multi_tensor, "onebit_fold_squares", counted("onebit_fold_squares")),
     ):
         for _ in range(6):
             x = torch.randn(32, 8, generator=g).to(comm.device)
@@ -348,25 +361,39 @@ def _overlapped_steps(comm, kernels: str, clip: bool) -> dict:
             if not opt.syncs_internally:
                 comm.all_reduce_coalesced([p.grad for p in params], op="avg")
             opt.step()
+            paths.append(opt.last_step_kernels if opt.stage == "compression" else None)
             if armed[-1] and overlap_clip is not None:
                 previous = overlap_clip.norms()
-    return {"params": [p.detach().cpu() for p in params], "armed": armed, "folds": len(folds)}
+    return {
+        "params": [p.detach().cpu() for p in params],
+        "armed": armed,
+        "folds": folds,
+        "paths": paths,
+    }
 
 
 def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
-    """Steps that overlap the 1-bit all-reduce with the backward pass fold each gradient
-    in the fused kernel as it arrives (also clipped bucket by bucket), on 2 gloo ranks, and
-    track the reference's overlapped steps."""
+    """Steps that overlap the 1-bit all-reduce with the backward pass, on 2 gloo ranks,
+    with and without bucket-by-bucket clipping: with the fused kernels each gradient is
+    folded in a kernel as it arrives, beside the momentum with the average read in the
+    update (by default) or into it with the separate expansion; both track the
+    reference's overlapped steps, and the ranks agree."""
+    expected = {True: "fused, expanded in the update", False: "fused"}
+    kernel = {True: "onebit_fold_squares", False: "onebit_fold"}
     for clip in (False, True):
-        fused = run_ranks(_overlapped_steps, 2, "fused", clip, device=device)
-        reference = run_ranks(_overlapped_steps, 2, "reference", clip, device=device)
-        for new, ref in zip(fused, reference, strict=True):
-            assert new["armed"] == ref["armed"] == [False] * 2 + [True] * 4, new["armed"]
-            assert new["folds"] > 0 and ref["folds"] == 0
-            for a, b in zip(new["params"], ref["params"], strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        for a, b in zip(fused[0]["params"], fused[1]["params"], strict=True):
-            assert torch.equal(a, b), "the ranks' parameters differ"
+        reference = run_ranks(_overlapped_steps, 2, "reference", clip, True, device=device)
+        for expand in (True, False):
+            fused = run_ranks(_overlapped_steps, 2, "fused", clip, expand, device=device)
+            for new, ref in zip(fused, reference, strict=True):
+                assert new["armed"] == ref["armed"] == [False] * 2 + [True] * 4, new["armed"]
+                assert new["paths"][2:] == [expected[expand]] * 4, new["paths"]
+                assert new["folds"][kernel[expand]] > 0, new["folds"]
+                assert new["folds"][kernel[not expand]] == 0, new["folds"]
+                assert ref["folds"] == {"onebit_fold": 0, "onebit_fold_squares": 0}
+                for a, b in zip(new["params"], ref["params"], strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            for a, b in zip(fused[0]["params"], fused[1]["params"], strict=True):
+                assert torch.equal(a, b), "the ranks' parameters differ"
 
 
 def check_onebit_lamb_set_codec_keeps_the_separate_passes(device: str = "cpu") -> None:

@@ -181,18 +181,35 @@ class FusedOneBitBuckets:
     """The buckets of a fused buffer's 1-bit average, for a caller that runs them itself
     (:meth:`~onebit_bert.distributed.codecs.base.Codec.fused_buckets`)."""
 
-    def __init__(self, comm, buffer: torch.Tensor, feedback: ErrorFeedback, ops):
+    def __init__(
+        self, comm, buffer: torch.Tensor, feedback: ErrorFeedback, ops, keep: bool = False
+    ):
         check_compressed(comm, buffer, feedback)
         self.comm = comm
         self.buffer = buffer
         self.feedback = feedback
         self.ops = ops
+        self.keep = keep
         self.buckets = feedback.buckets
+        self._parts: dict[int, OneBitBucket] = {}
 
     def start(self, index: int) -> TwoPhaseRun:
         """Compress bucket ``index`` and issue its all-to-all."""
-        bucket = OneBitBucket(self.comm, self.buffer, self.feedback, index, self.ops)
+        bucket = OneBitBucket(
+            self.comm, self.buffer, self.feedback, index, self.ops, keep=self.keep
+        )
+        self._parts[index] = bucket
         return TwoPhaseRun(self.comm, bucket).start()
+
+    def signs(self) -> GatheredSigns:
+        """With ``keep``, once every bucket is finished: the servers' messages, left
+        unexpanded (the buffer keeps what was compressed)."""
+        if not self.keep or len(self._parts) != len(self.buckets):
+            raise RuntimeError("signs() needs keep=True and every bucket finished")
+        parts = [self._parts[k] for k in range(len(self.buckets))]
+        if any(part.gathered is None for part in parts):
+            raise RuntimeError("signs() before every bucket finished")
+        return GatheredSigns(self.feedback, [part.gathered for part in parts])
 
     def error_norm(self) -> torch.Tensor:
         """The norm of this rank's worker errors over the whole buffer."""
@@ -282,12 +299,15 @@ class OneBitCodec(Codec):
             )
         return feedback
 
-    def fused_buckets(self, buffer: torch.Tensor, key: str, numel: int, comm):
+    def fused_buckets(self, buffer: torch.Tensor, key: str, numel: int, comm, keep=False):
         """The buckets of :meth:`all_reduce_fused` on the padded ``buffer``, issued on
-        ``comm`` (:class:`FusedOneBitBuckets`)."""
+        ``comm`` (:class:`FusedOneBitBuckets`); ``keep``: leave the average unexpanded
+        for the caller to read (:meth:`FusedOneBitBuckets.signs`, where
+        :attr:`expands_later`)."""
         if self.per_tensor:
             return super().fused_buckets(buffer, key, numel, comm)
-        return FusedOneBitBuckets(comm, buffer, self.fused_feedback(key, numel), self.sign_ops)
+        feedback = self.fused_feedback(key, numel)
+        return FusedOneBitBuckets(comm, buffer, feedback, self.sign_ops, keep)
 
     def all_reduce_fused(
         self, buffer: torch.Tensor, numel: int, key: str, sizes: Sequence[int] = ()

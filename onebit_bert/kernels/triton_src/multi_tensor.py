@@ -125,20 +125,25 @@ def onebit_fold(block_tensor, block_start, block_end, g_ptrs, m_ptrs, prev_ptrs,
 
 @triton.jit
 def onebit_fold_squares(block_tensor, block_start, block_end, g_ptrs, m_ptrs, x_ptrs, e_ptrs,
-                        coeffs, part_x, part_xe, beta1, one_minus_beta1,
+                        coeffs, grad_scale, part_x, part_xe, beta1, one_minus_beta1,
+                        HAS_SCALE: tl.constexpr, SQUARES: tl.constexpr,
                         BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold, written beside the momentum: ``x = (β1·m + (1-β1)·g) · coeff[t]``
-    (``m`` is left as it was), and per block the sums of ``x²`` and of ``(x + e)²`` with
-    ``e`` the worker's error at the same place (the 1-bit worker's first pass)."""
+    (``g`` times ``grad_scale`` with ``HAS_SCALE``; ``m`` is left as it was); with
+    ``SQUARES``, per block the sums of ``x²`` and of ``(x + e)²`` with ``e`` the worker's
+    error at the same place (the 1-bit worker's first pass)."""
     b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
     m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
     g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
+    if HAS_SCALE:
+        g = g * tl.load(grad_scale)
     m = m * beta1
     x = (m + one_minus_beta1 * g) * tl.load(coeffs + t)
     tl.store(_at(x_ptrs, t) + offs, x, mask=inside)
-    v = x + tl.load(_at(e_ptrs, t) + offs, mask=inside, other=0.0)
-    tl.store(part_x + b, tl.sum(x * x, axis=0))
-    tl.store(part_xe + b, tl.sum(v * v, axis=0))
+    if SQUARES:
+        v = x + tl.load(_at(e_ptrs, t) + offs, mask=inside, other=0.0)
+        tl.store(part_x + b, tl.sum(x * x, axis=0))
+        tl.store(part_xe + b, tl.sum(v * v, axis=0))
 
 
 @triton.jit
