@@ -507,7 +507,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         step = feedback.buckets[0].size
         worker_error = feedback.worker_error
         base = flat.data_ptr()
-        inputs, squares, bucket_of_block = [], [], []
+        inputs, squares, placed = [], [], []
         for group, params in layout:
             if not params:
                 continue
@@ -526,17 +526,10 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             )
             inputs.append(part_x)
             squares.append(part_xe)
-            bucket_of_block += [(start + at) // step for at in table.block_positions]
-        key = (tuple(bucket_of_block), len(feedback.buckets))
-        if self._segments_cache is None or self._segments_cache[0] != key:
-            first, count = _segments(bucket_of_block, len(feedback.buckets))
-            device = flat.device
-            segments = (
-                multi_tensor.to_device(first, device),
-                multi_tensor.to_device(count, device),
-            )
-            self._segments_cache = (key, segments)
-        per_bucket = multi_tensor.segment_sums(torch.cat(squares), *self._segments_cache[1])
+            placed.append((table, start))
+        per_bucket = multi_tensor.segment_sums(
+            torch.cat(squares), *self._bucket_segments(placed, step, len(feedback.buckets))
+        )
         before = self.comm.snapshot()
         with self.comm.traffic("momentum"):
             signs, error = self.codec.average_signs(
@@ -546,6 +539,26 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self.last_step_bytes = (self.comm.snapshot() - before).bytes_sent
         self.bytes_sent += self.last_step_bytes
         return signs
+
+    def _bucket_segments(self, placed, step: int, buckets: int):
+        """Where each bucket's blocks start among the concatenated block partials of the
+        tables in ``placed`` (``(table, start in the fused buffer)``, in buffer order) and
+        how many there are, on the device; computed once per layout (a BERT-Large step has
+        about 164,000 blocks)."""
+        key = (tuple((id(table), start) for table, start in placed), step, buckets)
+        cached = self._segments_cache
+        if cached is None or cached[0] != key:
+            ids = [(start + at) // step for table, start in placed for at in table.block_positions]
+            first, count = _segments(ids, buckets)
+            device = placed[0][0].device
+            segments = (
+                multi_tensor.to_device(first, device),
+                multi_tensor.to_device(count, device),
+            )
+            # the tables are kept with their ids, so that no other table takes one of them
+            cached = (key, segments, [table for table, _ in placed])
+            self._segments_cache = cached
+        return cached[1]
 
     def _update_from_signs(self, group, params, signs, offset):
         """:meth:`_fused_compressed_update` reading the averaged momentum from ``signs``
