@@ -24,7 +24,7 @@ here either. Slow (the interpreter runs each program in Python): about a minute 
 bert-tiny's parameters on 2 cores.
 
     python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000] [--world-size 1]
-                                 [--separate-passes]
+                                 [--separate-passes] [--overlap]
 
 Runs itself again in a child process with ``TRITON_INTERPRET=1`` when the interpreter is
 not on (Triton fixes its mode when it is imported).
@@ -122,12 +122,19 @@ def counting():
 
 
 def step_bytes(
-    name: str, model: str, vocab_size: int, comm=None, separate_passes: bool = False
+    name: str,
+    model: str,
+    vocab_size: int,
+    comm=None,
+    separate_passes: bool = False,
+    overlap: bool = False,
 ) -> dict:
     """One fused step of optimizer ``name`` on ``model``'s parameters, counted (on this
     rank of ``comm``'s group; default: one rank). ``separate_passes``: 1-bit LAMB with
     its fold and the expansion in passes of their own
-    (:attr:`~onebit_bert.optim.OneBitLamb.expand_in_update` off)."""
+    (:attr:`~onebit_bert.optim.OneBitLamb.expand_in_update` off). ``overlap``: 1-bit
+    LAMB's step overlapped with the backward pass (``comm.overlap``), each gradient handed
+    over as its hook would, last parameter first."""
     import torch
 
     from bench.yardstick import optimizer_bytes_per_parameter, optimizer_on_preset
@@ -140,7 +147,15 @@ def step_bytes(
     world_size = comm.world_size if comm is not None else 1
     for _ in range(2):  # the warmup stage's step, then the first compressing one
         opt.step()
+    overlapped = overlap and hasattr(opt, "enable_overlap")
+    if overlapped:
+        opt.enable_overlap(opt.comm.side_channel())
     with counting() as counts, torch.profiler.profile(record_shapes=True) as prof:
+        if overlapped:
+            if not opt.begin_overlap():
+                raise RuntimeError("the counted step did not overlap")
+            for p in reversed([p for group in opt.param_groups for p in group["params"]]):
+                opt._on_grad_ready(p)  # what each parameter's post-accumulate hook does
         opt.step()
     kernels = {
         kernel: {
@@ -158,6 +173,7 @@ def step_bytes(
         "world_size": world_size,
         "stage": getattr(opt, "stage", None),
         "kernels_path": getattr(opt, "last_step_kernels", "fused"),
+        "overlapped": overlapped,
         "params": params,
         "kernels": kernels,
         "bytes_per_parameter": round(total, 2),
@@ -197,7 +213,7 @@ def _numel(shape) -> int:
     return math.prod(shape)
 
 
-def _rank_main(rank, world_size, store, out_path, model, vocab_size, separate_passes):
+def _rank_main(rank, world_size, store, out_path, model, vocab_size, separate_passes, overlap):
     """One gloo rank of ``--world-size``: both steps counted here; rank 0 saves its rows
     (every rank does the same share of the work)."""
     import torch
@@ -210,7 +226,10 @@ def _rank_main(rank, world_size, store, out_path, model, vocab_size, separate_pa
     init_gloo(rank, world_size, store)
     try:
         comm = Communicator(dist.group.WORLD)
-        rows = [step_bytes(name, model, vocab_size, comm, separate_passes) for name in OPTIMIZERS]
+        rows = [
+            step_bytes(name, model, vocab_size, comm, separate_passes, overlap)
+            for name in OPTIMIZERS
+        ]
         if rank == 0:
             torch.save(rows, out_path)
     finally:
@@ -237,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         help="1-bit LAMB's fold and expansion in passes of their own (before they were "
         "folded into the worker's first pass and the update)",
     )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="1-bit LAMB's step overlapped with the backward pass (comm.overlap), the "
+        "gradients handed over one by one as their hooks would",
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
@@ -252,11 +277,22 @@ def main(argv: list[str] | None = None) -> int:
         from bench.common import run_gloo_ranks
 
         rows = run_gloo_ranks(
-            _rank_main, args.world_size, args.model, args.vocab_size, args.separate_passes
+            _rank_main,
+            args.world_size,
+            args.model,
+            args.vocab_size,
+            args.separate_passes,
+            args.overlap,
         )
     else:
         rows = [
-            step_bytes(name, args.model, args.vocab_size, separate_passes=args.separate_passes)
+            step_bytes(
+                name,
+                args.model,
+                args.vocab_size,
+                separate_passes=args.separate_passes,
+                overlap=args.overlap,
+            )
             for name in OPTIMIZERS
         ]
     print(json.dumps({"benchmark": "kernel_bytes", "model": args.model, "steps": rows}))

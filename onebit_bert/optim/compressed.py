@@ -576,11 +576,10 @@ class OverlappedCompression:
                     if self.clip is not None:
                         self.clip.see([p for _, p in self.members[k]])
                         self._fold(self.members[k], self.clip.coefficient())
-                    b = self.fused.buckets[k]
-                    self.norm_sq += (
-                        torch.linalg.vector_norm(self.flat[b.start : b.start + b.size]).double()
-                        ** 2
-                    )
+                    if not getattr(self.fused, "measures", False):
+                        b = self.fused.buckets[k]
+                        bucket = self.flat[b.start : b.start + b.size]
+                        self.norm_sq += torch.linalg.vector_norm(bucket).double() ** 2
                     self.runs[k] = self.fused.start(k)
                 elif not self.runs[k].exchange(block):
                     return
@@ -609,8 +608,11 @@ class OverlappedCompression:
         if self.keep:
             self.signs = self.fused.signs()
         opt = self.opt
-        norm = self.norm_sq.sqrt().float()
-        opt.last_compression_error = self.fused.error_norm() / norm.clamp_min(1e-30)
+        if getattr(self.fused, "measures", False):  # summed by the kernels as they went
+            opt.last_compression_error = self.fused.relative_error()
+        else:
+            norm = self.norm_sq.sqrt().float()
+            opt.last_compression_error = self.fused.error_norm() / norm.clamp_min(1e-30)
         opt.last_step_bytes = (self.comm.snapshot() - self.before).bytes_sent
         opt.bytes_sent += opt.last_step_bytes
 

@@ -369,6 +369,7 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
         "armed": armed,
         "folds": folds,
         "paths": paths,
+        "compression_error": opt.last_compression_error.cpu(),
     }
 
 
@@ -377,7 +378,7 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
     with and without bucket-by-bucket clipping: with the fused kernels each gradient is
     folded in a kernel as it arrives, beside the momentum with the average read in the
     update (by default) or into it with the separate expansion; both track the
-    reference's overlapped steps, and the ranks agree."""
+    reference's overlapped steps (parameters and error figure), and the ranks agree."""
     expected = {True: "fused, expanded in the update", False: "fused"}
     kernel = {True: "onebit_fold_squares", False: "onebit_fold"}
     for clip in (False, True):
@@ -392,6 +393,9 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
                 assert ref["folds"] == {"onebit_fold": 0, "onebit_fold_squares": 0}
                 for a, b in zip(new["params"], ref["params"], strict=True):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                # the fused buckets sum the error figure's squares as they compress
+                error, want = new["compression_error"], ref["compression_error"]
+                torch.testing.assert_close(error, want, rtol=1e-4, atol=0)
             for a, b in zip(fused[0]["params"], fused[1]["params"], strict=True):
                 assert torch.equal(a, b), "the ranks' parameters differ"
 

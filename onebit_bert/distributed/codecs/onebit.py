@@ -192,6 +192,10 @@ class FusedOneBitBuckets:
         self.keep = keep
         self.buckets = feedback.buckets
         self._parts: dict[int, OneBitBucket] = {}
+        self.measures = hasattr(ops, "measure")
+        """Whether :meth:`relative_error` comes from sums the kernels made as they
+        compressed (else the caller measures the norms itself)."""
+        self._input_sq = self._error_sq = None
 
     def start(self, index: int) -> TwoPhaseRun:
         """Compress bucket ``index`` and issue its all-to-all."""
@@ -199,7 +203,23 @@ class FusedOneBitBuckets:
             self.comm, self.buffer, self.feedback, index, self.ops, keep=self.keep
         )
         self._parts[index] = bucket
-        return TwoPhaseRun(self.comm, bucket).start()
+        if not self.measures:
+            return TwoPhaseRun(self.comm, bucket).start()
+        with self.ops.measure(self.buffer.device) as measured:
+            run = TwoPhaseRun(self.comm, bucket).start()
+        if self._input_sq is None:
+            self._input_sq, self._error_sq = measured.input_sq, measured.error_sq
+        else:
+            self._input_sq = self._input_sq + measured.input_sq
+            self._error_sq = self._error_sq + measured.error_sq
+        return run
+
+    def relative_error(self) -> torch.Tensor:
+        """With :attr:`measures`, once every bucket started: ‖this rank's worker errors‖ /
+        ‖the buffer it compressed‖, from the kernels' sums (no pass over either)."""
+        if not self.measures or self._input_sq is None:
+            raise RuntimeError("relative_error() needs measuring kernels and a started bucket")
+        return self._error_sq.sqrt() / self._input_sq.sqrt().clamp_min(1e-30)
 
     def signs(self) -> GatheredSigns:
         """With ``keep``, once every bucket is finished: the servers' messages, left
