@@ -676,7 +676,8 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     and write w), a little more for the pointer tables and the scalars, and 1-bit LAMB's
     compression step lies between its floor and twice it, every kernel counted; with the
     fold beside the momentum and the expansion in the update it moves 16 bytes per
-    parameter fewer than with those passes on their own (``--separate-passes``)."""
+    parameter fewer than with those passes on their own (``--separate-passes``), 12 when
+    overlapped with the backward pass (``--overlap``)."""
     pytest.importorskip("triton")
 
     def counted(*extra):
@@ -712,6 +713,13 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     assert {"onebit_fold", "onebit_measure", "expand"} <= set(separate["kernels"])
     saved = separate["bytes_per_parameter"] - onebit["bytes_per_parameter"]
     assert 15.5 < saved < 16.5, saved
+    # overlapped with the backward pass: the worker's sums keep their pass (4 bytes more),
+    # and the error figure comes from the kernels' sums, not from norms outside them
+    _, overlapped = counted("--overlap")
+    assert overlapped["overlapped"] and overlapped["kernels_path"] == onebit["kernels_path"]
+    more = overlapped["bytes_per_parameter"] - onebit["bytes_per_parameter"]
+    assert 3.5 < more < 4.5, more
+    assert {op["op"] for op in overlapped["outside_kernels"]} == {"aten::copy_"}
     # outside the kernels: nothing for LAMB; for 1-bit LAMB only the message's bytes (an
     # eighth of an element each), copied for the exchange at one rank
     assert lamb["outside_kernels"] == []
