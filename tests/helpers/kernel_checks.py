@@ -373,6 +373,16 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
     }
 
 
+def _overlap_variants(comm) -> dict:
+    """:func:`_overlapped_steps` on this rank, with and without clipping, with the
+    reference and with the fused kernels on both paths (one start of the ranks for all)."""
+    return {
+        (clip, kernels, expand): _overlapped_steps(comm, kernels, clip, expand)
+        for clip in (False, True)
+        for kernels, expand in (("reference", True), ("fused", True), ("fused", False))
+    }
+
+
 def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
     """Steps that overlap the 1-bit all-reduce with the backward pass, on 2 gloo ranks,
     with and without bucket-by-bucket clipping: with the fused kernels each gradient is
@@ -381,11 +391,11 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
     reference's overlapped steps (parameters and error figure), and the ranks agree."""
     expected = {True: "fused, expanded in the update", False: "fused"}
     kernel = {True: "onebit_fold_squares", False: "onebit_fold"}
+    ranks = run_ranks(_overlap_variants, 2, device=device)
     for clip in (False, True):
-        reference = run_ranks(_overlapped_steps, 2, "reference", clip, True, device=device)
         for expand in (True, False):
-            fused = run_ranks(_overlapped_steps, 2, "fused", clip, expand, device=device)
-            for new, ref in zip(fused, reference, strict=True):
+            for runs in ranks:
+                new, ref = runs[(clip, "fused", expand)], runs[(clip, "reference", True)]
                 assert new["armed"] == ref["armed"] == [False] * 2 + [True] * 4, new["armed"]
                 assert new["paths"][2:] == [expected[expand]] * 4, new["paths"]
                 assert new["folds"][kernel[expand]] > 0, new["folds"]
@@ -396,7 +406,8 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
                 # the fused buckets sum the error figure's squares as they compress
                 error, want = new["compression_error"], ref["compression_error"]
                 torch.testing.assert_close(error, want, rtol=1e-4, atol=0)
-            for a, b in zip(fused[0]["params"], fused[1]["params"], strict=True):
+            first, second = (runs[(clip, "fused", expand)]["params"] for runs in ranks)
+            for a, b in zip(first, second, strict=True):
                 assert torch.equal(a, b), "the ranks' parameters differ"
 
 
