@@ -8,12 +8,16 @@ v``), the per-tensor sums, the trust ratios as the reference computes them from 
 with ``u`` recomputed from ``m, v, w`` (reads 3, writes 1) instead of stored: 40 bytes
 per fp32 parameter against 28 for the least any LAMB step moves.
 
-1-bit LAMB's compression step: :func:`onebit_fold` (keep the momentum, fold the gradient
-in, scale: one pass), the 1-bit all-reduce (:mod:`onebit_bert.kernels.signs`), then
-:func:`onebit_measure` (unscale and mask the momentum, update the fresh second moment,
-the blocks' largest drift and, with weight decay, the two norms of the update: one pass),
-the per-tensor reductions, the factor as the reference computes it, and
-:func:`scaled_step`.
+1-bit LAMB's compression step: :func:`onebit_fold_squares` (the folded, scaled momentum
+written beside the old one, and the 1-bit worker's sums of squares: one pass), the 1-bit
+all-reduce (:mod:`onebit_bert.kernels.signs`) without its expansion, then
+:func:`onebit_measure_signs` (the average read from the servers' messages, unscaled and
+masked over the old momentum, the fresh second moment updated, the blocks' largest drift
+and, with weight decay, the two norms of the update: one pass), the per-tensor reductions,
+the factor as the reference computes it, and :func:`scaled_step`: 80.7 bytes per fp32
+parameter at one rank against a floor of 56.5. With the fold and the expansion as passes
+of their own (:func:`onebit_fold`, the codec's expansion, :func:`onebit_measure`) it moves
+16 more.
 
 The tensors are addressed through tables of pointers (:class:`TensorTable`): every
 tensor must be contiguous fp32 on one device; the optimizers fall back to the reference
