@@ -35,7 +35,7 @@ say() { echo "gpu_check: $* ($(($(date +%s) - started)) s)" >&2; }
     exit 1
 
 say "CUDA tests"
-timeout 210 "$PY" -m pytest -v -m cuda -p no:cacheprovider tests/test_gpu.py >"$OUT/test-gpu.log" 2>&1 ||
+timeout 210 "$PY" -m pytest -v -m cuda --durations=0 -p no:cacheprovider tests/test_gpu.py >"$OUT/test-gpu.log" 2>&1 ||
     status=1
 tail -n 3 "$OUT/test-gpu.log" >&2
 
