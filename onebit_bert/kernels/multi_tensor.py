@@ -107,6 +107,10 @@ class TensorTable:
             counts.append(len(starts) - first[-1])
             origin += n
         self.blocks = len(starts)
+        self.blocks_aligned = all(
+            a % 4 == 0 and e % 4 == 0 for a, e in zip(starts, ends, strict=True)
+        )
+        """Whether every block starts and ends at a multiple of 4 elements (16 bytes)."""
         self.block_positions = positions
         """Where each block starts in the tensors' concatenation (on the host)."""
         self.block_tensor = to_device(tensor_of, self.device)
@@ -116,6 +120,7 @@ class TensorTable:
         self.block_count = to_device(counts, self.device)
         self._sizes = numels
         self._pointers: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._aligned: dict[str, bool] = {}
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         return [t.numel() for t in tensors] == self._sizes
@@ -123,7 +128,9 @@ class TensorTable:
     def pointers(self, role: str, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """The addresses of ``tensors`` (laid out as this table's; 0 for None) on the
         device."""
-        return self.values(role, [0 if t is None else t.data_ptr() for t in tensors])
+        addresses = [0 if t is None else t.data_ptr() for t in tensors]
+        self._aligned[role] = all(a % 16 == 0 for a in addresses)
+        return self.values(role, addresses)
 
     def values(self, role: str, values: list[int]) -> torch.Tensor:
         """``values`` (one int per tensor) as an int64 tensor on the device, copied only
@@ -154,10 +161,13 @@ class TensorTable:
         block table, each operand's pointer table (keyed by role, :data:`POINTER_ARGUMENTS`)
         and the kernel's other ``arguments``."""
         pointers = {POINTER_ARGUMENTS[role]: self.pointers(role, t) for role, t in operands.items()}
+        # 16-byte accesses where every operand's tensors and every block allow them
+        aligned = self.blocks_aligned and all(self._aligned[role] for role in operands)
         getattr(triton_module("multi_tensor"), kernel)[self.grid()](
             block_tensor=self.block_tensor,
             block_start=self.block_start,
             block_end=self.block_end,
+            ALIGNED=aligned,
             BLOCK=self.block,
             **pointers,
             **arguments,

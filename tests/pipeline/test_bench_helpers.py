@@ -667,6 +667,20 @@ def test_every_fused_kernel_compiles_for_the_gpus_the_project_rents():
     assert result["failed"] == 0
     assert {k["kernel"] for k in result["kernels"]} == kernels
     assert all(k["cubin_bytes"] > 0 for k in result["kernels"])
+    # with ALIGNED the element-wise kernels load and store 16 bytes at a time, and the
+    # weights' groups (sizes multiples of 4, each tensor its own allocation) launch so
+    aligned = [k for k in result["kernels"] if k["constexprs"].get("ALIGNED")]
+    assert {k["kernel"] for k in aligned} == {
+        "lamb_measure",
+        "scaled_step",
+        "onebit_fold",
+        "onebit_fold_squares",
+        "onebit_measure",
+        "onebit_measure_signs",
+    }
+    assert all(k["vector_loads"] > 0 and k["vector_stores"] > 0 for k in aligned), aligned
+    launched = {k["kernel"] for k in aligned if k["launched"]}
+    assert {"lamb_measure", "onebit_fold_squares", "onebit_measure_signs"} <= launched
 
 
 @pytest.mark.slow

@@ -13,18 +13,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _at(pointers, t):
-    return tl.load(pointers + t).to(tl.pointer_type(tl.float32))
+def _at(pointers, t, ALIGNED: tl.constexpr):
+    """Tensor ``t``'s fp32 address from a pointer table; with ``ALIGNED`` (every address
+    of the table a multiple of 16 bytes, checked where the kernel is launched) the
+    compiler is told so, and loads and stores go 16 bytes at a time."""
+    at = tl.load(pointers + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        at = tl.multiple_of(at, 16)
+    return at
 
 
 @triton.jit
-def _block(block_tensor, block_start, block_end, BLOCK: tl.constexpr):
+def _block(block_tensor, block_start, block_end, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """This program's block: its index ``b``, its tensor ``t``, its elements' offsets in
-    that tensor and which of them are inside the block (before ``block_end[b]``)."""
+    that tensor and which of them are inside the block (before ``block_end[b]``). With
+    ``ALIGNED`` every block's start and end are multiples of 4 elements."""
     b = tl.program_id(0)
     t = tl.load(block_tensor + b)
-    offs = tl.load(block_start + b) + tl.arange(0, BLOCK)
-    return b, t, offs, offs < tl.load(block_end + b)
+    start = tl.load(block_start + b)
+    end = tl.load(block_end + b)
+    if ALIGNED:
+        start = tl.multiple_of(start, 4)
+        end = tl.multiple_of(end, 4)
+    offs = start + tl.arange(0, BLOCK)
+    return b, t, offs, offs < end
 
 
 @triton.jit
@@ -71,14 +83,14 @@ def _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexp
 def lamb_measure(block_tensor, block_start, block_end, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
                  part_w, part_u, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc1,
                  bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
-                 BLOCK: tl.constexpr):  # fmt: skip
+                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """LAMB's moments (written), and per block the sums of ``p²`` and of the update's
     squares (the trust ratio's two norms)."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
-    p = tl.load(_at(p_ptrs, t) + offs, mask=inside, other=0.0)
-    g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
-    m_at = _at(m_ptrs, t) + offs
-    v_at = _at(v_ptrs, t) + offs
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    p = tl.load(_at(p_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
+    g = tl.load(_at(g_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
+    m_at = _at(m_ptrs, t, ALIGNED) + offs
+    v_at = _at(v_ptrs, t, ALIGNED) + offs
     m = tl.load(m_at, mask=inside, other=0.0) * beta1
     m = m + one_minus_beta1 * g
     v = tl.load(v_at, mask=inside, other=0.0) * beta2
@@ -94,13 +106,13 @@ def lamb_measure(block_tensor, block_start, block_end, p_ptrs, g_ptrs, m_ptrs, v
 @triton.jit
 def scaled_step(block_tensor, block_start, block_end, p_ptrs, m_ptrs, v_ptrs, coef, eps, bc1,
                 bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
+                ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """``p += coef[t] · u``, the update direction recomputed from the moments."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
-    p_at = _at(p_ptrs, t) + offs
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    p_at = _at(p_ptrs, t, ALIGNED) + offs
     p = tl.load(p_at, mask=inside, other=0.0)
-    m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
-    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+    m = tl.load(_at(m_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
+    v = tl.load(_at(v_ptrs, t, ALIGNED) + offs, mask=inside, other=1.0)
     u = _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS, WD)
     step = u * tl.load(coef + t)
     tl.store(p_at, p + step, mask=inside)
@@ -109,13 +121,13 @@ def scaled_step(block_tensor, block_start, block_end, p_ptrs, m_ptrs, v_ptrs, co
 @triton.jit
 def onebit_fold(block_tensor, block_start, block_end, g_ptrs, m_ptrs, prev_ptrs, coeffs,
                 grad_scale, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
+                ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold: ``prev = m``, then ``m = (β1·m + (1-β1)·g) · coeff[t]``."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
-    m_at = _at(m_ptrs, t) + offs
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    m_at = _at(m_ptrs, t, ALIGNED) + offs
     m = tl.load(m_at, mask=inside, other=0.0)
-    tl.store(_at(prev_ptrs, t) + offs, m, mask=inside)
-    g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
+    tl.store(_at(prev_ptrs, t, ALIGNED) + offs, m, mask=inside)
+    g = tl.load(_at(g_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     if HAS_SCALE:
         g = g * tl.load(grad_scale)
     m = m * beta1
@@ -127,29 +139,29 @@ def onebit_fold(block_tensor, block_start, block_end, g_ptrs, m_ptrs, prev_ptrs,
 def onebit_fold_squares(block_tensor, block_start, block_end, g_ptrs, m_ptrs, x_ptrs, e_ptrs,
                         coeffs, grad_scale, part_x, part_xe, beta1, one_minus_beta1,
                         HAS_SCALE: tl.constexpr, SQUARES: tl.constexpr,
-                        BLOCK: tl.constexpr):  # fmt: skip
+                        ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold, written beside the momentum: ``x = (β1·m + (1-β1)·g) · coeff[t]``
     (``g`` times ``grad_scale`` with ``HAS_SCALE``; ``m`` is left as it was); with
     ``SQUARES``, per block the sums of ``x²`` and of ``(x + e)²`` with ``e`` the worker's
     error at the same place (the 1-bit worker's first pass)."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
-    m = tl.load(_at(m_ptrs, t) + offs, mask=inside, other=0.0)
-    g = tl.load(_at(g_ptrs, t) + offs, mask=inside, other=0.0)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    m = tl.load(_at(m_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
+    g = tl.load(_at(g_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     if HAS_SCALE:
         g = g * tl.load(grad_scale)
     m = m * beta1
     x = (m + one_minus_beta1 * g) * tl.load(coeffs + t)
-    tl.store(_at(x_ptrs, t) + offs, x, mask=inside)
+    tl.store(_at(x_ptrs, t, ALIGNED) + offs, x, mask=inside)
     if SQUARES:
-        v = x + tl.load(_at(e_ptrs, t) + offs, mask=inside, other=0.0)
+        v = x + tl.load(_at(e_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
         tl.store(part_x + b, tl.sum(x * x, axis=0))
         tl.store(part_xe + b, tl.sum(v * v, axis=0))
 
 
 @triton.jit
 def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_u, part_ud,
-             neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
-             WD: tl.constexpr):  # fmt: skip
+             neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd, WD: tl.constexpr,
+             ALIGNED: tl.constexpr):  # fmt: skip
     """The rest of :func:`onebit_measure` once ``m`` is unscaled, masked and stored."""
     estimate = prev * neg_beta1
     estimate = tl.math.div_rn(estimate + m, tl.zeros_like(v) + one_minus_beta1)
@@ -161,7 +173,7 @@ def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_
     tl.store(part_drift + b, tl.max(tl.where(inside, drift, float("-inf")), axis=0))
     if WD:
         u = tl.where(inside, tl.math.div_rn(m, denom), 0.0)
-        p = tl.load(_at(p_ptrs, t) + offs, mask=inside, other=0.0)
+        p = tl.load(_at(p_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
         decayed = u + wd * p
         tl.store(part_u + b, tl.sum(u * u, axis=0))
         tl.store(part_ud + b, tl.sum(decayed * decayed, axis=0))
@@ -171,24 +183,24 @@ def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_
 def onebit_measure(block_tensor, block_start, block_end, m_ptrs, prev_ptrs, fresh_ptrs, v_ptrs,
                    p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
                    beta2, one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
-                   WD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                   WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB after the all-reduce: ``m /= coeff[t]`` (0 where ``v`` is 0 with
     ``MASK_UNTRAINED``), the fresh second moment from the reconstructed gradient
     ``(m - β1·prev)/(1-β1)`` (both written), and per block the largest drift
     ``(sqrt(v)+eps)/(sqrt(fresh)+eps)`` and, with ``WD``, the sums of squares of
     ``u = m/(sqrt(v)+eps)`` and of ``u + wd·p``."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
-    m_at = _at(m_ptrs, t) + offs
-    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    m_at = _at(m_ptrs, t, ALIGNED) + offs
+    v = tl.load(_at(v_ptrs, t, ALIGNED) + offs, mask=inside, other=1.0)
     m = tl.load(m_at, mask=inside, other=0.0)
     m = tl.math.div_rn(m, tl.zeros_like(v) + tl.load(coeffs + t))
     if MASK_UNTRAINED:
         m = tl.where(v == 0, 0.0, m)
     tl.store(m_at, m, mask=inside)
-    prev = tl.load(_at(prev_ptrs, t) + offs, mask=inside, other=0.0)
-    _measure(m, prev, v, inside, b, t, offs, _at(fresh_ptrs, t) + offs, p_ptrs, part_drift,
+    prev = tl.load(_at(prev_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
+    _measure(m, prev, v, inside, b, t, offs, _at(fresh_ptrs, t, ALIGNED) + offs, p_ptrs, part_drift,
              part_u, part_ud, neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
-             WD)  # fmt: skip
+             WD, ALIGNED)  # fmt: skip
 
 
 @triton.jit
@@ -196,7 +208,7 @@ def onebit_measure_signs(block_tensor, block_start, block_end, m_ptrs, fresh_ptr
                          p_ptrs, mask_ptrs, positions, messages, scales, step, padded, ranks,
                          coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1, beta2,
                          one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
-                         WD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """:func:`onebit_measure` reading the averaged momentum from the 1-bit all-reduce's
     gathered messages instead of a buffer it was expanded into, and the old momentum from
     ``m`` itself (which it then overwrites). Element ``P = positions[t] + offs`` of the
@@ -207,7 +219,7 @@ def onebit_measure_signs(block_tensor, block_start, block_end, m_ptrs, fresh_ptr
     boundaries), so the bucket is found once per block and the rest in int32.
     ``mask_ptrs[t]``, where not 0, is tensor ``t``'s momentum mask at the tensor's shape
     (multiplied in before unscaling, as the reference masks)."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
     first = tl.load(positions + t) + tl.load(block_start + b)
     k = first // step
     chunk = (tl.minimum(step, padded - k * step) // ranks).to(tl.int32)
@@ -221,14 +233,14 @@ def onebit_measure_signs(block_tensor, block_start, block_end, m_ptrs, fresh_ptr
     m = tl.where(bit != 0, s, -s)
     mask_at = tl.load(mask_ptrs + t)
     if mask_at != 0:
-        m = m * tl.load(mask_at.to(tl.pointer_type(tl.float32)) + offs, mask=inside, other=1.0)
-    v = tl.load(_at(v_ptrs, t) + offs, mask=inside, other=1.0)
+        m = m * tl.load(_at(mask_ptrs, t, ALIGNED) + offs, mask=inside, other=1.0)
+    v = tl.load(_at(v_ptrs, t, ALIGNED) + offs, mask=inside, other=1.0)
     m = tl.math.div_rn(m, tl.zeros_like(v) + tl.load(coeffs + t))
     if MASK_UNTRAINED:
         m = tl.where(v == 0, 0.0, m)
-    m_at = _at(m_ptrs, t) + offs
+    m_at = _at(m_ptrs, t, ALIGNED) + offs
     prev = tl.load(m_at, mask=inside, other=0.0)
     tl.store(m_at, m, mask=inside)
-    _measure(m, prev, v, inside, b, t, offs, _at(fresh_ptrs, t) + offs, p_ptrs, part_drift,
+    _measure(m, prev, v, inside, b, t, offs, _at(fresh_ptrs, t, ALIGNED) + offs, p_ptrs, part_drift,
              part_u, part_ud, neg_beta1, one_minus_beta1, beta2, one_minus_beta2, eps, wd,
-             WD)  # fmt: skip
+             WD, ALIGNED)  # fmt: skip

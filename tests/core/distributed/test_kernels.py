@@ -36,6 +36,28 @@ def test_the_reference_is_chosen_on_the_cpu_unless_fused_is_asked_for(monkeypatc
         use_fused("cpu", "fast")
 
 
+def test_the_tables_tell_where_16_byte_accesses_are_safe():
+    """The fused kernels access memory 16 bytes at a time (``ALIGNED``) only where every
+    block starts and ends at a multiple of 4 elements and every operand's address is a
+    multiple of 16 bytes; a wrong claim would make a GPU read across a boundary."""
+    import torch
+
+    from onebit_bert.kernels.multi_tensor import TensorTable
+
+    assert TensorTable([torch.zeros(8), torch.zeros(4100)]).blocks_aligned
+    assert not TensorTable([torch.zeros(8), torch.zeros(6)]).blocks_aligned  # ends at 6
+    assert not TensorTable([torch.zeros(8), torch.zeros(12)], cuts=(10,)).blocks_aligned
+    assert TensorTable([torch.zeros(8), torch.zeros(12)], cuts=(12,)).blocks_aligned
+    flat = torch.zeros(64)
+    table = TensorTable([torch.zeros(8), torch.zeros(12)])
+    table.pointers("exp_avg", [flat[0:8], flat[8:20]])
+    assert table._aligned["exp_avg"] == (flat.data_ptr() % 16 == 0)
+    table.pointers("exp_avg", [flat[2:10], flat[10:22]])  # 8 bytes past an aligned start
+    assert not table._aligned["exp_avg"]
+    table.pointers("masks", [None, None])  # no mask: never read
+    assert table._aligned["masks"]
+
+
 _RUN_ALL = """
 import json, traceback
 from tests.helpers.kernel_checks import CHECKS
