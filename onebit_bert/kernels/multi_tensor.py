@@ -304,28 +304,39 @@ def onebit_measure(
     """Per tensor: the largest drift, and with weight decay the norms of ``u`` and of
     ``u + wd·w`` (else None); the momentum unscaled and masked, the fresh second moment
     updated."""
+    operands = {
+        "exp_avg": momenta,
+        "previous": previous,
+        "exp_avg_sq_fresh": fresh,
+        "exp_avg_sq": second,
+        "params": params,
+    }
+    settings = dict(
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mask_untrained=mask_untrained
+    )
+    return _measured(table, "onebit_measure", operands, settings, coeffs=coeffs)
+
+
+def _measured(table: TensorTable, kernel: str, operands: dict, settings: dict, **arguments):
+    """Launch one of the 1-bit update's measuring kernels (``settings``: ``beta1``,
+    ``beta2``, ``eps``, ``weight_decay``, ``mask_untrained``) and reduce its block partials:
+    per tensor the largest drift and, with weight decay, the two norms (else None)."""
     drift, part_u, part_ud = table.partials(), table.partials(), table.partials()
-    with_decay = weight_decay != 0.0
+    with_decay = settings["weight_decay"] != 0.0
     table.launch(
-        "onebit_measure",
-        {
-            "exp_avg": momenta,
-            "previous": previous,
-            "exp_avg_sq_fresh": fresh,
-            "exp_avg_sq": second,
-            "params": params,
-        },
-        coeffs=coeffs,
+        kernel,
+        operands,
         part_drift=drift,
         part_u=part_u,
         part_ud=part_ud,
-        neg_beta1=-beta1,
-        one_minus_beta1=1.0 - beta1,
-        **_decay("beta2", beta2),
-        eps=eps,
-        wd=weight_decay,
-        MASK_UNTRAINED=mask_untrained,
+        neg_beta1=-settings["beta1"],
+        one_minus_beta1=1.0 - settings["beta1"],
+        **_decay("beta2", settings["beta2"]),
+        eps=settings["eps"],
+        wd=settings["weight_decay"],
+        MASK_UNTRAINED=settings["mask_untrained"],
         WD=with_decay,
+        **arguments,
     )
     largest = table.reduce(drift, maximum=True)
     if not with_decay:
@@ -391,17 +402,21 @@ def onebit_measure_signs(
     GatheredSigns`) and the old one from ``momenta``, which it overwrites. ``positions``:
     where each tensor starts in the compressed buffer; ``masks``: each tensor's momentum
     mask at its shape, or None."""
-    drift, part_u, part_ud = table.partials(), table.partials(), table.partials()
-    with_decay = weight_decay != 0.0
-    table.launch(
+    operands = {
+        "exp_avg": momenta,
+        "exp_avg_sq_fresh": fresh,
+        "exp_avg_sq": second,
+        "params": params,
+        "masks": masks,
+    }
+    settings = dict(
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mask_untrained=mask_untrained
+    )
+    return _measured(
+        table,
         "onebit_measure_signs",
-        {
-            "exp_avg": momenta,
-            "exp_avg_sq_fresh": fresh,
-            "exp_avg_sq": second,
-            "params": params,
-            "masks": masks,
-        },
+        operands,
+        settings,
         positions=table.values("positions", positions),
         messages=signs.addresses,
         scales=signs.scales,
@@ -409,21 +424,7 @@ def onebit_measure_signs(
         padded=signs.padded,
         ranks=signs.ranks,
         coeffs=coeffs,
-        part_drift=drift,
-        part_u=part_u,
-        part_ud=part_ud,
-        neg_beta1=-beta1,
-        one_minus_beta1=1.0 - beta1,
-        **_decay("beta2", beta2),
-        eps=eps,
-        wd=weight_decay,
-        MASK_UNTRAINED=mask_untrained,
-        WD=with_decay,
     )
-    largest = table.reduce(drift, maximum=True)
-    if not with_decay:
-        return largest, None, None
-    return largest, table.reduce(part_u).sqrt(), table.reduce(part_ud).sqrt()
 
 
 def segment_sums(partial: torch.Tensor, first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

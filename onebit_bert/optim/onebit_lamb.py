@@ -439,7 +439,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     def _fused_compressed_update(self, group, params, previous, offset):
         """:meth:`_compressed_update` in two passes of fused kernels."""
         beta1, beta2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        eps, wd = group["eps"], group["weight_decay"]
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         second = [st["exp_avg_sq"] for st in states]
@@ -448,7 +448,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             if mask is not None:
                 m.mul_(mask)  # masking before unscaling: the same bits (the mask is 0 or 1)
         table = self._tables.table(params)
-        factor, norm_plain, norm_decayed = multi_tensor.onebit_measure(
+        measured = multi_tensor.onebit_measure(
             table,
             momenta,
             self._views(previous, params, offset),
@@ -462,10 +462,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             weight_decay=wd,
             mask_untrained=self.mask_untrained,
         )
-        norms = None if norm_plain is None else (norm_plain, norm_decayed)
-        factor, trust = self._factor_and_trust(group, states, factor, norms)
-        multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
-        return factor, trust
+        return self._fused_step(group, states, table, params, measured)
 
     # ------------------------------------------------- fused, expanded in the update
     def _overlap_buffer(self, layout, flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -564,12 +561,12 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         """:meth:`_fused_compressed_update` reading the averaged momentum from ``signs``
         (the old momentum from where it still is) instead of an expanded buffer."""
         beta1, beta2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        eps, wd = group["eps"], group["weight_decay"]
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         second = [st["exp_avg_sq"] for st in states]
         table = self._bucket_table(params, offset, signs.step)
-        factor, norm_plain, norm_decayed = multi_tensor.onebit_measure_signs(
+        measured = multi_tensor.onebit_measure_signs(
             table,
             momenta,
             [st["exp_avg_sq_fresh"] for st in states],
@@ -585,8 +582,17 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             weight_decay=wd,
             mask_untrained=self.mask_untrained,
         )
+        return self._fused_step(group, states, table, params, measured)
+
+    def _fused_step(self, group, states, table, params, measured):
+        """From a measuring kernel's ``(largest drift, norm of u, norm of u + wd·w)``: the
+        factor and trust ratio (:meth:`_factor_and_trust`), then the step in one kernel."""
+        factor, norm_plain, norm_decayed = measured
         norms = None if norm_plain is None else (norm_plain, norm_decayed)
         factor, trust = self._factor_and_trust(group, states, factor, norms)
+        momenta = [st["exp_avg"] for st in states]
+        second = [st["exp_avg_sq"] for st in states]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
         return factor, trust
 
