@@ -231,7 +231,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         else:
             self._prepare_compression(members, flat)
             if not refresh and self._expands_in_update(layout):
-                signs = self._fold_and_compress(layout, flat)
+                signs = self._fold_and_compress(layout)
         if overlapped is None and signs is None:
             for group, params in layout:
                 if params:
@@ -308,29 +308,13 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         fused one), then ``m = β1·m + (1-β1)·g`` (``g`` times ``grad_scale`` when given)
         and the scaling coefficient; in one kernel where the group fits
         (:meth:`_fused_fold`: also for the overlapped steps' folds, parameter by
-        parameter)."""
-        if self._fold_beside:  # an overlapped step that reads the average in the update
-            states = [self.state[p] for p in params]
-            momenta = [st["exp_avg"] for st in states]
-            start = (momenta[0].data_ptr() - self._flat.data_ptr()) // momenta[0].element_size()
-            multi_tensor.onebit_fold_squares(
-                self._tables.table(params),
-                self._gradients(params, None),
-                momenta,
-                self._views(self._scratch, params, start),
-                None,
-                torch.stack([st["scaling_coeff"] for st in states]),
-                group["betas"][0],
-                grad_scale,
-            )
-            return
+        parameter, and beside the momentum where the update reads the messages)."""
         if self._fused_fold(group, params, grad_scale):
             return
         beta1 = group["betas"][0]
         momenta = [self.state[p]["exp_avg"] for p in params]
-        base = self._flat.data_ptr()
         for m in momenta:
-            offset = (m.data_ptr() - base) // m.element_size()
+            offset = self._flat_offset(m)
             self._scratch[offset : offset + m.numel()].copy_(m.view(-1))
         grads = self._gradients(params, grad_scale)
         torch._foreach_mul_(momenta, beta1)
@@ -415,25 +399,31 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             [st["exp_avg_sq_fresh"] for st in states],
         )
 
+    def _flat_offset(self, state: torch.Tensor) -> int:
+        """Where ``state`` (a view of the fused buffer) starts in it, in elements."""
+        return (state.data_ptr() - self._flat.data_ptr()) // state.element_size()
+
     def _fused_fold(
         self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
     ) -> bool:
-        """:meth:`_fold_for_compression` in one kernel; False where it does not apply."""
+        """:meth:`_fold_for_compression` in one kernel; in an overlapped step that reads
+        the average in the update (``_fold_beside``) the folded momentum goes to the
+        scratch buffer instead and the momentum stays. False where it does not apply."""
         if not self._fits(params):
             return False
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
-        base = self._flat.data_ptr()
-        start = (momenta[0].data_ptr() - base) // momenta[0].element_size()
-        multi_tensor.onebit_fold(
+        arguments = (
             self._tables.table(params),
             self._gradients(params, None),
             momenta,
-            self._views(self._scratch, params, start),
-            torch.stack([st["scaling_coeff"] for st in states]),
-            group["betas"][0],
-            grad_scale,
+            self._views(self._scratch, params, self._flat_offset(momenta[0])),
         )
+        coeffs, beta1 = torch.stack([st["scaling_coeff"] for st in states]), group["betas"][0]
+        if self._fold_beside:
+            multi_tensor.onebit_fold_squares(*arguments, None, coeffs, beta1, grad_scale)
+        else:
+            multi_tensor.onebit_fold(*arguments, coeffs, beta1, grad_scale)
         return True
 
     def _fused_compressed_update(self, group, params, previous, offset):
@@ -493,7 +483,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         cuts = [k * step - start for k in range(first, -(-(start + numel) // step))]
         return self._tables.table(params, cuts)
 
-    def _fold_and_compress(self, layout, flat: torch.Tensor):
+    def _fold_and_compress(self, layout):
         """The fold and the 1-bit average in two passes fewer than :meth:`_fused_fold`
         and the codec's: ``x = (β1·m + (1-β1)·g)·c`` goes to the scratch buffer, the
         momentum stays where it is (the update reads it as the old one), the worker's sums
@@ -503,14 +493,13 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         feedback = self.codec.fused_feedback(FUSED, self._flat_numel)
         step = feedback.buckets[0].size
         worker_error = feedback.worker_error
-        base = flat.data_ptr()
         inputs, squares, placed = [], [], []
         for group, params in layout:
             if not params:
                 continue
             states = [self.state[p] for p in params]
             momenta = [st["exp_avg"] for st in states]
-            start = (momenta[0].data_ptr() - base) // momenta[0].element_size()
+            start = self._flat_offset(momenta[0])
             table = self._bucket_table(params, start, step)
             part_x, part_xe = multi_tensor.onebit_fold_squares(
                 table,

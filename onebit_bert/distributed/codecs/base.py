@@ -203,7 +203,11 @@ class Codec:
         channel of this codec's communicator; returns its
         :class:`~onebit_bert.distributed.codecs.two_phase.TwoPhaseRun`) and
         ``error_norm()`` (the norm of what compression left out on this rank, once every
-        bucket is done)."""
+        bucket is done). Optional (:class:`~onebit_bert.distributed.codecs.onebit.
+        FusedOneBitBuckets` has them): ``measures`` and ``relative_error()``, the error
+        figure from sums its kernels made while compressing (the caller then takes no norms
+        itself); with ``keep=True`` (a codec whose ``expands_later``), ``signs()``, the
+        average left unexpanded."""
         raise NotImplementedError(f"the {self.name} codec cannot overlap its buckets")
 
     def reset(self) -> None:
