@@ -353,14 +353,24 @@ def onebit_fold_squares(
     coeffs: torch.Tensor,
     beta1: float,
     grad_scale: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``folded = (β1·m + (1-β1)·g·grad_scale) · coeffs[t]`` with the momenta left as they
     are, and with ``errors``, per block the sums of ``folded²`` and of ``(folded +
     errors)²`` (the 1-bit worker's first pass, done here so that it needs no pass of its
-    own; None without ``errors``)."""
+    own; None without ``errors``), written to ``out`` when given (two contiguous fp32
+    tensors of ``table.blocks`` elements, e.g. slices of a larger table's partials)."""
     squares = errors is not None
-    part_x = table.partials() if squares else coeffs
-    part_xe = table.partials() if squares else coeffs
+    if out is not None and (
+        not squares or any(t.numel() != table.blocks or not t.is_contiguous() for t in out)
+    ):
+        raise ValueError(
+            f"out: two contiguous tensors of {table.blocks} block sums, with errors to sum"
+        )
+    if not squares:
+        part_x = part_xe = coeffs  # not written
+    else:
+        part_x, part_xe = out if out is not None else (table.partials(), table.partials())
     table.launch(
         "onebit_fold_squares",
         {

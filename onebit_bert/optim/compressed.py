@@ -346,6 +346,12 @@ class CompressedOptimizer(Optimizer):
         here the fused buffer, expanded."""
         return flat, False
 
+    def _bucket_squares(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """In an overlapped step, once every gradient of bucket ``index`` is folded: the
+        sums of ``x²`` and ``(x + worker error)²`` over it, where the folds made them
+        (subclasses whose folds sum them); None: the codec sums them itself."""
+        return None
+
     def _fold_for_compression(
         self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
     ) -> None:
@@ -576,11 +582,15 @@ class OverlappedCompression:
                     if self.clip is not None:
                         self.clip.see([p for _, p in self.members[k]])
                         self._fold(self.members[k], self.clip.coefficient())
+                    squares = self.opt._bucket_squares(k)
                     if not getattr(self.fused, "measures", False):
                         b = self.fused.buckets[k]
                         bucket = self.flat[b.start : b.start + b.size]
                         self.norm_sq += torch.linalg.vector_norm(bucket).double() ** 2
-                    self.runs[k] = self.fused.start(k)
+                    if squares is None:
+                        self.runs[k] = self.fused.start(k)
+                    else:  # summed as the bucket's gradients were folded
+                        self.runs[k] = self.fused.start(k, squares)
                 elif not self.runs[k].exchange(block):
                     return
                 self.next += 1

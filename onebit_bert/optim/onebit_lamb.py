@@ -169,7 +169,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self._tables = TableCache()
         self._full_masks: dict = {}
         self._segments_cache: tuple | None = None  # the blocks' buckets, on the device
+        self._folded_plan: FoldedSquares | None = None  # overlapped steps' sums, per layout
         self._fold_beside = False  # the armed overlapped step folds into the scratch buffer
+        self._folded: FoldedSquares | None = None  # and sums the bucket's squares there
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
@@ -227,7 +229,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         if overlapped is not None:  # folded and all-reduced during the backward pass
             overlapped.finish()
             signs = overlapped.signs
-            self._fold_beside = False
+            self._fold_beside, self._folded = False, None
         else:
             self._prepare_compression(members, flat)
             if not refresh and self._expands_in_update(layout):
@@ -411,6 +413,10 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         scratch buffer instead and the momentum stays. False where it does not apply."""
         if not self._fits(params):
             return False
+        if self._fold_beside and self._folded is not None:
+            for p in params:  # each with its bucket-cut blocks, their sums in place
+                self._fold_summing(group, p, grad_scale)
+            return True
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         arguments = (
@@ -420,11 +426,34 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             self._views(self._scratch, params, self._flat_offset(momenta[0])),
         )
         coeffs, beta1 = torch.stack([st["scaling_coeff"] for st in states]), group["betas"][0]
-        if self._fold_beside:
-            multi_tensor.onebit_fold_squares(*arguments, None, coeffs, beta1, grad_scale)
-        else:
-            multi_tensor.onebit_fold(*arguments, coeffs, beta1, grad_scale)
+        multi_tensor.onebit_fold(*arguments, coeffs, beta1, grad_scale)
         return True
+
+    def _fold_summing(self, group: dict, p: torch.Tensor, grad_scale) -> None:
+        """An overlapped step's fold of ``p`` beside its momentum, with the worker's sums
+        of squares over ``p``'s blocks written to their places among the step's
+        (:class:`FoldedSquares`), so that the 1-bit worker takes its bucket's sums from
+        there (:meth:`_bucket_squares`) instead of a pass of its own."""
+        folded = self._folded
+        st = self.state[p]
+        start = self._flat_offset(st["exp_avg"])
+        table, first = folded.place(p)
+        multi_tensor.onebit_fold_squares(
+            table,
+            self._gradients([p], None),
+            [st["exp_avg"]],
+            self._views(self._scratch, [p], start),
+            self._views(folded.worker_error, [p], start),
+            st["scaling_coeff"].reshape(1),
+            group["betas"][0],
+            grad_scale,
+            out=folded.slices(first, table.blocks),
+        )
+
+    def _bucket_squares(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._fold_beside or self._folded is None:
+            return None
+        return self._folded.bucket(index)
 
     def _fused_compressed_update(self, group, params, previous, offset):
         """:meth:`_compressed_update` in two passes of fused kernels."""
@@ -460,7 +489,21 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         beside the momentum, into the scratch buffer, which the codec compresses and
         leaves unexpanded; otherwise the fused buffer, as the base class does."""
         self._fold_beside = self._expands_in_update(layout)
+        self._folded = None
         if self._fold_beside:
+            feedback = self.codec.fused_feedback(FUSED, self._flat_numel)
+            step, buckets = feedback.buckets[0].size, len(feedback.buckets)
+            params = [p for _, ps in layout for p in ps]
+            key = (tuple(id(p) for p in params), step, buckets)
+            if self._folded_plan is None or self._folded_plan.key != key:
+                starts = [self._flat_offset(self.state[p]["exp_avg"]) for p in params]
+                tables = [
+                    self._bucket_table([p], start, step)
+                    for p, start in zip(params, starts, strict=True)
+                ]
+                self._folded_plan = FoldedSquares(key, params, tables, starts, step, buckets)
+            self._folded = self._folded_plan
+            self._folded.worker_error = feedback.worker_error
             return self._scratch, True
         return flat, False
 
@@ -594,6 +637,45 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         if full is None or full[0] is not mask:
             full = self._full_masks[p] = (mask, mask.expand_as(p).contiguous())
         return full[1]
+
+
+class FoldedSquares:
+    """Where an overlapped step's folds, one parameter at a time, put the 1-bit worker's
+    sums of squares: each parameter's blocks (cut at the bucket boundaries) have their
+    place in one table of block sums, in buffer order, as :meth:`OneBitLamb.
+    _fold_and_compress` lays out its own; a bucket's sums are its blocks', added in block
+    order (:meth:`bucket`). Built once per layout; ``worker_error`` is set each step."""
+
+    def __init__(self, key, params, tables, starts, step: int, buckets: int):
+        self.key = key
+        self.worker_error: torch.Tensor | None = None
+        self._places, ids, first = {}, [], 0
+        for p, table, start in zip(params, tables, starts, strict=True):
+            self._places[id(p)] = (table, first)
+            ids.extend((start + at) // step for at in table.block_positions)
+            first += table.blocks
+        self._tables = tables  # kept, so that no other table takes one of their ids
+        device = params[0].device
+        self.sums = torch.empty(2, first, dtype=torch.float32, device=device)
+        """Row 0: each block's sum of ``x²``; row 1: of ``(x + worker error)²``."""
+        starts_, counts = _segments(ids, buckets)
+        both = [[at, first + at] for at in starts_]
+        self._first = multi_tensor.to_device([v for pair in both for v in pair], device)
+        self._count = multi_tensor.to_device([c for c in counts for _ in range(2)], device)
+
+    def place(self, p: torch.Tensor):
+        """``p``'s block table and where its blocks' sums start."""
+        return self._places[id(p)]
+
+    def slices(self, first: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sums[0, first : first + blocks], self.sums[1, first : first + blocks]
+
+    def bucket(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``index``'s sums of ``x²`` and ``(x + worker error)²`` (0-d tensors), in
+        one launch."""
+        pair = slice(2 * index, 2 * index + 2)
+        out = multi_tensor.segment_sums(self.sums.view(-1), self._first[pair], self._count[pair])
+        return out[0], out[1]
 
 
 def _segments(ids: list[int], n: int) -> tuple[list[int], list[int]]:

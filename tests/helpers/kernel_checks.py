@@ -314,15 +314,17 @@ def check_onebit_lamb_fused_resume(device: str = "cpu") -> None:
         assert torch.equal(a.detach().cpu(), b), "the resumed run left the straight one"
 
 
-def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
+def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool, overlap: bool = True) -> dict:
     """Six steps of a small model with 1-bit LAMB (freeze at 2, buckets of 64 elements)
-    whose compression steps start their bucket all-reduces during the backward pass;
-    ``clip``: clipped bucket by bucket to a norm of 0.05 (OverlapClip; the gradients'
-    norms are above it); ``expand``: :attr:`OneBitLamb.expand_in_update`. Counts the
-    launches of each fused fold and names each step's path."""
+    whose compression steps start their bucket all-reduces during the backward pass
+    (unless not ``overlap``: the same steps after it); ``clip``: clipped bucket by bucket
+    to a norm of 0.05 (OverlapClip; the gradients' norms are above it); ``expand``:
+    :attr:`OneBitLamb.expand_in_update`. Counts the launches of each fused fold and of
+    the codec's own sums of squares, and names each step's path."""
     from unittest.mock import patch
 
     from onebit_bert.kernels import multi_tensor
+    from onebit_bert.kernels.signs import FusedSignOps
     from onebit_bert.optim import OneBitLamb
     from onebit_bert.optim.compressed import OverlapClip
 
@@ -333,9 +335,10 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
     params = list(model.parameters())
     opt = OneBitLamb(params, lr=0.02, freeze_step=2, comm=comm, bucket_numel=64, kernels=kernels)
     opt.expand_in_update = expand
-    opt.enable_overlap(comm.side_channel())
+    if overlap:
+        opt.enable_overlap(comm.side_channel())
     g = torch.Generator().manual_seed(comm.rank)
-    folds = {"onebit_fold": 0, "onebit_fold_squares": 0}
+    folds = {"onebit_fold": 0, "onebit_fold_squares": 0, "sum_squares": 0}
     armed, paths, previous = [], [], [None] * len(params)
 
     def counted(name):
@@ -347,16 +350,28 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
 
         return call
 
+    def worker_sums(encode):
+        def call(*args, **kwargs):  # a worker's compression without the caller's squares
+            # (self, x, err, message, body, real, received, scales, ranks, stride, server,
+            # squares)
+            server = args[10] if len(args) > 10 else kwargs["server"]
+            squares = args[11] if len(args) > 11 else kwargs.get("squares")
+            folds["sum_squares"] += not server and squares is None
+            return encode(*args, **kwargs)
+
+        return call
+
     with (
         patch.object(multi_tensor, "onebit_fold", counted("onebit_fold")),
         patch.object(multi_tensor, "onebit_fold_squares", counted("onebit_fold_squares")),
+        patch.object(FusedSignOps, "_encode", worker_sums(FusedSignOps._encode)),
     ):
         for _ in range(6):
             x = torch.randn(32, 8, generator=g).to(comm.device)
             y = torch.randn(32, 4, generator=g).to(comm.device)
             opt.zero_grad()
             overlap_clip = OverlapClip(0.05, params, previous) if clip else None
-            armed.append(opt.begin_overlap(overlap_clip))
+            armed.append(opt.begin_overlap(overlap_clip) if overlap else False)
             torch.nn.functional.mse_loss(model(x), y).backward()
             if not opt.syncs_internally:
                 comm.all_reduce_coalesced([p.grad for p in params], op="avg")
@@ -376,11 +391,13 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool) -> dict:
 def _overlap_variants(comm) -> dict:
     """:func:`_overlapped_steps` on this rank, with and without clipping, with the
     reference and with the fused kernels on both paths (one start of the ranks for all)."""
-    return {
+    runs = {
         (clip, kernels, expand): _overlapped_steps(comm, kernels, clip, expand)
         for clip in (False, True)
         for kernels, expand in (("reference", True), ("fused", True), ("fused", False))
     }
+    runs["not overlapped"] = _overlapped_steps(comm, "fused", False, True, overlap=False)
+    return runs
 
 
 def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
@@ -400,7 +417,9 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
                 assert new["paths"][2:] == [expected[expand]] * 4, new["paths"]
                 assert new["folds"][kernel[expand]] > 0, new["folds"]
                 assert new["folds"][kernel[not expand]] == 0, new["folds"]
-                assert ref["folds"] == {"onebit_fold": 0, "onebit_fold_squares": 0}
+                # beside the momentum the folds sum the worker's squares: no pass of its own
+                assert (new["folds"]["sum_squares"] == 0) == expand, new["folds"]
+                assert ref["folds"]["onebit_fold"] == ref["folds"]["onebit_fold_squares"] == 0
                 for a, b in zip(new["params"], ref["params"], strict=True):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
                 # the fused buckets sum the error figure's squares as they compress
@@ -409,6 +428,16 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
             first, second = (runs[(clip, "fused", expand)]["params"] for runs in ranks)
             for a, b in zip(first, second, strict=True):
                 assert torch.equal(a, b), "the ranks' parameters differ"
+    # without clipping, the overlapped steps are the plain ones bit for bit: the folds'
+    # block sums add up per bucket as the plain step's fold adds them up
+    for runs in ranks:
+        plain, overlapped = runs["not overlapped"], runs[(False, "fused", True)]
+        assert plain["armed"] == [False] * 6 and plain["folds"]["sum_squares"] == 0
+        assert plain["paths"] == overlapped["paths"]
+        for a, b in zip(overlapped["params"], plain["params"], strict=True):
+            assert torch.equal(a, b), "the overlapped steps left the plain ones"
+        error, want = overlapped["compression_error"], plain["compression_error"]
+        torch.testing.assert_close(error, want, rtol=1e-5, atol=0)
 
 
 def check_onebit_lamb_set_codec_keeps_the_separate_passes(device: str = "cpu") -> None:

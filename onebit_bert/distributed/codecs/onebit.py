@@ -197,16 +197,29 @@ class FusedOneBitBuckets:
         compressed (else the caller measures the norms itself)."""
         self._input_sq = self._error_sq = None
 
-    def start(self, index: int) -> TwoPhaseRun:
-        """Compress bucket ``index`` and issue its all-to-all."""
+    def start(self, index: int, squares: tuple | None = None) -> TwoPhaseRun:
+        """Compress bucket ``index`` and issue its all-to-all. ``squares``: the sums of
+        ``x²`` and of ``(x + worker error)²`` over the bucket's real elements, where the
+        caller made them as it folded (ops that ``takes_squares``; no pass of their own)."""
+        takes = self.measures and getattr(self.ops, "takes_squares", False)
+        if squares is not None and not takes:
+            raise ValueError(f"the {self.ops.name} sign ops cannot take a bucket's squares")
         bucket = OneBitBucket(
-            self.comm, self.buffer, self.feedback, index, self.ops, keep=self.keep
+            self.comm,
+            self.buffer,
+            self.feedback,
+            index,
+            self.ops,
+            squares=None if squares is None else squares[1],
+            keep=self.keep,
         )
         self._parts[index] = bucket
         if not self.measures:
             return TwoPhaseRun(self.comm, bucket).start()
         with self.ops.measure(self.buffer.device) as measured:
             run = TwoPhaseRun(self.comm, bucket).start()
+        if squares is not None:  # the kernel left the inputs' squares to the caller
+            measured.input_sq += squares[0]
         if self._input_sq is None:
             self._input_sq, self._error_sq = measured.input_sq, measured.error_sq
         else:

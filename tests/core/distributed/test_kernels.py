@@ -58,6 +58,30 @@ def test_the_tables_tell_where_16_byte_accesses_are_safe():
     assert table._aligned["masks"]
 
 
+def test_sums_made_elsewhere_are_refused_where_they_cannot_fit():
+    """An overlapped step's folds write their block sums into slices of one table and hand
+    a bucket's sums to the codec: a slice of the wrong length, or sums for sign ops that
+    sum for themselves, is refused before anything runs."""
+    import torch
+
+    from onebit_bert.distributed.codecs.compression import ErrorFeedback
+    from onebit_bert.distributed.codecs.onebit import FusedOneBitBuckets
+    from onebit_bert.kernels.multi_tensor import TensorTable, onebit_fold_squares
+
+    p = torch.zeros(10)
+    table = TensorTable([p], block=4)  # blocks of 4, 4, 2
+    fold = (table, [p], [p.clone()], [p.clone()], [p.clone()], torch.ones(1), 0.9)
+    with pytest.raises(ValueError, match="two contiguous tensors of 3 block sums"):
+        onebit_fold_squares(*fold, out=(torch.zeros(3), torch.zeros(2)))
+    with pytest.raises(ValueError, match="with errors to sum"):
+        onebit_fold_squares(*fold[:4], None, *fold[5:], out=(torch.zeros(3), torch.zeros(3)))
+    comm = Communicator(None)
+    feedback = ErrorFeedback(16, 1, rank=0, device="cpu")
+    buckets = FusedOneBitBuckets(comm, torch.zeros(16), feedback, sign_ops("cpu"))
+    with pytest.raises(ValueError, match="reference sign ops cannot take a bucket's squares"):
+        buckets.start(0, (torch.zeros(()), torch.zeros(())))
+
+
 _RUN_ALL = """
 import json, traceback
 from tests.helpers.kernel_checks import CHECKS
