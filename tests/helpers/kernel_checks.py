@@ -428,14 +428,19 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
             first, second = (runs[(clip, "fused", expand)]["params"] for runs in ranks)
             for a, b in zip(first, second, strict=True):
                 assert torch.equal(a, b), "the ranks' parameters differ"
-    # without clipping, the overlapped steps are the plain ones bit for bit: the folds'
-    # block sums add up per bucket as the plain step's fold adds them up
+    # without clipping, the overlapped steps are the plain ones: the folds' block sums add
+    # up per bucket as the plain step's fold adds them up. Bit for bit in the interpreter;
+    # on a GPU a parameter folded on its own may launch with 16-byte accesses where its
+    # group does not, and the compiler may then add a block's squares in another order.
     for runs in ranks:
         plain, overlapped = runs["not overlapped"], runs[(False, "fused", True)]
         assert plain["armed"] == [False] * 6 and plain["folds"]["sum_squares"] == 0
         assert plain["paths"] == overlapped["paths"]
         for a, b in zip(overlapped["params"], plain["params"], strict=True):
-            assert torch.equal(a, b), "the overlapped steps left the plain ones"
+            if device == "cpu":
+                assert torch.equal(a, b), "the overlapped steps left the plain ones"
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         error, want = overlapped["compression_error"], plain["compression_error"]
         torch.testing.assert_close(error, want, rtol=1e-5, atol=0)
 
