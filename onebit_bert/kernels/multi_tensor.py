@@ -300,10 +300,11 @@ def onebit_measure(
     eps: float,
     weight_decay: float,
     mask_untrained: bool,
+    norms: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per tensor: the largest drift, and with weight decay the norms of ``u`` and of
-    ``u + wd·w`` (else None); the momentum unscaled and masked, the fresh second moment
-    updated."""
+    """Per tensor: the largest drift, and with weight decay (or ``norms``) the norms of
+    ``u`` and of ``u + wd·w`` (else None); the momentum unscaled and masked, the fresh
+    second moment updated."""
     operands = {
         "exp_avg": momenta,
         "previous": previous,
@@ -314,15 +315,23 @@ def onebit_measure(
     settings = dict(
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, mask_untrained=mask_untrained
     )
-    return _measured(table, "onebit_measure", operands, settings, coeffs=coeffs)
+    return _measured(table, "onebit_measure", operands, settings, norms, coeffs=coeffs)
 
 
-def _measured(table: TensorTable, kernel: str, operands: dict, settings: dict, **arguments):
+def _measured(
+    table: TensorTable,
+    kernel: str,
+    operands: dict,
+    settings: dict,
+    norms: bool = False,
+    **arguments,
+):
     """Launch one of the 1-bit update's measuring kernels (``settings``: ``beta1``,
     ``beta2``, ``eps``, ``weight_decay``, ``mask_untrained``) and reduce its block partials:
-    per tensor the largest drift and, with weight decay, the two norms (else None)."""
+    per tensor the largest drift and, with weight decay or ``norms``, the two norms (else
+    None)."""
     drift, part_u, part_ud = table.partials(), table.partials(), table.partials()
-    with_decay = settings["weight_decay"] != 0.0
+    with_decay = settings["weight_decay"] != 0.0 or norms
     table.launch(
         kernel,
         operands,

@@ -21,8 +21,9 @@ the freeze, then at intervals that double up to ``coeff_refresh_max``) the momen
 averaged exactly (an fp32 all-reduce instead of the 1-bit one) and every layer's ``c`` is
 reset so that ``c·f`` equals LAMB's clipped trust ratio of that exact momentum against the
 frozen second moment: that step has LAMB's step norm, and ``f`` carries on from it. With
-16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times. A refresh step runs
-the reference update (not the fused kernels). It failed its pre-registered parity gate in
+16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times. With the fused
+kernels a refresh step folds and updates in them, with the separate expansion, and takes
+the parameters' norms in one more pass. It failed its pre-registered parity gate in
 the stretched regime, where it needed more samples than the authors' algorithm
 (docs/results/parity_long_refresh/README.md).
 """
@@ -46,6 +47,7 @@ from onebit_bert.optim.lamb import (
     lamb_group_update,
     lamb_hyperparameters,
     trust_ratios,
+    trust_ratios_from_norms,
     zero_moments,
 )
 from onebit_bert.optim.warmup_state import WarmupCheckpoint
@@ -247,14 +249,14 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         for group, params in layout:
             if not params:
                 continue
-            if refresh:
-                factor, trust = self._compressed_update(group, params, previous, offset, True)
-            elif signs is not None:
+            if signs is not None:
                 factor, trust = self._update_from_signs(group, params, signs, offset)
             elif self._fits(params):
-                factor, trust = self._fused_compressed_update(group, params, previous, offset)
+                factor, trust = self._fused_compressed_update(
+                    group, params, previous, offset, refresh
+                )
             else:
-                factor, trust = self._compressed_update(group, params, previous, offset)
+                factor, trust = self._compressed_update(group, params, previous, offset, refresh)
             factors.append(factor)
             ratios.append(trust)
             offset += sum(p.numel() for p in params)
@@ -263,7 +265,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self.last_refreshed = refresh
         self.last_step_kernels = (
             "reference"
-            if refresh or not all(self._fits(params) for _, params in layout if params)
+            if not all(self._fits(params) for _, params in layout if params)
             else "fused, expanded in the update"
             if signs is not None
             else "fused"
@@ -455,8 +457,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             return None
         return self._folded.bucket(index)
 
-    def _fused_compressed_update(self, group, params, previous, offset):
-        """:meth:`_compressed_update` in two passes of fused kernels."""
+    def _fused_compressed_update(self, group, params, previous, offset, refresh=False):
+        """:meth:`_compressed_update` in two passes of fused kernels (a refresh step also
+        takes the parameters' norms)."""
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
         states = [self.state[p] for p in params]
@@ -480,8 +483,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             eps=eps,
             weight_decay=wd,
             mask_untrained=self.mask_untrained,
+            norms=refresh,
         )
-        return self._fused_step(group, states, table, params, measured)
+        return self._fused_step(group, states, table, params, measured, refresh)
 
     # ------------------------------------------------- fused, expanded in the update
     def _overlap_buffer(self, layout, flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -616,12 +620,23 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         )
         return self._fused_step(group, states, table, params, measured)
 
-    def _fused_step(self, group, states, table, params, measured):
+    def _fused_step(self, group, states, table, params, measured, refresh=False):
         """From a measuring kernel's ``(largest drift, norm of u, norm of u + wd·w)``: the
-        factor and trust ratio (:meth:`_factor_and_trust`), then the step in one kernel."""
+        factor and trust ratio (:meth:`_factor_and_trust`; on a refresh step ``c`` set so
+        that ``c·f`` is LAMB's trust ratio, as :meth:`_compressed_update` sets it), then the
+        step in one kernel."""
         factor, norm_plain, norm_decayed = measured
-        norms = None if norm_plain is None else (norm_plain, norm_decayed)
+        wd = group["weight_decay"]
+        norms = None if wd == 0.0 else (norm_plain, norm_decayed)
         factor, trust = self._factor_and_trust(group, states, factor, norms)
+        if refresh:
+            w_norm = torch.stack(torch._foreach_norm(params)).float()
+            ratio = trust_ratios_from_norms(
+                w_norm, norm_decayed, group["min_coeff"], group["max_coeff"]
+            )
+            coeffs = [st["lamb_coeff"] for st in states]
+            torch._foreach_copy_(coeffs, list((ratio / factor).unbind(0)))
+            trust = torch.stack(coeffs) * factor
         momenta = [st["exp_avg"] for st in states]
         second = [st["exp_avg_sq"] for st in states]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]

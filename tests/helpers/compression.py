@@ -209,17 +209,25 @@ def resumed_toy_runs(comm, make, stop: int, save_points) -> dict:
     return out
 
 
-def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto", expand_in_update=True):
+def run_onebit_lamb(
+    comm, steps, mask_index, bucket, kernels="auto", expand_in_update=True, coeff_refresh=0
+):
     """1-bit LAMB on ``comm.device`` (the same inputs on every device) with ``kernels``
-    (and :attr:`OneBitLamb.expand_in_update`); results on the CPU."""
+    (and :attr:`OneBitLamb.expand_in_update`, ``coeff_refresh``); results on the CPU."""
     params = [torch.nn.Parameter(t.to(comm.device)) for t in init_params()]
     opt = OneBitLamb(
-        param_groups(params), comm=comm, bucket_numel=bucket, kernels=kernels, **ONEBIT_LAMB_HP
+        param_groups(params),
+        comm=comm,
+        bucket_numel=bucket,
+        kernels=kernels,
+        coeff_refresh=coeff_refresh,
+        coeff_refresh_max=max(coeff_refresh, 4),
+        **ONEBIT_LAMB_HP,
     )
     opt.expand_in_update = expand_in_update
     if mask_index is not None:
         opt.set_momentum_mask(params[mask_index], row_mask())
-    stages, byte_counts, paths = [], [], []
+    stages, byte_counts, paths, refreshed = [], [], [], []
     for step in range(1, steps + 1):
         grads = (
             local_grads(comm.rank, step)
@@ -234,6 +242,7 @@ def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto", expand_in_u
         paths.append(
             getattr(opt, "last_step_kernels", None) if opt.stage == "compression" else None
         )
+        refreshed.append(opt.last_refreshed)
     error = opt.last_compression_error
     return {
         "params": [p.detach().cpu() for p in params],
@@ -243,6 +252,8 @@ def run_onebit_lamb(comm, steps, mask_index, bucket, kernels="auto", expand_in_u
         "compression_error": None if error is None else error.cpu(),
         "masked_momentum": opt.state[params[2]]["exp_avg"][1].cpu(),
         "kernels": paths,
+        "refreshed": refreshed,
+        "coefficients": torch.stack([opt.state[p]["lamb_coeff"] for p in params]).cpu(),
     }
 
 

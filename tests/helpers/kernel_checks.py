@@ -239,6 +239,27 @@ def check_onebit_lamb_expanded_in_the_update(device: str = "cpu") -> None:
                 assert torch.equal(a, b), "the ranks' parameters differ"
 
 
+def check_onebit_lamb_refresh_steps(device: str = "cpu") -> None:
+    """Refresh steps (``coeff_refresh``: an exact momentum average, and ``c`` set so that
+    ``c·f`` is LAMB's trust ratio) run in the fused kernels too, with and without weight
+    decay, at world size 1 (the exact average is the same code on either path): with a
+    refresh at compression steps 1 and 3 of 5 they track the reference (parameters,
+    factors and coefficients), and the steps between them read the average in the
+    update."""
+    ref = run_onebit_lamb(Communicator(None), 8, 2, 48, "reference", coeff_refresh=1)
+    new = run_onebit_lamb(Communicator(None, device=device), 8, 2, 48, "fused", coeff_refresh=1)
+    refreshes = [False] * 3 + [True, False, True, False, False]
+    paths = ["fused" if refreshed else "fused, expanded in the update" for refreshed in refreshes]
+    assert new["refreshed"] == ref["refreshed"] == refreshes, new["refreshed"]
+    assert new["kernels"][3:] == paths[3:], new["kernels"]
+    assert new["bytes"] == ref["bytes"]
+    for a, b in zip(new["params"], ref["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new["factors"], ref["factors"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new["coefficients"], ref["coefficients"], rtol=1e-5, atol=0)
+    assert torch.all(new["masked_momentum"] == 0)
+
+
 def check_onebit_lamb_blocks_cut_by_buckets(device: str = "cpu") -> None:
     """The same on tensors of several kernel blocks (2,048 elements) with bucket
     boundaries inside blocks (every 2,000 elements), one rank: reading the average from
@@ -489,6 +510,7 @@ CHECKS = {
         check_onebit_lamb,
         check_onebit_lamb_expanded_in_the_update,
         check_onebit_lamb_blocks_cut_by_buckets,
+        check_onebit_lamb_refresh_steps,
         check_onebit_lamb_fused_resume,
         check_onebit_lamb_overlapped_folds,
         check_onebit_lamb_set_codec_keeps_the_separate_passes,
