@@ -223,23 +223,54 @@ class HierarchicalCodec(Codec):
     def lossy(self) -> bool:
         return self.inner.lossy
 
+    def _padded_size(self, numel: int) -> int:
+        """The elements averaged: ``numel`` zero-padded to a multiple of the node's ranks."""
+        local = self.groups.intra.world_size
+        return -(-numel // local) * local
+
     def all_reduce(self, tensors, key: str, last: bool = True) -> None:
         if self.comm.alone or not tensors:
             return
-        intra = self.groups.intra
-        local = intra.world_size
         flat = self._flatten(tensors)
         numel = flat.numel()
-        size = -(-numel // local) * local
-        padded = torch.zeros(size, dtype=torch.float32, device=flat.device)
+        padded = torch.zeros(self._padded_size(numel), dtype=torch.float32, device=flat.device)
         padded[:numel] = flat
-        mine = torch.empty(size // local, dtype=torch.float32, device=flat.device)
+        self._average(padded, key, last)
+        self._unflatten(padded[:numel], tensors)
+
+    def all_reduce_fused(
+        self, buffer: torch.Tensor, numel: int, key: str, sizes=()
+    ) -> torch.Tensor | None:
+        """:meth:`all_reduce` of ``buffer[:numel]`` without its three copies of the whole
+        buffer: the reduce-scatter reads the fused buffer where it is and the all-gather
+        writes the average back there (the buffer's zero padding stands in for the
+        copy's; it is zeroed again after). The same numbers; where the buffer is too short
+        to hold the padding, :meth:`all_reduce` as before."""
+        if self.comm.alone or numel == 0:
+            return None
+        size = self._padded_size(numel)
+        if buffer.numel() < size or buffer.dtype != torch.float32 or not buffer.is_contiguous():
+            return super().all_reduce_fused(buffer, numel, key, sizes)
+        region = buffer[:size]
+        region[numel:].zero_()
+        self._average(region, key, last=True)
+        region[numel:].zero_()  # the inner codec's average of the padding
+        return None
+
+    def _average(self, padded: torch.Tensor, key: str, last: bool) -> None:
+        """In place: every rank's ``padded`` (flat fp32, a multiple of the node's ranks)
+        replaced by its mean over all ranks: the node's mean of this rank's slice
+        (reduce-scatter), that slice averaged across nodes by the inner codec, then the
+        slices gathered inside the node."""
+        intra = self.groups.intra
+        mine = torch.empty(
+            padded.numel() // intra.world_size, dtype=torch.float32, device=padded.device
+        )
         kind = self.comm.kind  # the caller's kind of traffic, on all three communicators
         with intra.traffic(kind), self.inner.comm.traffic(kind):
-            intra.reduce_scatter(mine, padded)  # the node's mean of this rank's slice
+            intra.reduce_scatter(mine, padded)
             self.inner.all_reduce([mine], key, last=last)
             intra.all_gather(padded, mine)
-        self._unflatten(padded[:numel], tensors)
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()
