@@ -24,7 +24,7 @@ here either. Slow (the interpreter runs each program in Python): about a minute 
 bert-tiny's parameters on 2 cores.
 
     python -m bench.kernel_bytes [--model bert-tiny] [--vocab-size 1000] [--world-size 1]
-                                 [--separate-passes] [--overlap]
+                                 [--separate-passes] [--overlap] [--refresh]
 
 Runs itself again in a child process with ``TRITON_INTERPRET=1`` when the interpreter is
 not on (Triton fixes its mode when it is imported).
@@ -128,13 +128,16 @@ def step_bytes(
     comm=None,
     separate_passes: bool = False,
     overlap: bool = False,
+    refresh: bool = False,
 ) -> dict:
     """One fused step of optimizer ``name`` on ``model``'s parameters, counted (on this
     rank of ``comm``'s group; default: one rank). ``separate_passes``: 1-bit LAMB with
     its fold and the expansion in passes of their own
     (:attr:`~onebit_bert.optim.OneBitLamb.expand_in_update` off). ``overlap``: 1-bit
     LAMB's step overlapped with the backward pass (``comm.overlap``), each gradient handed
-    over as its hook would, last parameter first."""
+    over as its hook would, last parameter first. ``refresh``: 1-bit LAMB's counted step
+    refreshes its coefficients (``coeff_refresh``: the momentum averaged exactly, outside
+    the kernels)."""
     import torch
 
     from bench.yardstick import optimizer_bytes_per_parameter, optimizer_on_preset
@@ -144,6 +147,8 @@ def step_bytes(
     opt.set_kernels("fused")
     if separate_passes:
         opt.expand_in_update = False
+    if refresh and hasattr(opt, "coeff_refresh"):
+        opt.coeff_refresh = opt.coeff_refresh_max = 1  # every compression step refreshes
     world_size = comm.world_size if comm is not None else 1
     for _ in range(2):  # the warmup stage's step, then the first compressing one
         opt.step()
@@ -174,6 +179,7 @@ def step_bytes(
         "stage": getattr(opt, "stage", None),
         "kernels_path": getattr(opt, "last_step_kernels", "fused"),
         "overlapped": overlapped,
+        "refreshed": getattr(opt, "last_refreshed", False),
         "params": params,
         "kernels": kernels,
         "bytes_per_parameter": round(total, 2),
@@ -200,22 +206,38 @@ def outside_kernels(events, least: int) -> list[dict]:
         while parent is not None and not inside:
             inside = parent.name == KERNEL_RANGE or parent.name.startswith("aten::")
             parent = parent.cpu_parent
-        elements = max((_numel(shape) for shape in e.input_shapes or []), default=0)
-        if not inside and elements >= least:
+        if inside:
+            continue
+        # a foreach operation records no shapes for its tensor list on the CPU, where it
+        # runs as one operation per tensor: those count for it
+        parts = sum(_largest(c) for c in e.cpu_children if c.name.startswith("aten::"))
+        elements = max(_largest(e), parts)
+        if elements >= least:
             found[e.name, elements] += 1
     return [{"op": op, "elements": n, "calls": c} for (op, n), c in sorted(found.items())]
 
 
+def _largest(event) -> int:
+    """The elements of an event's largest recorded input."""
+    return max((_numel(shape) for shape in event.input_shapes or []), default=0)
+
+
 def _numel(shape) -> int:
-    """Elements of one recorded input shape (0 for a scalar, a non-tensor or a list)."""
-    if not shape or not all(isinstance(size, int) for size in shape):
+    """Elements of one recorded input: a tensor's shape, or a list of tensors' shapes (a
+    foreach operation's) summed; 0 for a scalar or a non-tensor."""
+    if not shape:
         return 0
-    return math.prod(shape)
+    if all(isinstance(size, int) for size in shape):
+        return math.prod(shape)
+    if all(isinstance(item, list) for item in shape):
+        return sum(_numel(item) for item in shape)
+    return 0
 
 
-def _rank_main(rank, world_size, store, out_path, model, vocab_size, separate_passes, overlap):
-    """One gloo rank of ``--world-size``: both steps counted here; rank 0 saves its rows
-    (every rank does the same share of the work)."""
+def _rank_main(rank, world_size, store, out_path, model, vocab_size, variant):
+    """One gloo rank of ``--world-size``: both steps counted here (``variant``:
+    :func:`step_bytes`'s switches); rank 0 saves its rows (every rank does the same share
+    of the work)."""
     import torch
     import torch.distributed as dist
 
@@ -226,10 +248,7 @@ def _rank_main(rank, world_size, store, out_path, model, vocab_size, separate_pa
     init_gloo(rank, world_size, store)
     try:
         comm = Communicator(dist.group.WORLD)
-        rows = [
-            step_bytes(name, model, vocab_size, comm, separate_passes, overlap)
-            for name in OPTIMIZERS
-        ]
+        rows = [step_bytes(name, model, vocab_size, comm, **variant) for name in OPTIMIZERS]
         if rank == 0:
             torch.save(rows, out_path)
     finally:
@@ -262,7 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         help="1-bit LAMB's step overlapped with the backward pass (comm.overlap), the "
         "gradients handed over one by one as their hooks would",
     )
+    parser.add_argument(
+        "--refresh",
+        action="store_true",
+        help="1-bit LAMB's counted step refreshes its coefficients (optimizer.coeff_refresh; "
+        "the exact average runs outside the kernels)",
+    )
     args = parser.parse_args(argv)
+    if args.refresh and args.overlap:
+        parser.error("--refresh and --overlap: a refresh step does not overlap")
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
     from onebit_bert.kernels import interpreting, triton_available
@@ -273,28 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         command = [sys.executable, "-m", "bench.kernel_bytes", *(argv or sys.argv[1:])]
         return subprocess.run(command, cwd=REPO, env=env).returncode
+    variant = dict(separate_passes=args.separate_passes, overlap=args.overlap, refresh=args.refresh)
     if args.world_size > 1:
         from bench.common import run_gloo_ranks
 
-        rows = run_gloo_ranks(
-            _rank_main,
-            args.world_size,
-            args.model,
-            args.vocab_size,
-            args.separate_passes,
-            args.overlap,
-        )
+        rows = run_gloo_ranks(_rank_main, args.world_size, args.model, args.vocab_size, variant)
     else:
-        rows = [
-            step_bytes(
-                name,
-                args.model,
-                args.vocab_size,
-                separate_passes=args.separate_passes,
-                overlap=args.overlap,
-            )
-            for name in OPTIMIZERS
-        ]
+        rows = [step_bytes(name, args.model, args.vocab_size, **variant) for name in OPTIMIZERS]
     print(json.dumps({"benchmark": "kernel_bytes", "model": args.model, "steps": rows}))
     return 0
 

@@ -740,6 +740,17 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     sums = [run["kernels"]["sum_squares"]["bytes_per_parameter"] for run in (overlapped, onebit)]
     assert sums[0] == sums[1], sums
     assert {op["op"] for op in overlapped["outside_kernels"]} == {"aten::copy_"}
+    # a refresh step (coeff_refresh) runs in the kernels too: fold, measure, step, and
+    # outside them only the parameters' norms (the exact average is a no-op on one rank)
+    _, refreshed = counted("--refresh")
+    assert refreshed["refreshed"] and refreshed["kernels_path"] == "fused"
+    assert set(refreshed["kernels"]) == {
+        "onebit_fold",
+        "onebit_measure",
+        "scaled_step",
+        "segment_reduce",
+    }
+    assert [op["op"] for op in refreshed["outside_kernels"]] == ["aten::_foreach_norm"]
     # outside the kernels: nothing for LAMB; for 1-bit LAMB only the message's bytes (an
     # eighth of an element each), copied for the exchange at one rank
     assert lamb["outside_kernels"] == []
