@@ -229,8 +229,20 @@ class HierarchicalCodec(Codec):
         return -(-numel // local) * local
 
     def all_reduce(self, tensors, key: str, last: bool = True) -> None:
+        """Average ``tensors`` (module docstring); one contiguous fp32 tensor whose size
+        the node's ranks divide (a DDP bucket's buffer, say) is averaged where it is,
+        the others through a zero-padded copy of them all."""
         if self.comm.alone or not tensors:
             return
+        if len(tensors) == 1:
+            t = tensors[0]
+            if (
+                t.dtype == torch.float32
+                and t.is_contiguous()
+                and self._padded_size(t.numel()) == t.numel()
+            ):
+                self._average(t.view(-1), key, last)
+                return
         flat = self._flatten(tensors)
         numel = flat.numel()
         padded = torch.zeros(self._padded_size(numel), dtype=torch.float32, device=flat.device)

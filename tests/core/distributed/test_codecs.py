@@ -449,10 +449,11 @@ def _copied(run) -> int:
     return Copies.elements
 
 
-def _hierarchical_fused(comm, local_world_size, name):
+def _hierarchical_fused(comm, local_world_size, name, whole=False):
     """Three averages of a fused buffer (387 elements, zero-padded to 400) by two
     hierarchical codecs with the same state: one through ``all_reduce`` of its first 387
-    elements, one through ``all_reduce_fused`` in place; the elements each copied."""
+    elements, one through ``all_reduce_fused`` in place; with ``whole``, ``all_reduce`` of
+    388 elements as two tensors and as one. The elements each copied."""
     cfg = CommConfig(compression=CompressionConfig(grad=name), hierarchy="node", int8_block=32)
     codecs = [
         CommPolicy(cfg, comm, comm.rank % local_world_size, local_world_size).codec("grad", c)
@@ -465,6 +466,12 @@ def _hierarchical_fused(comm, local_world_size, name):
         "plain": lambda codec, buffer: codec.all_reduce([buffer[:numel]], "g"),
         "fused": lambda codec, buffer: codec.all_reduce_fused(buffer, numel, "g"),
     }
+    if whole:  # one tensor of 388 elements (2 divides it) against the same in two pieces
+        numel = 388
+        averages = {
+            "plain": lambda codec, buffer: codec.all_reduce([buffer[:100], buffer[100:388]], "g"),
+            "fused": lambda codec, buffer: codec.all_reduce([buffer[:388]], "g"),
+        }
     for _ in range(3):
         values = torch.randn(numel, generator=g)
         for (way, buffer), codec in zip(buffers.items(), codecs, strict=True):
@@ -486,6 +493,18 @@ def test_hierarchy_averages_a_fused_buffer_in_place(name):
             assert torch.all(fused[387:] == 0)
         saved = [a - b for a, b in zip(r["copied"]["plain"], r["copied"]["fused"], strict=True)]
         assert saved == [3 * 387] * 3, r["copied"]
+
+
+@pytest.mark.parametrize("name", ["none", "onebit"])
+def test_hierarchy_averages_one_tensor_in_place(name):
+    """2 nodes x 2 ranks: one contiguous tensor whose size the node's 2 ranks divide (a DDP
+    bucket's buffer) is averaged where it is, with the bits of the same elements passed
+    as two tensors (which go through a padded copy)."""
+    for r in run_ranks(_hierarchical_fused, 4, 2, name, True):
+        for plain, whole in zip(r["outs"]["plain"], r["outs"]["fused"], strict=True):
+            assert torch.equal(plain, whole)
+        saved = [a - b for a, b in zip(r["copied"]["plain"], r["copied"]["fused"], strict=True)]
+        assert saved == [3 * 388] * 3, r["copied"]
 
 
 def test_hierarchy_needs_ranks_numbered_node_by_node():
