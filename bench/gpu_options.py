@@ -177,7 +177,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--rows-out: no folder {args.rows_out.parent} to write {args.rows_out} in")
     fused = [impl for impl in args.impl if impl != "reference"]
     if fused:
-        from onebit_bert.kernels import interpreting, triton_available
+        from onebit_bert.kernels import interpreter_problem, interpreting, triton_available
 
         named = ",".join(fused)
         if not triton_available():
@@ -186,6 +186,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(
                 f"--impl {named} on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)"
             )
+        if args.device == "cpu" and interpreter_problem() is not None:
+            parser.error(f"--impl {named} on the CPU: {interpreter_problem()}")
     if args.warmup_steps < 2:
         parser.error(
             "--warmup-steps must be >= 2: the first steps compile, switch 1-bit LAMB to its "

@@ -292,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--refresh and --overlap: a refresh step does not overlap")
     if args.world_size < 1:
         parser.error("--world-size must be at least 1")
-    from onebit_bert.kernels import interpreting, triton_available
+    from onebit_bert.kernels import interpreter_problem, interpreting, triton_available
 
     if not triton_available():
         parser.error("needs Triton (pip install '.[gpu]')")
+    if interpreter_problem() is not None:
+        parser.error(interpreter_problem())
     if not interpreting():
         env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         command = [sys.executable, "-m", "bench.kernel_bytes", *(argv or sys.argv[1:])]

@@ -33,6 +33,12 @@ under a minute on 2 cores.
 
     python -m bench.kernel_compile [--arch 90] [--model bert-tiny] [--vocab-size 300]
 
+To check another Triton (a GPU machine's own), record the launches once with one whose
+interpreter runs the kernels, then compile them with the other:
+
+    TRITON_INTERPRET=1 python -m bench.kernel_compile --record launches.json
+    PYTHONPATH=<the other Triton> python -m bench.kernel_compile --launches launches.json
+
 A signature compiled here is the launch's types, not its values: Triton's runtime also
 specialises on an integer's divisibility by 16 and on a value of 1. Those variants are not
 compiled here; they change the code's alignment hints, not what compiles.
@@ -228,9 +234,7 @@ def compile_all(entries: list[dict], arch: int) -> list[dict]:
         }
         started = time.perf_counter()
         try:
-            source = ASTSource(
-                fn=fn, signature=entry["signature"], constexprs=constexprs, attrs=attrs
-            )
+            source = _source(ASTSource, fn, entry, names, constexprs, attrs)
             compiled = triton.compile(source, target=target)
             row["ptx_bytes"] = len(compiled.asm["ptx"])
             row["cubin_bytes"] = len(compiled.asm["cubin"])
@@ -244,6 +248,24 @@ def compile_all(entries: list[dict], arch: int) -> list[dict]:
     return results
 
 
+def _source(ast_source, fn, entry: dict, names: list[str], constexprs: dict, attrs: dict):
+    """The compiler's input for one signature: Triton 3.3 and later take the constexprs
+    and attributes by argument position; 3.2 takes the constexprs by name and the
+    divisibility hints as an ``AttrsDescriptor``."""
+    parameters = inspect.signature(ast_source.__init__).parameters
+    if "constexprs" in parameters:
+        return ast_source(fn=fn, signature=entry["signature"], constexprs=constexprs, attrs=attrs)
+    from triton.backends.compiler import AttrsDescriptor
+
+    hints = {names.index(n): 16 for n in entry["divisible"]}
+    return ast_source(
+        fn=fn,
+        signature=entry["signature"],
+        constants=dict(entry["constexprs"]),
+        attrs=AttrsDescriptor.from_hints(hints),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.kernel_compile", description=__doc__.splitlines()[0]
@@ -253,12 +275,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", default="bert-tiny", help="the parameters' preset")
     parser.add_argument("--vocab-size", type=int, default=300, help="embedding rows (300)")
-    parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)  # the child's output
+    parser.add_argument(
+        "--record",
+        type=Path,
+        help="only record the launches, as JSON, to this file (under TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
+        "--launches",
+        type=Path,
+        help="compile the launches --record wrote to this file instead of recording them "
+        "(e.g. with another Triton than the one that recorded them)",
+    )
     args = parser.parse_args(argv)
-    from onebit_bert.kernels import interpreting, triton_available
+    from onebit_bert.kernels import interpreter_problem, interpreting, triton_available
 
     if not triton_available():
         parser.error("needs Triton (pip install '.[gpu]')")
+    if args.launches is None and interpreter_problem() is not None:  # records in it
+        parser.error(f"{interpreter_problem()}; or --launches from a recording made there")
     if args.record is not None:
         if not interpreting():
             parser.error("--record runs under TRITON_INTERPRET=1")
@@ -266,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if interpreting():
         parser.error("compiling needs Triton's compiled mode: unset TRITON_INTERPRET")
+    if args.launches is not None:
+        if not args.launches.is_file():
+            parser.error(f"--launches: no file {args.launches} (write one with --record)")
+        return _report(
+            compile_all(with_every_flag(json.loads(args.launches.read_text())), args.arch),
+            args.arch,
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "launches.json"
         env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -275,13 +316,20 @@ def main(argv: list[str] | None = None) -> int:
         if child.returncode != 0:
             return child.returncode
         entries = json.loads(path.read_text())
-    results = compile_all(with_every_flag(entries), args.arch)
+    return _report(compile_all(with_every_flag(entries), args.arch), args.arch)
+
+
+def _report(results: list[dict], arch: int) -> int:
+    """Print the JSON line; 1 if any signature failed."""
+    import triton
+
     failed = [r for r in results if "error" in r]
     print(
         json.dumps(
             {
                 "benchmark": "kernel_compile",
-                "arch": args.arch,
+                "arch": arch,
+                "triton": triton.__version__,
                 "signatures": len(results),
                 "failed": len(failed),
                 "kernels": results,

@@ -42,6 +42,41 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _version(package: str) -> tuple[int, ...] | None:
+    """``package``'s installed version as numbers (release part only), or None."""
+    from importlib import metadata
+
+    try:
+        text = metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+    numbers = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    return tuple(numbers)
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run these kernels here, or None. Before Triton 3.7
+    the interpreter turns a scalar loaded from memory (a loop bound) into a Python int in a
+    way NumPy 2.4 and later refuse; compiled for a GPU the same kernels build with Triton
+    3.2 and later."""
+    triton, numpy = _version("triton"), _version("numpy")
+    if triton is None or numpy is None or triton >= (3, 7) or numpy < (2, 4):
+        return None
+    return (
+        f"Triton {'.'.join(map(str, triton))}'s interpreter cannot run the fused kernels with "
+        f"NumPy {'.'.join(map(str, numpy))} (it needs Triton 3.7 or later, or NumPy below "
+        f"2.4; make setup installs a Triton that can); on a GPU they compile either way"
+    )
+
+
 def check_kernels(kernels: str) -> None:
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
@@ -66,6 +101,8 @@ def use_fused(device: torch.device | str, kernels: str = "auto") -> bool:
             f"kernels=fused runs on CUDA, or on the CPU under Triton's interpreter "
             f"(TRITON_INTERPRET=1); the buffers are on {device}"
         )
+    if device.type != "cuda" and interpreter_problem() is not None:
+        raise RuntimeError(f"kernels=fused on {device}: {interpreter_problem()}")
     return True
 
 

@@ -20,7 +20,7 @@ import pytest
 from onebit_bert.distributed.codecs import OneBitCodec
 from onebit_bert.distributed.codecs.compression import SignOps, sign_ops
 from onebit_bert.distributed.comm import Communicator
-from onebit_bert.kernels import triton_available, use_fused
+from onebit_bert.kernels import interpreter_problem, triton_available, use_fused
 from tests.helpers.kernel_checks import CHECKS
 from tests.helpers.paths import REPO
 
@@ -34,6 +34,30 @@ def test_the_reference_is_chosen_on_the_cpu_unless_fused_is_asked_for(monkeypatc
         use_fused("cpu", "fused")
     with pytest.raises(ValueError, match="kernels must be one of"):
         use_fused("cpu", "fast")
+
+
+def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
+    """Triton's interpreter before 3.7 cannot run the kernels with NumPy 2.4 or later: the
+    fused kernels on the CPU are then refused with the versions and the way out, instead of
+    failing inside a kernel."""
+    import onebit_bert.kernels as kernels
+
+    versions = {"triton": (3, 6, 0), "numpy": (2, 5, 2)}
+    monkeypatch.setattr(kernels, "_version", lambda name: versions.get(name))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels.interpreter_problem.cache_clear()
+    try:
+        problem = kernels.interpreter_problem()
+        assert "Triton 3.6.0's interpreter" in problem and "NumPy 2.5.2" in problem
+        if triton_available():
+            with pytest.raises(RuntimeError, match="needs Triton 3.7 or later"):
+                use_fused("cpu", "fused")
+        for triton, numpy in (((3, 7, 1), (2, 5, 2)), ((3, 6, 0), (2, 3, 5)), (None, (2, 5))):
+            versions.update(triton=triton, numpy=numpy)
+            kernels.interpreter_problem.cache_clear()
+            assert kernels.interpreter_problem() is None, (triton, numpy)
+    finally:
+        kernels.interpreter_problem.cache_clear()
 
 
 def test_the_tables_tell_where_16_byte_accesses_are_safe():
@@ -113,6 +137,10 @@ def interpreted_checks() -> dict[str, str | None]:
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs Triton (pip install '.[gpu]')")
+@pytest.mark.skipif(
+    triton_available() and interpreter_problem() is not None,
+    reason=str(interpreter_problem()),
+)
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_fused_kernels_in_the_interpreter_match_the_reference(check, interpreted_checks):
     assert check in interpreted_checks, f"{check} did not run"
