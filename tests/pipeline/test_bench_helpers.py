@@ -390,11 +390,14 @@ def test_step_profile_counts_kernels_launched_in_the_optimizer_step_as_its_own()
     from bench.step_profile import device_work, summarise
 
     def event(id, name, start, end, kind, linked=0, cuda=False):
-        return FunctionEvent(
-            id=id, name=name, thread=1, start_us=start, end_us=end, activity_type=kind,
-            device_type=DeviceType.CUDA if cuda else DeviceType.CPU, linked_correlation_id=linked,
+        made = FunctionEvent(
+            id=id, name=name, thread=1, start_us=start, end_us=end,
+            device_type=DeviceType.CUDA if cuda else DeviceType.CPU,
             is_user_annotation=kind.endswith("user_annotation"),
         )  # fmt: skip
+        # set as torch 2.13's profiler sets them (older builds take neither as an argument)
+        made.activity_type, made.linked_correlation_id = kind, linked
+        return made
 
     step = event(1, "Optimizer.step#Lamb.step", 20, 60, "user_annotation")
     foreach = event(8, "aten::_foreach_add_", 22, 30, "cpu_op")  # id 8: the NCCL kernel's too
