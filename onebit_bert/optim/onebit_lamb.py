@@ -22,7 +22,7 @@ averaged exactly (an fp32 all-reduce instead of the 1-bit one) and every layer's
 reset so that ``c·f`` equals LAMB's clipped trust ratio of that exact momentum against the
 frozen second moment: that step has LAMB's step norm, and ``f`` carries on from it. With
 16 and 512 a 6,000-step run with the freeze at 800 refreshes 14 times. With the fused
-kernels a refresh step folds and updates in them, with the separate expansion, and takes
+kernels a refresh step folds and updates in them (the exact average in between) and takes
 the parameters' norms in one more pass. It failed its pre-registered parity gate in
 the stretched regime, where it needed more samples than the authors' algorithm
 (docs/results/parity_long_refresh/README.md).
@@ -172,8 +172,8 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self._full_masks: dict = {}
         self._segments_cache: tuple | None = None  # the blocks' buckets, on the device
         self._folded_plan: FoldedSquares | None = None  # overlapped steps' sums, per layout
-        self._fold_beside = False  # the armed overlapped step folds into the scratch buffer
-        self._folded: FoldedSquares | None = None  # and sums the bucket's squares there
+        # the armed overlapped step folds beside the momentum and sums the squares there
+        self._folded: FoldedSquares | None = None
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
         self.last_refreshed = False
@@ -231,7 +231,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         if overlapped is not None:  # folded and all-reduced during the backward pass
             overlapped.finish()
             signs = overlapped.signs
-            self._fold_beside, self._folded = False, None
+            self._folded = None
         else:
             self._prepare_compression(members, flat)
             if not refresh and self._expands_in_update(layout):
@@ -411,11 +411,12 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self, group: dict, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None
     ) -> bool:
         """:meth:`_fold_for_compression` in one kernel; in an overlapped step that reads
-        the average in the update (``_fold_beside``) the folded momentum goes to the
-        scratch buffer instead and the momentum stays. False where it does not apply."""
+        the average in the update (armed with :class:`FoldedSquares`) each parameter's
+        folded momentum goes to the scratch buffer instead, the momentum stays and the
+        worker's sums are made (:meth:`_fold_summing`). False where it does not apply."""
         if not self._fits(params):
             return False
-        if self._fold_beside and self._folded is not None:
+        if self._folded is not None:
             for p in params:  # each with its bucket-cut blocks, their sums in place
                 self._fold_summing(group, p, grad_scale)
             return True
@@ -453,9 +454,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         )
 
     def _bucket_squares(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self._fold_beside or self._folded is None:
-            return None
-        return self._folded.bucket(index)
+        return None if self._folded is None else self._folded.bucket(index)
 
     def _fused_compressed_update(self, group, params, previous, offset, refresh=False):
         """:meth:`_compressed_update` in two passes of fused kernels (a refresh step also
@@ -492,9 +491,8 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         """An overlapped step that can read the average in the update folds each gradient
         beside the momentum, into the scratch buffer, which the codec compresses and
         leaves unexpanded; otherwise the fused buffer, as the base class does."""
-        self._fold_beside = self._expands_in_update(layout)
         self._folded = None
-        if self._fold_beside:
+        if self._expands_in_update(layout):
             feedback = self.codec.fused_feedback(FUSED, self._flat_numel)
             step, buckets = feedback.buckets[0].size, len(feedback.buckets)
             params = [p for _, ps in layout for p in ps]
@@ -669,7 +667,6 @@ class FoldedSquares:
             self._places[id(p)] = (table, first)
             ids.extend((start + at) // step for at in table.block_positions)
             first += table.blocks
-        self._tables = tables  # kept, so that no other table takes one of their ids
         device = params[0].device
         self.sums = torch.empty(2, first, dtype=torch.float32, device=device)
         """Row 0: each block's sum of ``x²``; row 1: of ``(x + worker error)²``."""
