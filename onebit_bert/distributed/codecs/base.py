@@ -207,7 +207,8 @@ class Codec:
         FusedOneBitBuckets` has them): ``measures`` and ``relative_error()``, the error
         figure from sums its kernels made while compressing (the caller then takes no norms
         itself); with ``keep=True`` (a codec whose ``expands_later``), ``signs()``, the
-        average left unexpanded."""
+        average left unexpanded, and ``start(index, squares)``, the bucket's sums of
+        squares taken from a caller that made them."""
         raise NotImplementedError(f"the {self.name} codec cannot overlap its buckets")
 
     def reset(self) -> None:
