@@ -73,6 +73,24 @@ def syncs_by_itself(optimizer) -> bool:
 
 
 @contextlib.contextmanager
+def _plain_cpu_device(args):
+    """While the block runs, a CPU rank's ``args.device`` reads ``cpu`` instead of
+    ``cpu:<n>``. Accelerate gives each CPU rank of a multi-process run an indexed device,
+    and older transformers (5.17, for one) load the optimizer state with it as
+    ``map_location``, which torch cannot restore. Where ``args`` does not cache its device
+    as those versions do, nothing changes."""
+    cached = vars(args).get("_setup_devices")
+    if not isinstance(cached, torch.device) or cached.type != "cpu" or cached.index is None:
+        yield
+        return
+    vars(args)["_setup_devices"] = torch.device("cpu")
+    try:
+        yield
+    finally:
+        vars(args)["_setup_devices"] = cached
+
+
+@contextlib.contextmanager
 def _loading_per_rank(optimizer, per_rank):
     """While the block runs, ``optimizer.load_state_dict`` takes ``per_rank`` as the
     state's per-rank part (instead of what the shared file holds: rank 0's)."""
@@ -137,11 +155,13 @@ class OneBitTrainerMixin:
         path = None if checkpoint is None else self._per_rank_path(checkpoint)
         if path is None or not os.path.isfile(path):
             # no per-rank part (another optimizer, or a checkpoint without it): Trainer's way
-            super()._load_optimizer_and_scheduler(checkpoint)
+            with _plain_cpu_device(self.args):
+                super()._load_optimizer_and_scheduler(checkpoint)
             return
         device = self.args.device
         per_rank = torch.load(
             path, map_location="cpu" if device.type == "cpu" else device, weights_only=True
         )
-        with _loading_per_rank(unwrap_optimizer(self.optimizer), per_rank):
+        optimizer = unwrap_optimizer(self.optimizer)
+        with _loading_per_rank(optimizer, per_rank), _plain_cpu_device(self.args):
             super()._load_optimizer_and_scheduler(checkpoint)

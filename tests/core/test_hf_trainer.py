@@ -134,3 +134,29 @@ def test_lamb_trains_saves_and_resumes_under_the_mixin_on_two_ranks(tmp_path):
         assert result["restored"]["state"]  # LAMB's moments were restored, not empty
     # plain DDP averaged every gradient: both ranks hold the same LAMB state
     assert _same(results[0]["saved"]["state"], results[1]["saved"]["state"])
+
+
+def test_a_cpu_rank_loads_with_a_plain_cpu_device_while_resuming(tmp_path):
+    """Older transformers load a multi-rank run's optimizer state with ``args.device`` as
+    ``map_location``; accelerate makes that ``cpu:<n>`` on CPU ranks, which torch cannot
+    restore. While the mixin resumes, such a cached device reads ``cpu``; others stay."""
+    from types import SimpleNamespace
+
+    from onebit_bert.hf_trainer import _plain_cpu_device
+
+    path = tmp_path / "state.pt"
+    torch.save({"t": torch.ones(2)}, path)
+    with pytest.raises(RuntimeError, match="restore data location"):  # what it works around
+        torch.load(path, map_location=torch.device("cpu", 1))
+    indexed = SimpleNamespace(_setup_devices=torch.device("cpu", 1))
+    with _plain_cpu_device(indexed):
+        assert indexed._setup_devices == torch.device("cpu")
+        assert torch.equal(
+            torch.load(path, map_location=indexed._setup_devices)["t"], torch.ones(2)
+        )
+    assert indexed._setup_devices == torch.device("cpu", 1)
+    for device in (torch.device("cpu"), torch.device("cuda", 0), None):
+        args = SimpleNamespace() if device is None else SimpleNamespace(_setup_devices=device)
+        with _plain_cpu_device(args):
+            assert vars(args).get("_setup_devices") == device
+        assert vars(args).get("_setup_devices") == device
