@@ -359,9 +359,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         factor, trust = self._factor_and_trust(group, states, factor, norms)
         if refresh:  # c·f becomes LAMB's trust ratio of the exact momentum
             ratio = trust_ratios(params, update, group["min_coeff"], group["max_coeff"])
-            coeffs = [st["lamb_coeff"] for st in states]
-            torch._foreach_copy_(coeffs, list((ratio / factor).unbind(0)))
-            trust = torch.stack(coeffs) * factor
+            trust = _refreshed_trust(states, ratio, factor)
         torch._foreach_mul_(update, list((trust * -lr).unbind(0)))
         torch._foreach_add_(params, update)
         return factor, trust
@@ -459,8 +457,6 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     def _fused_compressed_update(self, group, params, previous, offset, refresh=False):
         """:meth:`_compressed_update` in two passes of fused kernels (a refresh step also
         takes the parameters' norms)."""
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         second = [st["exp_avg_sq"] for st in states]
@@ -477,11 +473,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             second,
             params,
             torch.stack([st["scaling_coeff"] for st in states]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=wd,
-            mask_untrained=self.mask_untrained,
+            **self._measure_settings(group),
             norms=refresh,
         )
         return self._fused_step(group, states, table, params, measured, refresh)
@@ -594,8 +586,6 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     def _update_from_signs(self, group, params, signs, offset):
         """:meth:`_fused_compressed_update` reading the averaged momentum from ``signs``
         (the old momentum from where it still is) instead of an expanded buffer."""
-        beta1, beta2 = group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
         states = [self.state[p] for p in params]
         momenta = [st["exp_avg"] for st in states]
         second = [st["exp_avg_sq"] for st in states]
@@ -610,13 +600,20 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             [offset + at for at in _starts(params)],
             signs,
             torch.stack([st["scaling_coeff"] for st in states]),
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=wd,
-            mask_untrained=self.mask_untrained,
+            **self._measure_settings(group),
         )
         return self._fused_step(group, states, table, params, measured)
+
+    def _measure_settings(self, group: dict) -> dict:
+        """The measuring kernels' settings for ``group``."""
+        beta1, beta2 = group["betas"]
+        return dict(
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            mask_untrained=self.mask_untrained,
+        )
 
     def _fused_step(self, group, states, table, params, measured, refresh=False):
         """From a measuring kernel's ``(largest drift, norm of u, norm of u + wd·w)``: the
@@ -624,7 +621,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         that ``c·f`` is LAMB's trust ratio, as :meth:`_compressed_update` sets it), then the
         step in one kernel."""
         factor, norm_plain, norm_decayed = measured
-        wd = group["weight_decay"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         norms = None if wd == 0.0 else (norm_plain, norm_decayed)
         factor, trust = self._factor_and_trust(group, states, factor, norms)
         if refresh:
@@ -632,12 +629,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             ratio = trust_ratios_from_norms(
                 w_norm, norm_decayed, group["min_coeff"], group["max_coeff"]
             )
-            coeffs = [st["lamb_coeff"] for st in states]
-            torch._foreach_copy_(coeffs, list((ratio / factor).unbind(0)))
-            trust = torch.stack(coeffs) * factor
+            trust = _refreshed_trust(states, ratio, factor)
         momenta = [st["exp_avg"] for st in states]
         second = [st["exp_avg_sq"] for st in states]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         multi_tensor.scaled_step(table, params, momenta, second, trust * -lr, eps, wd)
         return factor, trust
 
@@ -688,6 +682,14 @@ class FoldedSquares:
         pair = slice(2 * index, 2 * index + 2)
         out = multi_tensor.segment_sums(self.sums.view(-1), self._first[pair], self._count[pair])
         return out[0], out[1]
+
+
+def _refreshed_trust(states: list[dict], ratio: torch.Tensor, factor: torch.Tensor):
+    """A refresh step's trust ratios: each layer's ``c`` set to ``ratio / f`` (LAMB's
+    trust ratio over the factor), so that ``c·f`` is LAMB's."""
+    coeffs = [st["lamb_coeff"] for st in states]
+    torch._foreach_copy_(coeffs, list((ratio / factor).unbind(0)))
+    return torch.stack(coeffs) * factor
 
 
 def _segments(ids: list[int], n: int) -> tuple[list[int], list[int]]:
