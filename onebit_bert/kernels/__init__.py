@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 
 import torch
 
@@ -43,7 +44,8 @@ def interpreting() -> bool:
 
 
 def _version(package: str) -> tuple[int, ...] | None:
-    """``package``'s installed version as numbers (release part only), or None."""
+    """``package``'s installed version as numbers (release part only), or None where it
+    is not installed or its version does not start with a number."""
     from importlib import metadata
 
     try:
@@ -52,13 +54,13 @@ def _version(package: str) -> tuple[int, ...] | None:
         return None
     numbers = []
     for part in text.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
+        digits = re.match(r"\d+", part)
+        if digits is None:
             break
-        numbers.append(int(digits))
-        if len(digits) != len(part):
+        numbers.append(int(digits.group()))
+        if digits.end() != len(part):  # "0rc1": the release part ends here
             break
-    return tuple(numbers)
+    return tuple(numbers) or None
 
 
 @functools.cache

@@ -40,8 +40,14 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
     """Triton's interpreter before 3.7 cannot run the kernels with NumPy 2.4 or later: the
     fused kernels on the CPU are then refused with the versions and the way out, instead of
     failing inside a kernel."""
+    from importlib import metadata
+
     import onebit_bert.kernels as kernels
 
+    for text, numbers in [("2.11.0+cu130", (2, 11, 0)), ("3.0.0rc1", (3, 0, 0)), ("dev", None)]:
+        with monkeypatch.context() as patched:
+            patched.setattr(metadata, "version", lambda name, text=text: text)
+            assert kernels._version("triton") == numbers, text
     versions = {"triton": (3, 6, 0), "numpy": (2, 5, 2)}
     monkeypatch.setattr(kernels, "_version", lambda name: versions.get(name))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
