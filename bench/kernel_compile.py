@@ -296,26 +296,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.record is not None:
         if not interpreting():
             parser.error("--record runs under TRITON_INTERPRET=1")
-        args.record.write_text(json.dumps(record(args.model, args.vocab_size)))
+        partial = args.record.with_name(args.record.name + ".tmp")
+        partial.write_text(json.dumps(record(args.model, args.vocab_size)))
+        os.replace(partial, args.record)  # no half-written recording
         return 0
     if interpreting():
         parser.error("compiling needs Triton's compiled mode: unset TRITON_INTERPRET")
     if args.launches is not None:
-        if not args.launches.is_file():
-            parser.error(f"--launches: no file {args.launches} (write one with --record)")
-        return _report(
-            compile_all(with_every_flag(json.loads(args.launches.read_text())), args.arch),
-            args.arch,
-        )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "launches.json"
-        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-        command = [sys.executable, "-m", "bench.kernel_compile", "--model", args.model,
-                   "--vocab-size", str(args.vocab_size), "--record", str(path)]  # fmt: skip
-        child = subprocess.run(command, cwd=REPO, env=env)
-        if child.returncode != 0:
-            return child.returncode
-        entries = json.loads(path.read_text())
+        try:
+            entries = json.loads(args.launches.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            parser.error(f"--launches {args.launches}: {err} (write one with --record)")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "launches.json"
+            env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+            command = [sys.executable, "-m", "bench.kernel_compile", "--model", args.model,
+                       "--vocab-size", str(args.vocab_size), "--record", str(path)]  # fmt: skip
+            child = subprocess.run(command, cwd=REPO, env=env)
+            if child.returncode != 0:
+                return child.returncode
+            entries = json.loads(path.read_text())
     return _report(compile_all(with_every_flag(entries), args.arch), args.arch)
 
 
