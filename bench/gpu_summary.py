@@ -11,6 +11,8 @@ invocation (the JSON line it printed) in one folder. This reads them and prints 
 - the optimizer steps timed alone;
 - where a profiled step's time went (``profile``: shares of the wall time by category and
   the largest kernels);
+- what a profiled step's MFU is made of (:func:`mfu_table`): the matrix products' share of
+  the step times the rate they run at, and the milliseconds the rest takes;
 - packed against padded rows;
 - the GPU-speed targets, each met, missed, or not measured:
   1-bit LAMB's compression-stage samples/s at least 0.95 × LAMB's (fused kernels; eager
@@ -208,6 +210,94 @@ def profile_table(summaries: list[dict]) -> list[str]:
     return lines
 
 
+PRODUCTS = ("gemm", "attention")
+
+
+def mfu_parts(run: dict) -> dict | None:
+    """A profiled row's MFU taken apart, from its profile (None: no profile, or no peak).
+
+    The model's FLOPs (the bench's formula) over the profiled step's wall time and the peak
+    give the step's MFU *in the profile* (the profiler lengthens a host-bound step); it is
+    the products' share of the wall (gemm and attention kernels) times their rate: the
+    FLOPs over the products' own time, as a fraction of the peak. The products' time also
+    holds the heads' products, which the formula leaves out, so their rate reads a little
+    low. Each other category's milliseconds per step are what a higher MFU would take
+    away."""
+    profile, peak = run.get("profile"), run.get("peak_tflops")
+    flops = run.get("model_flops_per_step")
+    if not isinstance(profile, dict) or "error" in profile or not peak or not flops:
+        return None
+    wall, categories = profile["wall_ms_per_step"], profile["categories"]
+    products = sum(categories.get(c, 0.0) for c in PRODUCTS)
+    if wall <= 0 or products <= 0:
+        return None
+    rest = {c: categories.get(c, 0.0) for c in CATEGORIES if c not in PRODUCTS}
+    return {
+        "wall_ms": wall,
+        "products_ms": products,
+        "products_share": products / wall,
+        "products_rate": flops / (products * 1e-3) / 1e12 / peak,
+        "mfu_in_profile": flops / (wall * 1e-3) / 1e12 / peak,
+        "rest_ms": rest,
+    }
+
+
+def mfu_table(summaries: list[dict]) -> list[str]:
+    """Per profiled row: MFU = the products' share of the step × the rate they run at."""
+    rest = [c for c in CATEGORIES if c not in PRODUCTS]
+    lines = [
+        "| length | mode | optimizer | kernels | MFU in the profile | products' share "
+        "| products' rate (of peak) | " + " | ".join(f"{c} (ms)" for c in rest) + " |",
+        "|---:|---|---|---|---:|---:|---:|" + "---:|" * len(rest),
+    ]
+    for run in _ours(summaries):
+        parts = mfu_parts(run)
+        if parts is None:
+            continue
+        lines.append(
+            _line(
+                *_config(run),
+                _number(parts["mfu_in_profile"], 1, percent=True),
+                _number(parts["products_share"], 1, percent=True),
+                _number(parts["products_rate"], 1, percent=True),
+                *[_number(parts["rest_ms"][c], 2) for c in rest],
+            )
+        )
+    return lines
+
+
+def mfu_explanation(summaries: list[dict]) -> str | None:
+    """One sentence on what holds LAMB's compiled MFU at length 128 below the target, from
+    the profiled row of the best MFU (None: the target is met, or nothing was profiled)."""
+    runs = [
+        r
+        for r in _ours(summaries)
+        if r["optimizer"] == "lamb"
+        and r.get("compile")
+        and r["seq_length"] == 128
+        and r.get("mfu") is not None
+        and mfu_parts(r) is not None
+    ]
+    if not runs:
+        return None
+    run = max(runs, key=lambda r: r["mfu"])
+    if run["mfu"] >= MFU_TARGET:
+        return None
+    parts = mfu_parts(run)
+    rest = sorted(parts["rest_ms"].items(), key=lambda item: -item[1])
+    others = ", ".join(f"{name} {ms:.1f} ms" for name, ms in rest if ms > 0)
+    return (
+        f"LAMB, compiled, length 128 ({run.get('impl')} kernels): {_number(run['mfu'], 1, True)} "
+        f"MFU timed, {_number(parts['mfu_in_profile'], 1, True)} in the profile = the "
+        f"matrix products' {_number(parts['products_share'], 1, True)} of the "
+        f"{parts['wall_ms']:.1f} ms step × their {_number(parts['products_rate'], 1, True)} "
+        f"of the peak. The rest of the step: {others}. With the rest free, the products "
+        f"alone would give {_number(parts['products_rate'], 1, True)}; at their rate, "
+        f"{MFU_TARGET:.0%} needs them to fill "
+        f"{_number(min(MFU_TARGET / parts['products_rate'], 9.99), 1, True)} of the step."
+    )
+
+
 def packing_table(summaries: list[dict]) -> list[str]:
     runs = [r for s in summaries if _packing(s) for r in s["runs"] if r.get("loop") == "ours"]
     if not runs:
@@ -318,6 +408,7 @@ def render(folder: Path) -> str:
         ("Ratios within one invocation", comparison_table(summaries)),
         ("Optimizer steps alone", alone_table(summaries)),
         ("Where a step's time goes (shares of the wall time)", profile_table(summaries)),
+        ("What the MFU is made of (profiled steps)", mfu_table(summaries)),
         ("Packed against padded rows (LAMB, eager)", packing_table(summaries)),
     ]
     for title, table in sections:
@@ -327,6 +418,9 @@ def render(folder: Path) -> str:
     for t in targets(summaries):
         value = "–" if t["value"] is None else f"{t['value']:.3g}"
         out.append(f"| {t['target']} | {t['wanted']} | {value} | {t['verdict']} |")
+    explanation = mfu_explanation(summaries)
+    if explanation:
+        out += ["", f"What holds the MFU back: {explanation}"]
     return "\n".join(out) + "\n"
 
 

@@ -590,6 +590,54 @@ def test_gpu_summary_judges_each_target_from_the_figures():
     assert {t["verdict"] for t in targets([])} == {"not measured"}  # nothing ran
 
 
+def _profiled(mfu, wall, **categories):
+    """A compiled LAMB row at length 128 with a profile of ``categories`` (ms per step)."""
+    from bench.step_profile import summarise
+
+    work = [(f"kernel_{name}", name, 1000 * ms) for name, ms in categories.items()]
+    profile = summarise(work, wall, 1, "cuda kernels")
+    # 100 TFLOP per step against a peak of 1,000 TFLOP/s: 0.1 s at full rate
+    return _row("lamb", 128, True, mfu=mfu, peak_tflops=1000.0, model_flops_per_step=1e14,
+                profile=profile)  # fmt: skip
+
+
+def test_gpu_summary_takes_a_profiled_mfu_apart(tmp_path):
+    """MFU = the products' share of the step × their rate, from the profile's figures; the
+    rest in milliseconds; the sentence under the targets only where the target is missed."""
+    from bench.gpu_summary import mfu_explanation, mfu_parts, mfu_table, render
+
+    row = _profiled(0.3, 400.0, gemm=150.0, attention=50.0, optimizer=30.0, other=120.0)
+    parts = mfu_parts(row)
+    assert parts["products_ms"] == 200.0
+    assert parts["products_share"] == pytest.approx(0.5)
+    assert parts["products_rate"] == pytest.approx(0.5)  # 100 TFLOP in 0.2 s of 1,000
+    assert parts["mfu_in_profile"] == pytest.approx(parts["products_share"] * 0.5)
+    assert parts["rest_ms"] == {"communication": 0.0, "optimizer": 30.0, "other": 120.0,
+                                "idle": 50.0}  # fmt: skip
+    table = mfu_table([{"runs": [row]}])
+    assert table[2] == (
+        "| 128 | compiled | LAMB | fused | 25.0 % | 50.0 % | 50.0 % | 0.00 | 30.00 | 120.00 "
+        "| 50.00 |"
+    )
+    sentence = mfu_explanation([{"runs": [row]}])
+    assert "30.0 % MFU timed, 25.0 % in the profile" in sentence
+    assert "The rest of the step: other 120.0 ms, idle 50.0 ms, optimizer 30.0 ms." in sentence
+    assert "45% needs them to fill 90.0 % of the step" in sentence
+    # the best MFU's row is the one explained; a met target, or no profile, explains nothing
+    better = _profiled(0.4, 250.0, gemm=200.0, other=50.0)
+    assert "(250.0 ms" not in sentence and "250.0 ms step" in mfu_explanation(
+        [{"runs": [row, better]}]
+    )
+    assert mfu_explanation([{"runs": [_profiled(0.45, 250.0, gemm=200.0)]}]) is None
+    assert mfu_parts({**row, "profile": {"error": "OutOfMemoryError"}}) is None
+    assert mfu_parts({**row, "peak_tflops": None}) is None
+    assert mfu_table([{"runs": [{**row, "profile": None}]}])[2:] == []
+    (tmp_path / "bench-compiled-128.json").write_text(json.dumps({"runs": [row]}) + "\n")
+    text = render(tmp_path)
+    assert table[2] in text.split("## What the MFU is made of (profiled steps)")[1]
+    assert text.endswith(f"What holds the MFU back: {sentence}\n")
+
+
 def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny_corpus, tmp_path):
     """The summary of a folder as bench/gpu_check.sh leaves it: one invocation's JSON (a
     CPU dry run with a profile), one that timed out before its JSON but after writing its
