@@ -22,14 +22,15 @@ This tool catches that before a GPU is at hand:
 
 Each signature is compiled with the specialisation Triton's launcher gives it on a GPU:
 an argument whose address (or value) is a multiple of 16 is marked so, which lets the
-compiler access memory 16 bytes at a time.
+compiler access memory 16 bytes at a time; and with the compiler options the launch
+passed (``onebit_bert.kernels.COMPILE_OPTIONS``: FP fusion, explicitly on).
 
 Prints one JSON object: per signature, the kernel, its constexprs, the arguments marked
-divisible by 16, whether the recorded steps launched it (or it is an added combination),
-the PTX and cubin sizes, its global loads and stores by width (vector: 8 or 16 bytes at a
-time; scalar), its registers per thread and spilled bytes (``ptxas -v``) and warps per
-program, and the error if it failed. Exits 1 if any signature failed. It runs in
-under a minute on 2 cores.
+divisible by 16, the compiler options, whether the recorded steps launched it (or it is an
+added combination), the PTX and cubin sizes, its global loads and stores by width (vector:
+8 or 16 bytes at a time; scalar), its registers per thread and spilled bytes (``ptxas -v``)
+and warps per program, and the error if it failed. Exits 1 if any signature failed. It
+runs in under two minutes on 2 cores.
 
     python -m bench.kernel_compile [--arch 90] [--model bert-tiny] [--vocab-size 300]
 
@@ -176,6 +177,8 @@ def record(model: str, vocab_size: int) -> list[dict]:
             "divisible": [
                 n for n in self.arg_names if n not in constexprs and _divisible(bound[n])
             ],
+            # the compiler options the launch passed (the interpreter ignores them)
+            "options": {k: v for k, v in kwargs.items() if k not in self.arg_names},
         }
         seen.setdefault(json.dumps(entry, sort_keys=True), entry)
         return call(self, *args, **kwargs)
@@ -217,7 +220,7 @@ def compile_all(entries: list[dict], arch: int) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from onebit_bert.kernels import triton_module
+    from onebit_bert.kernels import COMPILE_OPTIONS, triton_module
 
     target = GPUTarget("cuda", arch, 32)
     results = []
@@ -231,11 +234,14 @@ def compile_all(entries: list[dict], arch: int) -> list[dict]:
             "constexprs": entry["constexprs"],
             "divisible_by_16": entry["divisible"],
             "launched": entry.get("launched", True),
+            "options": entry.get("options", COMPILE_OPTIONS),
         }
         started = time.perf_counter()
         try:
             source = _source(ASTSource, fn, entry, names, constexprs, attrs)
-            compiled = triton.compile(source, target=target)
+            # launches recorded before the options were: those every launch now passes
+            options = entry.get("options", COMPILE_OPTIONS)
+            compiled = triton.compile(source, target=target, options=dict(options))
             row["ptx_bytes"] = len(compiled.asm["ptx"])
             row["cubin_bytes"] = len(compiled.asm["cubin"])
             row.update(memory_accesses(compiled.asm["ptx"]))

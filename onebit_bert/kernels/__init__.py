@@ -29,6 +29,12 @@ import torch
 KERNELS = ("auto", "reference", "fused")
 """The accepted ``kernels`` settings."""
 
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+"""Triton's compiler options for every launch of a fused kernel: multiplies fused with
+adds, as Triton up to 3.9 does by default. Set explicitly because Triton 3.10 turns the
+default off: the kernels' results then stay those of every Triton from 3.2 on (and the
+warning Triton 3.9 gives when the option is left unset goes). The interpreter ignores it."""
+
 
 @functools.cache
 def triton_available() -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit_bert.kernels import triton_module
+from onebit_bert.kernels import COMPILE_OPTIONS, triton_module
 
 BLOCK = 2048
 """Elements per program of the element-wise passes."""
@@ -152,7 +152,13 @@ class TensorTable:
         """Per tensor, the sum (or maximum) of its blocks' partials, in block order."""
         out = torch.empty(self.count, dtype=torch.float32, device=self.device)
         triton_module("multi_tensor").segment_reduce[(self.count,)](
-            self.first_block, self.block_count, partial, out, MAX=maximum, BLOCK=REDUCE_BLOCK
+            self.first_block,
+            self.block_count,
+            partial,
+            out,
+            MAX=maximum,
+            BLOCK=REDUCE_BLOCK,
+            **COMPILE_OPTIONS,
         )
         return out
 
@@ -171,6 +177,7 @@ class TensorTable:
             BLOCK=self.block,
             **pointers,
             **arguments,
+            **COMPILE_OPTIONS,
         )
 
 
@@ -451,6 +458,6 @@ def segment_sums(partial: torch.Tensor, first: torch.Tensor, count: torch.Tensor
     same bits on every run)."""
     out = torch.empty(first.numel(), dtype=torch.float32, device=partial.device)
     triton_module("multi_tensor").segment_reduce[(first.numel(),)](
-        first, count, partial, out, MAX=False, BLOCK=REDUCE_BLOCK
+        first, count, partial, out, MAX=False, BLOCK=REDUCE_BLOCK, **COMPILE_OPTIONS
     )
     return out

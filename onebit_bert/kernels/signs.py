@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-from onebit_bert.kernels import triton_module
+from onebit_bert.kernels import COMPILE_OPTIONS, triton_module
 
 SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.codecs.compression)
 BYTES_PER_PROGRAM = 256  # 2,048 elements: 8 KiB of fp32 read per program and operand
@@ -98,6 +98,7 @@ class FusedSignOps:
         sums = torch.empty(2, grid[0], dtype=torch.float32, device=err.device) if measured else None
         input_sq, error_sq = (sums[0], sums[1]) if measured else (partial, partial)
         common = dict(SERVER=server, MEASURE=measured is not None, BLOCK=self.block)
+        common.update(COMPILE_OPTIONS)
         # both passes read the same sources: the received rows (a server) and the real count
         sources = (received, scales, ranks, float(ranks), stride, real)
         if squares is None:
@@ -165,5 +166,13 @@ class FusedSignOps:
         n_bytes = x.numel() // 8
         grid = self._grid(n_bytes)
         triton_module("signs").expand[grid](
-            gathered, _scales(gathered), x, n_bytes, body, gathered.shape[1], real, BLOCK=self.block
+            gathered,
+            _scales(gathered),
+            x,
+            n_bytes,
+            body,
+            gathered.shape[1],
+            real,
+            BLOCK=self.block,
+            **COMPILE_OPTIONS,
         )

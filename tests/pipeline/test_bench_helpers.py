@@ -704,6 +704,8 @@ def test_every_fused_kernel_compiles_for_the_gpus_the_project_rents():
     pytest.importorskip("triton")
     import ast
 
+    from onebit_bert.kernels import COMPILE_OPTIONS
+
     kernels = set()
     for path in (REPO / "onebit_bert" / "kernels" / "triton_src").glob("*.py"):
         for node in ast.parse(path.read_text()).body:
@@ -718,6 +720,8 @@ def test_every_fused_kernel_compiles_for_the_gpus_the_project_rents():
     assert result["failed"] == 0
     assert {k["kernel"] for k in result["kernels"]} == kernels
     assert all(k["cubin_bytes"] > 0 for k in result["kernels"])
+    # every launch names its compiler options, so that no Triton's default decides them
+    assert all(k["options"] == COMPILE_OPTIONS for k in result["kernels"])
     # with ALIGNED the element-wise kernels load and store 16 bytes at a time, and the
     # weights' groups (sizes multiples of 4, each tensor its own allocation) launch so
     aligned = [k for k in result["kernels"] if k["constexprs"].get("ALIGNED")]
