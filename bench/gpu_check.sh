@@ -9,7 +9,9 @@
 #      lengths 128 and 512 with the optimizers timed alone, then compiled at 128, then
 #      compiled at 512 (three invocations, so that a late one running out of time keeps
 #      the earlier figures); the compiled ones also profile 2 steps per implementation
-#      (each row's profile: the step's time by category, its largest kernels);
+#      (each row's profile: the step's time by category, its largest kernels); each
+#      invocation's limit is its cap or what the plan leaves it, whichever is less, so
+#      the time the CUDA tests leave goes to compiling;
 #   3. LAMB with packed sequences (data.packing) beside padded rows, eager, both lengths,
 #      in the time the others left (skipped with under 45 s).
 # Usage: OUT=dir bash bench/gpu_check.sh   (PY: the Python to use; default: the project's
@@ -48,25 +50,41 @@ fi
 
 COMMON=(--prepared "$DATA" --precisions bf16 --optimizers lamb,onebit_lamb
     --no-hf-baseline --steps 6 --warmup-steps 4 --repeats 2)
+# Each bench invocation's time limit: at most CAP seconds, and no more than leaves RESERVE
+# seconds of the 570-second plan to the invocations after it. Time the CUDA tests did not
+# use goes to the compiled invocations, whose compiling takes the longest.
+limit() {
+    local cap=$1 reserve=$2 left
+    left=$((570 - ($(date +%s) - started) - reserve))
+    echo $((left < cap ? left : cap))
+}
 bench() {
-    local name=$1 limit=$2
-    shift 2
-    say "bench $name"
-    timeout "$limit" "$PY" -m bench.gpu "${COMMON[@]}" "$@" --rows-out "$OUT/bench-$name.rows.jsonl" \
+    local name=$1 seconds
+    seconds=$(limit "$2" "$3")
+    shift 3
+    if [ "$seconds" -lt 30 ]; then  # (timeout 0 would mean no limit at all)
+        say "bench $name skipped: ${seconds} s left for it"
+        : >"$OUT/bench-$name.json"  # the summary names it as holding no result
+        status=1
+        return
+    fi
+    say "bench $name (limit $seconds s)"
+    timeout "$seconds" "$PY" -m bench.gpu "${COMMON[@]}" "$@" --rows-out "$OUT/bench-$name.rows.jsonl" \
         >"$OUT/bench-$name.out" 2>"$OUT/bench-$name.log" || status=1
     tail -n 1 "$OUT/bench-$name.out" >"$OUT/bench-$name.json"
 }
-bench eager 120 --compile off --seq-lengths 128,512 --impl reference,fused,fused-separate
-bench compiled-128 120 --compile on --seq-lengths 128 --impl reference,fused \
+#     name          cap reserve
+bench eager         120 230 --compile off --seq-lengths 128,512 --impl reference,fused,fused-separate
+bench compiled-128  200 110 --compile on --seq-lengths 128 --impl reference,fused \
     --no-optimizer-steps --profile-steps 2
-bench compiled-512 110 --compile on --seq-lengths 512 --impl reference,fused \
+bench compiled-512  200   0 --compile on --seq-lengths 512 --impl reference,fused \
     --no-optimizer-steps --profile-steps 2
 # packed sequences (data.packing) against padded rows, LAMB, eager, both lengths: in what
 # is left of 570 s, so that the whole script stays inside a 10-minute call
-left=$((570 - ($(date +%s) - started)))
+left=$(limit 90 0)
 if [ "$left" -ge 45 ]; then
-    say "bench packing (${left} s left)"
-    timeout "$((left < 90 ? left : 90))" "$PY" -m bench.gpu --prepared "$DATA" --precisions bf16 \
+    say "bench packing (limit ${left} s)"
+    timeout "$left" "$PY" -m bench.gpu --prepared "$DATA" --precisions bf16 \
         --optimizers lamb --impl fused --no-hf-baseline --no-optimizer-steps --steps 6 \
         --warmup-steps 4 --repeats 1 --compile off --seq-lengths 128,512 --packing both \
         --rows-out "$OUT/bench-packing.rows.jsonl" >"$OUT/bench-packing.out" 2>"$OUT/bench-packing.log" || status=1

@@ -86,7 +86,8 @@ def load(folder: Path) -> tuple[list[dict], list[str]]:
             continue
         rows = _read_rows(folder / f"{name}.rows.jsonl")
         if not rows:
-            notes.append(f"`{name}.json` holds no result (the invocation failed or timed out)")
+            why = "the invocation failed, timed out or was skipped"
+            notes.append(f"`{name}.json` holds no result ({why})")
             continue
         notes.append(
             f"`{name}.json` holds no result (the invocation failed or timed out); the "

@@ -495,21 +495,32 @@ def test_gpu_benchmark_compiles_the_body_as_model_compile_does(tiny_corpus, tmp_
     assert counters["stats"]["unique_graphs"] >= 1
 
 
-def _gpu_check_invocations() -> tuple[list[list[str]], list[int]]:
+GPU_CHECK = REPO / "bench" / "gpu_check.sh"
+
+
+def _gpu_check_invocations() -> tuple[list[list[str]], list[tuple[str, int, int]]]:
     """The bench.gpu argument lists bench/gpu_check.sh runs (its COMMON array with each
-    ``bench NAME LIMIT ...`` line, and the packing call), and the step limits it sets."""
+    ``bench NAME CAP RESERVE ...`` line, and the packing call), and each bench line's
+    name, cap and reserve."""
     import re
 
-    text = (REPO / "bench" / "gpu_check.sh").read_text()
-    text = text.replace("\\\n", " ")
+    text = GPU_CHECK.read_text().replace("\\\n", " ")
     common = shlex.split(re.search(r"^COMMON=\((.*?)\)", text, re.M | re.S).group(1))
-    steps = re.findall(r"^bench (\S+) (\d+) (.*)$", text, re.M)
-    calls = [common + shlex.split(rest) for _, _, rest in steps]
+    steps = re.findall(r"^bench +(\S+) +(\d+) +(\d+) (.*)$", text, re.M)
+    calls = [common + shlex.split(rest) for *_, rest in steps]
     packing = re.search(r'"\$PY" -m bench\.gpu (--prepared .*?)\s+>', text, re.S)
     calls.append(shlex.split(packing.group(1)))
-    limits = [int(n) for n in re.findall(r"^timeout (\d+) ", text, re.M)]
-    limits += [int(limit) for _, limit, _ in steps]
-    return calls, limits
+    return calls, [(name, int(cap), int(reserve)) for name, cap, reserve, _ in steps]
+
+
+def _gpu_check_limit(elapsed: int, cap: int, reserve: int) -> int:
+    """What the script's own ``limit`` function gives a step ``elapsed`` seconds in."""
+    import re
+
+    function = re.search(r"^limit\(\) \{.*?^\}", GPU_CHECK.read_text(), re.M | re.S).group(0)
+    script = f"{function}\nstarted=$(($(date +%s) - {elapsed}))\nlimit {cap} {reserve}"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    return int(out.stdout)
 
 
 def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes(tmp_path):
@@ -517,6 +528,8 @@ def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes(tmp_pat
     passes bench.gpu's own checks (with the fused kernels, as on a GPU), and the timed
     steps fit the script's 570-second plan, which leaves a 10-minute call room to
     prepare the data."""
+    import re
+
     from bench import gpu
     from onebit_bert.kernels import triton_available
 
@@ -540,7 +553,28 @@ def test_the_prepared_gpu_script_calls_bench_gpu_with_arguments_it_takes(tmp_pat
             gpu.check_arguments(parser, args)  # as on a GPU: Triton there, device CUDA
     # the targets' four cells: eager and compiled, at 128 and at 512
     assert {("off", "128"), ("off", "512"), ("on", "128"), ("on", "512")} <= seen
-    assert len(limits) == 4 and sum(limits) <= 570, limits
+    # the plan: the CUDA tests (at most 210 s) and the data (about 10 s) first; then each
+    # invocation's limit is its cap or what the 570 s leave after its reserve
+    assert re.search(r"^timeout 210 .* -m pytest ", GPU_CHECK.read_text(), re.M)
+    assert [name for name, *_ in limits] == ["eager", "compiled-128", "compiled-512"]
+
+    def plan(tests: int) -> list[int]:
+        """Each invocation's limit when each runs to its limit, the tests taking
+        ``tests`` s and the data 10 s."""
+        elapsed, out = tests + 10, []
+        for _, cap, reserve in limits:
+            out.append(_gpu_check_limit(elapsed, cap, reserve))
+            elapsed += out[-1]
+        return out + [_gpu_check_limit(elapsed, 90, 0)]  # what the packing call gets
+
+    worst = plan(210)  # every invocation keeps the limit it had before the plan adapted
+    assert worst[:3] == [120, 120, 110] and worst[3] <= 0, worst
+    best = plan(60)  # what the tests leave goes to compiling
+    assert best[:3] == [120, 200, 180] and best[3] <= 0, best
+    # the packed rows get what the invocations before them left unused
+    assert plan(0) == [120, 200, 200, 40]
+    assert max(_gpu_check_limit(e, 200, 0) for e in (0, 500, 570, 600)) <= 200
+    assert _gpu_check_limit(600, 200, 0) < 30  # past the plan: skipped, never unlimited
 
 
 def _comparison(seq_length, compiled, onebit_fused):
