@@ -294,7 +294,7 @@ def mfu_explanation(summaries: list[dict]) -> str | None:
         f"{parts['wall_ms']:.1f} ms step × their {_number(parts['products_rate'], 1, True)} "
         f"of the peak. The rest of the step: {others}. With the rest free, the products "
         f"alone would give {_number(parts['products_rate'], 1, True)}; at their rate, "
-        f"{MFU_TARGET:.0%} needs them to fill "
+        f"{_number(MFU_TARGET, 0, True)} needs them to fill "
         f"{_number(min(MFU_TARGET / parts['products_rate'], 9.99), 1, True)} of the step."
     )
 

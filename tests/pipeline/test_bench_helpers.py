@@ -656,7 +656,7 @@ def test_gpu_summary_takes_a_profiled_mfu_apart(tmp_path):
     sentence = mfu_explanation([{"runs": [row]}])
     assert "30.0 % MFU timed, 25.0 % in the profile" in sentence
     assert "The rest of the step: other 120.0 ms, idle 50.0 ms, optimizer 30.0 ms." in sentence
-    assert "45% needs them to fill 90.0 % of the step" in sentence
+    assert "45 % needs them to fill 90.0 % of the step" in sentence
     # the best MFU's row is the one explained; a met target, or no profile, explains nothing
     better = _profiled(0.4, 250.0, gemm=200.0, other=50.0)
     assert "(250.0 ms" not in sentence and "250.0 ms step" in mfu_explanation(
