@@ -43,12 +43,14 @@ says which.
 ``torch.cuda.max_memory_allocated`` over the configuration (counter reset before it). One
 more, untimed step of our loop runs under torch's CUDA sync debug mode:
 ``host_syncs_per_step`` counts the times it made the host wait for the GPU
-(``bench/host_syncs.py``). With ``--profile-steps N``, N more steps per implementation run
-before that one under ``torch.profiler``: each row's ``profile`` says where a step's time
-went (matrix products, attention, communication, the optimizer's step, the rest, the GPU
-idle) and names its largest kernels (``bench/step_profile.py``). A configuration that
-fails (out of memory, a compile error) is recorded with its error and the others go on;
-the exit status is 1 when an eager configuration failed.
+(``bench/host_syncs.py``), and ``host_sync_sites`` says where: each site (on CUDA the line
+that waited, repository paths made relative; on the CPU the operation) with its count. With
+``--profile-steps N``, N more steps per implementation run before that one under
+``torch.profiler``: each row's ``profile`` says where a step's time went (matrix products,
+attention, communication, the optimizer's step, the rest, the GPU idle) and names its
+largest kernels (``bench/step_profile.py``). A configuration that fails (out of memory, a
+compile error) is recorded with its error and the others go on; the exit status is 1 when
+an eager configuration failed.
 
 ``--device cpu`` runs the same code on the CPU, in fp32, as a dry run of the benchmark's
 plumbing (a small ``--model`` makes it quick): its figures measure nothing about a GPU.
@@ -201,7 +203,7 @@ def our_loop(
     implementation: ``{"impls": {impl: figures}, ...}``; with ``packing``, the micro-batch's
     sequences packed into as few rows as fit (``data.packing``)."""
     from bench.common import pretrain_config
-    from bench.host_syncs import count_host_syncs
+    from bench.host_syncs import find_host_syncs, sites_by_count
     from bench.step_profile import profile_steps
     from bench.yardstick import (
         StepClock,
@@ -274,7 +276,7 @@ def our_loop(
                 traceback.print_exc()
                 profiles[impl] = {"error": f"{type(err).__name__}: {err}"[:500]}
             step += args.profile_steps
-        _, syncs = count_host_syncs(lambda: trainer.train_step(step + 1), ctx.device)
+        _, sites = find_host_syncs(lambda: trainer.train_step(step + 1), ctx.device)
         flops = model_flops(trainer.model, batch, trainer.seq_length)
         params = sum(p.numel() for group in opt.param_groups for p in group["params"])
         figures = {}
@@ -295,7 +297,8 @@ def our_loop(
             **flops,
             "optimizer_params": params,
             "clock": device.clock,
-            "host_syncs_per_step": syncs,
+            "host_syncs_per_step": len(sites),
+            "host_sync_sites": sites_by_count(sites),
             "stage": getattr(opt, "stage", None),
             "skipped_steps": trainer.scaler.skipped_steps,
         }

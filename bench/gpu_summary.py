@@ -14,6 +14,7 @@ invocation (the JSON line it printed) in one folder. This reads them and prints 
 - what a profiled step's MFU is made of (:func:`mfu_table`): the matrix products' share of
   the step times the rate they run at, and the milliseconds the rest takes;
 - packed against padded rows;
+- where one step made the host wait for the GPU (``host_sync_sites``), per configuration;
 - the GPU-speed targets, each met, missed, or not measured:
   1-bit LAMB's compression-stage samples/s at least 0.95 × LAMB's (fused kernels; eager
   and compiled, lengths 128 and 512); the compression step's GPU time at most 2 × its
@@ -299,6 +300,25 @@ def mfu_explanation(summaries: list[dict]) -> str | None:
     )
 
 
+def syncs_table(summaries: list[dict]) -> list[str]:
+    """Per configuration (its implementations share one trainer and one count): the host's
+    waits in one step and where they were."""
+    lines = [
+        "| length | mode | optimizer | waits per step | where (count) |",
+        "|---:|---|---|---:|---|",
+    ]
+    seen = set()
+    for run in _ours(summaries):
+        key = (run["seq_length"], _mode(run), run["optimizer"])
+        if key in seen or "host_sync_sites" not in run:
+            continue
+        seen.add(key)
+        where = "; ".join(f"`{site}` ({n})" for site, n in run["host_sync_sites"].items())
+        name = NAMES.get(run["optimizer"], run["optimizer"])
+        lines.append(_line(run["seq_length"], _mode(run), name, run["host_syncs_per_step"], where))
+    return lines
+
+
 def packing_table(summaries: list[dict]) -> list[str]:
     runs = [r for s in summaries if _packing(s) for r in s["runs"] if r.get("loop") == "ours"]
     if not runs:
@@ -411,6 +431,7 @@ def render(folder: Path) -> str:
         ("Where a step's time goes (shares of the wall time)", profile_table(summaries)),
         ("What the MFU is made of (profiled steps)", mfu_table(summaries)),
         ("Packed against padded rows (LAMB, eager)", packing_table(summaries)),
+        ("Where one step makes the host wait", syncs_table(summaries)),
     ]
     for title, table in sections:
         if len(table) > 2:

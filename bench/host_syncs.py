@@ -43,6 +43,17 @@ def find_host_syncs(fn: Callable[[], T], device: torch.device | str) -> tuple[T,
     return _find_on_cpu(fn)
 
 
+def sites_by_count(sites: list[str]) -> dict[str, int]:
+    """``sites`` (:func:`find_host_syncs`) counted, most frequent first, with paths inside
+    this repository made relative to it."""
+    from collections import Counter
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    counts = Counter(site.replace(root, "") for site in sites)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 _primed = False
 
 

@@ -153,6 +153,10 @@ def test_gpu_benchmark_plumbing_runs_on_the_cpu(tiny_corpus, tmp_path):
     for run in ours.values():
         assert run["ratio_vs_hf_trainer"] > 0
         assert run["host_syncs_per_step"] > 0  # the gradient norm, at least
+        # on the CPU the sites are the operations that would wait on a GPU, counted
+        sites = run["host_sync_sites"]
+        assert sum(sites.values()) == run["host_syncs_per_step"]
+        assert set(sites) <= {"aten::_local_scalar_dense", "aten::nonzero"}, sites
         assert run["mfu"] == run["model_tflops_per_s"] > 0 and run["peak_tflops"] == 1
         assert run["flop_formula"].startswith("6*N*T + 12*L*d*S*T")
         assert run["optimizer_step_ms"] > 0 and run["optimizer_floor_ms"] > 0
@@ -714,6 +718,9 @@ def test_gpu_summary_renders_what_a_dry_run_wrote_and_names_what_is_missing(tiny
     assert ratios.count(f"| 128 | eager | {want:,.3f} | – |") == 2
     profile = text.split("## Where a step's time goes")[1].split("##")[0]
     assert profile.count("| 128 | eager |") == 4 and "aten::" in profile
+    waits = text.split("## Where one step makes the host wait")[1].split("##")[0]
+    assert waits.count("| 128 | eager |") == 2  # one per configuration, not per invocation
+    assert "`aten::_local_scalar_dense` (" in waits
     assert text.count("| not measured |") == 6  # no fused kernels, nothing compiled
 
 

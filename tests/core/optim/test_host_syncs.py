@@ -44,3 +44,23 @@ def test_a_training_step_syncs_as_often_at_any_depth(tiny_corpus, tmp_path):
     assert tiny == mini, (tiny, mini)
     micro_batches = 2  # global 16, micro 8
     assert tiny == [micro_batches + 1] * 3, tiny
+
+
+def test_sites_are_counted_most_frequent_first_with_the_repository_made_relative():
+    from pathlib import Path
+
+    from bench.host_syncs import sites_by_count
+
+    root = str(Path(__file__).resolve().parents[3])
+    sites = [
+        f"{root}/pretrain/train.py:331",
+        "aten::nonzero",
+        f"{root}/pretrain/train.py:331",
+        f"{root}/onebit_bert/ddp.py:10 via /usr/lib/torch/x.py:5",
+    ]
+    assert sites_by_count(sites) == {
+        "pretrain/train.py:331": 2,
+        "aten::nonzero": 1,
+        "onebit_bert/ddp.py:10 via /usr/lib/torch/x.py:5": 1,
+    }
+    assert sites_by_count([]) == {}
