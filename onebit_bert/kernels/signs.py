@@ -33,6 +33,9 @@ from onebit_bert.kernels import COMPILE_OPTIONS, triton_module
 
 SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.codecs.compression)
 BYTES_PER_PROGRAM = 256  # 2,048 elements: 8 KiB of fp32 read per program and operand
+MAX_BUCKET = 2**31 - 8
+"""The most elements of one bucket the kernels take: they index its elements (and the
+bytes of its messages) in 32-bit integers."""
 
 
 def _scales(messages: torch.Tensor) -> torch.Tensor:
@@ -80,6 +83,12 @@ class FusedSignOps:
             self._measured = None
 
     def _grid(self, n_bytes: int) -> tuple[int]:
+        if 8 * n_bytes > MAX_BUCKET:  # the kernels index a bucket's elements in int32
+            raise ValueError(
+                f"a 1-bit bucket of {8 * n_bytes:,} elements is past the fused kernels' "
+                f"limit of {MAX_BUCKET:,}: set optimizer.bucket_numel to at most that "
+                "(or optimizer.kernels: reference)"
+            )
         return (max(1, -(-n_bytes // self.block)),)
 
     def _scale(self, partial: torch.Tensor, real: int) -> torch.Tensor:

@@ -66,6 +66,26 @@ def test_an_interpreter_that_cannot_run_the_kernels_is_named(monkeypatch):
         kernels.interpreter_problem.cache_clear()
 
 
+def test_a_bucket_past_the_kernels_32_bit_indices_is_refused_before_any_kernel():
+    """The sign kernels index a bucket's elements in int32: a bucket of 2**31 elements
+    (8 GiB of fp32; a model of over 2 billion parameters in one bucket) would read and
+    write out of bounds on a GPU. Worker, server and expansion refuse it with the setting
+    to change, before a kernel runs (meta tensors: nothing is allocated)."""
+    import torch
+
+    from onebit_bert.kernels.signs import MAX_BUCKET, FusedSignOps
+
+    ops = FusedSignOps()
+    big = torch.empty(MAX_BUCKET + 8, device="meta")
+    with pytest.raises(ValueError, match="set optimizer.bucket_numel to at most"):
+        ops.compress(big, big, big.numel(), None, rows=1)
+    with pytest.raises(ValueError, match="past the fused kernels' limit"):
+        ops.serve(torch.empty(1, 4, dtype=torch.uint8, device="meta"), big, big.numel(), None)
+    with pytest.raises(ValueError, match="past the fused kernels' limit"):
+        ops.expand(torch.empty(1, 4, dtype=torch.uint8, device="meta"), big, big.numel(), None)
+    assert ops._grid(MAX_BUCKET // 8) == (-(-MAX_BUCKET // 8 // ops.block),)  # the largest
+
+
 def test_the_tables_tell_where_16_byte_accesses_are_safe():
     """The fused kernels access memory 16 bytes at a time (``ALIGNED``) only where every
     block starts and ends at a multiple of 4 elements and every operand's address is a
