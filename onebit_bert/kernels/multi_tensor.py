@@ -34,6 +34,8 @@ BLOCK = 2048
 """Elements per program of the element-wise passes."""
 REDUCE_BLOCK = 1024
 """Block partials one program of the per-tensor reduction reads at a time."""
+MAX_RUNS = 8
+"""The most launches one element-wise pass is split into by its tensors' alignment."""
 
 
 def fits(*lists: list[torch.Tensor]) -> bool:
@@ -77,7 +79,12 @@ class TensorTable:
 
     A block covers at most ``block`` elements of one tensor. ``cuts``: positions in the
     tensors' concatenation where a block must also end (the bucket boundaries of a
-    compressed buffer), so that every block lies inside one bucket."""
+    compressed buffer), so that every block lies inside one bucket.
+
+    :meth:`launch` runs a pass as one launch per run of consecutive tensors that agree on
+    16-byte accesses (:meth:`runs`), so that a tensor that does not allow them (one whose
+    size is not a multiple of 4, or a gradient DDP's bucket view places 8 bytes off) takes
+    them from no other."""
 
     def __init__(self, tensors: list[torch.Tensor], block: int = BLOCK, cuts=()):
         self.device = tensors[0].device
@@ -107,9 +114,13 @@ class TensorTable:
             counts.append(len(starts) - first[-1])
             origin += n
         self.blocks = len(starts)
-        self.blocks_aligned = all(
-            a % 4 == 0 and e % 4 == 0 for a, e in zip(starts, ends, strict=True)
-        )
+        self._first = first
+        self._tensor_blocks_aligned = [
+            all(starts[b] % 4 == 0 and ends[b] % 4 == 0 for b in range(f, f + c))
+            for f, c in zip(first, counts, strict=True)
+        ]
+        """Per tensor: whether its blocks start and end at multiples of 4 elements."""
+        self.blocks_aligned = all(self._tensor_blocks_aligned)
         """Whether every block starts and ends at a multiple of 4 elements (16 bytes)."""
         self.block_positions = positions
         """Where each block starts in the tensors' concatenation (on the host)."""
@@ -120,7 +131,8 @@ class TensorTable:
         self.block_count = to_device(counts, self.device)
         self._sizes = numels
         self._pointers: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-        self._aligned: dict[str, bool] = {}
+        self._aligned: dict[str, list[bool]] = {}
+        """Per operand role, per tensor: whether its address is a multiple of 16 bytes."""
 
     def matches(self, tensors: list[torch.Tensor]) -> bool:
         return [t.numel() for t in tensors] == self._sizes
@@ -129,8 +141,34 @@ class TensorTable:
         """The addresses of ``tensors`` (laid out as this table's; 0 for None) on the
         device."""
         addresses = [0 if t is None else t.data_ptr() for t in tensors]
-        self._aligned[role] = all(a % 16 == 0 for a in addresses)
+        self._aligned[role] = [a % 16 == 0 for a in addresses]
         return self.values(role, addresses)
+
+    def runs(self, roles) -> list[tuple[int, int, bool]]:
+        """The launches that cover every block for operands of ``roles`` (whose pointers
+        were last set): ``(first block, blocks, aligned)`` for each run of consecutive
+        tensors that agree on whether 16-byte accesses are safe (every operand's address a
+        multiple of 16 bytes, every block's bounds a multiple of 4 elements). A tensor
+        misaligned among aligned ones (a gradient that DDP's bucket view places 8 bytes
+        off, say) then costs the others nothing; past :data:`MAX_RUNS` runs, one launch
+        without 16-byte accesses."""
+        flags = [
+            blocks and all(self._aligned[role][t] for role in roles)
+            for t, blocks in enumerate(self._tensor_blocks_aligned)
+        ]
+        runs: list[tuple[int, int, bool]] = []
+        for t, flag in enumerate(flags):
+            if runs and runs[-1][2] == flag:
+                continue
+            if runs:  # close the previous run at this tensor's first block
+                first, _, aligned = runs[-1]
+                runs[-1] = (first, self._first[t] - first, aligned)
+            runs.append((self._first[t], 0, flag))
+        first, _, aligned = runs[-1]
+        runs[-1] = (first, self.blocks - first, aligned)
+        if len(runs) > MAX_RUNS:
+            return [(0, self.blocks, False)]
+        return runs
 
     def values(self, role: str, values: list[int]) -> torch.Tensor:
         """``values`` (one int per tensor) as an int64 tensor on the device, copied only
@@ -141,9 +179,6 @@ class TensorTable:
             cached = (key, to_device(list(key), self.device))
             self._pointers[role] = cached
         return cached[1]
-
-    def grid(self) -> tuple[int]:
-        return (self.blocks,)
 
     def partials(self) -> torch.Tensor:
         return torch.empty(self.blocks, dtype=torch.float32, device=self.device)
@@ -167,18 +202,20 @@ class TensorTable:
         block table, each operand's pointer table (keyed by role, :data:`POINTER_ARGUMENTS`)
         and the kernel's other ``arguments``."""
         pointers = {POINTER_ARGUMENTS[role]: self.pointers(role, t) for role, t in operands.items()}
-        # 16-byte accesses where every operand's tensors and every block allow them
-        aligned = self.blocks_aligned and all(self._aligned[role] for role in operands)
-        getattr(triton_module("multi_tensor"), kernel)[self.grid()](
-            block_tensor=self.block_tensor,
-            block_start=self.block_start,
-            block_end=self.block_end,
-            ALIGNED=aligned,
-            BLOCK=self.block,
-            **pointers,
-            **arguments,
-            **COMPILE_OPTIONS,
-        )
+        fn = getattr(triton_module("multi_tensor"), kernel)
+        # 16-byte accesses on each run of tensors whose operands and blocks all allow them
+        for first, blocks, aligned in self.runs(operands):
+            fn[(blocks,)](
+                block_tensor=self.block_tensor,
+                block_start=self.block_start,
+                block_end=self.block_end,
+                block0=first,
+                ALIGNED=aligned,
+                BLOCK=self.block,
+                **pointers,
+                **arguments,
+                **COMPILE_OPTIONS,
+            )
 
 
 class TableCache:

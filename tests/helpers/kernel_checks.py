@@ -182,6 +182,64 @@ def check_lamb(device: str = "cpu") -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def check_gradients_in_one_buffer(device: str = "cpu") -> None:
+    """Gradients as views into one flat buffer, back to back as DDP's bucket views lay
+    them (a 2-element bias first puts the next ones 8 bytes off 16): fused LAMB and 1-bit
+    LAMB split each pass into runs of tensors with and without 16-byte accesses, and track
+    the reference within rounding."""
+    from onebit_bert.kernels.multi_tensor import TensorTable
+    from onebit_bert.optim import OneBitLamb
+
+    g = torch.Generator().manual_seed(11)
+    shapes = [(64, 16), (300,), (2,), (32, 8), (5000,), (12,), (33,), (4100,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    runs_seen = []
+
+    def run(name, kernels, where):
+        params = [t.clone().to(where).requires_grad_(True) for t in init]
+        flat = torch.zeros(sum(t.numel() for t in init), device=where)
+        views = list(torch.split(flat, [t.numel() for t in init]))
+        groups = [
+            {"params": params[:5], "weight_decay": 0.01},
+            {"params": params[5:], "weight_decay": 0.0},
+        ]
+        if name == "lamb":
+            opt = Lamb(groups, lr=0.01, kernels=kernels)
+        else:
+            comm = Communicator(None, device=where)
+            opt = OneBitLamb(groups, lr=0.01, freeze_step=2, kernels=kernels, comm=comm)
+        for step_grads in grads:
+            for p, view, grad in zip(params, views, step_grads, strict=True):
+                view.copy_(grad.reshape(-1))
+                p.grad = view.view(p.shape)
+            opt.step()
+        return [p.detach().cpu() for p in params]
+
+    runs = TensorTable.runs
+
+    def recording(self, roles):
+        out = runs(self, roles)
+        runs_seen.append(out)
+        return out
+
+    for name in ("lamb", "onebit_lamb"):
+        want = run(name, "reference", "cpu")
+        TensorTable.runs = recording
+        try:
+            got = run(name, "fused", device)
+        finally:
+            TensorTable.runs = runs
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # the gradients' passes ran an aligned run beside an unaligned one
+        assert any(len(r) > 1 and {a for *_, a in r} == {True, False} for r in runs_seen), (
+            name,
+            runs_seen,
+        )
+        runs_seen.clear()
+
+
 def check_onebit_lamb(device: str = "cpu") -> None:
     """1-bit LAMB with the fused kernels: 3 warmup steps (LAMB's reference either way),
     then 3 compressed ones, with a momentum mask on one layer, at world size 1 (which
@@ -507,6 +565,7 @@ CHECKS = {
         check_expansion,
         check_all_reduce,
         check_lamb,
+        check_gradients_in_one_buffer,
         check_onebit_lamb,
         check_onebit_lamb_expanded_in_the_update,
         check_onebit_lamb_blocks_cut_by_buckets,

@@ -1,11 +1,12 @@
 """Triton kernels of :mod:`onebit_bert.kernels.multi_tensor` (loaded through
 :func:`onebit_bert.kernels.triton_module`, never imported where Triton may be missing).
 
-One launch covers every tensor of a list: program ``b`` works on block ``b`` of the block
-table, elements ``start .. start + BLOCK`` of tensor ``tensor[b]``, whose address it reads
+A launch covers a run of consecutive blocks of the block table (every tensor of a list, or
+the run of tensors that share one alignment): program ``i`` works on block ``b = block0 +
+i``, elements ``start .. start + BLOCK`` of tensor ``tensor[b]``, whose address it reads
 from a table of pointers (one int64 per tensor and operand). A block never spans two
-tensors, so per-tensor sums are sums of whole blocks' partials (:func:`segment_reduce`,
-in a fixed order: the same bits on every rank and every run).
+tensors, so per-tensor sums are sums of whole blocks' partials (:func:`segment_reduce`, in
+a fixed order: the same bits on every rank and every run).
 """
 
 import triton
@@ -24,11 +25,13 @@ def _at(pointers, t, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _block(block_tensor, block_start, block_end, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's block: its index ``b``, its tensor ``t``, its elements' offsets in
-    that tensor and which of them are inside the block (before ``block_end[b]``). With
-    ``ALIGNED`` every block's start and end are multiples of 4 elements."""
-    b = tl.program_id(0)
+def _block(block_tensor, block_start, block_end, block0, ALIGNED: tl.constexpr,
+           BLOCK: tl.constexpr):  # fmt: skip
+    """This program's block: its index ``b`` (the launch's first block ``block0`` plus the
+    program's), its tensor ``t``, its elements' offsets in that tensor and which of them
+    are inside the block (before ``block_end[b]``). With ``ALIGNED`` every block of the
+    launch starts and ends at a multiple of 4 elements."""
+    b = tl.program_id(0) + block0
     t = tl.load(block_tensor + b)
     start = tl.load(block_start + b)
     end = tl.load(block_end + b)
@@ -80,13 +83,13 @@ def _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexp
 
 
 @triton.jit
-def lamb_measure(block_tensor, block_start, block_end, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
+def lamb_measure(block_tensor, block_start, block_end, block0, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
                  part_w, part_u, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc1,
-                 bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
-                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                 bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr, ALIGNED: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
     """LAMB's moments (written), and per block the sums of ``p²`` and of the update's
     squares (the trust ratio's two norms)."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     p = tl.load(_at(p_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     g = tl.load(_at(g_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     m_at = _at(m_ptrs, t, ALIGNED) + offs
@@ -104,11 +107,11 @@ def lamb_measure(block_tensor, block_start, block_end, p_ptrs, g_ptrs, m_ptrs, v
 
 
 @triton.jit
-def scaled_step(block_tensor, block_start, block_end, p_ptrs, m_ptrs, v_ptrs, coef, eps, bc1,
-                bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr,
-                ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def scaled_step(block_tensor, block_start, block_end, block0, p_ptrs, m_ptrs, v_ptrs, coef, eps,
+                bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr, ALIGNED: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
     """``p += coef[t] · u``, the update direction recomputed from the moments."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     p_at = _at(p_ptrs, t, ALIGNED) + offs
     p = tl.load(p_at, mask=inside, other=0.0)
     m = tl.load(_at(m_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
@@ -119,11 +122,11 @@ def scaled_step(block_tensor, block_start, block_end, p_ptrs, m_ptrs, v_ptrs, co
 
 
 @triton.jit
-def onebit_fold(block_tensor, block_start, block_end, g_ptrs, m_ptrs, prev_ptrs, coeffs,
+def onebit_fold(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, prev_ptrs, coeffs,
                 grad_scale, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold: ``prev = m``, then ``m = (β1·m + (1-β1)·g) · coeff[t]``."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     m_at = _at(m_ptrs, t, ALIGNED) + offs
     m = tl.load(m_at, mask=inside, other=0.0)
     tl.store(_at(prev_ptrs, t, ALIGNED) + offs, m, mask=inside)
@@ -136,15 +139,15 @@ def onebit_fold(block_tensor, block_start, block_end, g_ptrs, m_ptrs, prev_ptrs,
 
 
 @triton.jit
-def onebit_fold_squares(block_tensor, block_start, block_end, g_ptrs, m_ptrs, x_ptrs, e_ptrs,
-                        coeffs, grad_scale, part_x, part_xe, beta1, one_minus_beta1,
-                        HAS_SCALE: tl.constexpr, SQUARES: tl.constexpr,
-                        ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def onebit_fold_squares(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, x_ptrs,
+                        e_ptrs, coeffs, grad_scale, part_x, part_xe, beta1, one_minus_beta1,
+                        HAS_SCALE: tl.constexpr, SQUARES: tl.constexpr, ALIGNED: tl.constexpr,
+                        BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB's fold, written beside the momentum: ``x = (β1·m + (1-β1)·g) · coeff[t]``
     (``g`` times ``grad_scale`` with ``HAS_SCALE``; ``m`` is left as it was); with
     ``SQUARES``, per block the sums of ``x²`` and of ``(x + e)²`` with ``e`` the worker's
     error at the same place (the 1-bit worker's first pass)."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     m = tl.load(_at(m_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     g = tl.load(_at(g_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     if HAS_SCALE:
@@ -180,16 +183,17 @@ def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_
 
 
 @triton.jit
-def onebit_measure(block_tensor, block_start, block_end, m_ptrs, prev_ptrs, fresh_ptrs, v_ptrs,
-                   p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
-                   beta2, one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
-                   WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def onebit_measure(block_tensor, block_start, block_end, block0, m_ptrs, prev_ptrs, fresh_ptrs,
+                   v_ptrs, p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1,
+                   one_minus_beta1, beta2, one_minus_beta2, eps, wd,
+                   MASK_UNTRAINED: tl.constexpr, WD: tl.constexpr, ALIGNED: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
     """1-bit LAMB after the all-reduce: ``m /= coeff[t]`` (0 where ``v`` is 0 with
     ``MASK_UNTRAINED``), the fresh second moment from the reconstructed gradient
     ``(m - β1·prev)/(1-β1)`` (both written), and per block the largest drift
     ``(sqrt(v)+eps)/(sqrt(fresh)+eps)`` and, with ``WD``, the sums of squares of
     ``u = m/(sqrt(v)+eps)`` and of ``u + wd·p``."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     m_at = _at(m_ptrs, t, ALIGNED) + offs
     v = tl.load(_at(v_ptrs, t, ALIGNED) + offs, mask=inside, other=1.0)
     m = tl.load(m_at, mask=inside, other=0.0)
@@ -204,11 +208,12 @@ def onebit_measure(block_tensor, block_start, block_end, m_ptrs, prev_ptrs, fres
 
 
 @triton.jit
-def onebit_measure_signs(block_tensor, block_start, block_end, m_ptrs, fresh_ptrs, v_ptrs,
-                         p_ptrs, mask_ptrs, positions, messages, scales, step, padded, ranks,
-                         coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1, beta2,
-                         one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
-                         WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def onebit_measure_signs(block_tensor, block_start, block_end, block0, m_ptrs, fresh_ptrs,
+                         v_ptrs, p_ptrs, mask_ptrs, positions, messages, scales, step, padded,
+                         ranks, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
+                         beta2, one_minus_beta2, eps, wd, MASK_UNTRAINED: tl.constexpr,
+                         WD: tl.constexpr, ALIGNED: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
     """:func:`onebit_measure` reading the averaged momentum from the 1-bit all-reduce's
     gathered messages instead of a buffer it was expanded into, and the old momentum from
     ``m`` itself (which it then overwrites). Element ``P = positions[t] + offs`` of the
@@ -219,7 +224,7 @@ def onebit_measure_signs(block_tensor, block_start, block_end, m_ptrs, fresh_ptr
     boundaries), so the bucket is found once per block and the rest in int32.
     ``mask_ptrs[t]``, where not 0, is tensor ``t``'s momentum mask at the tensor's shape
     (multiplied in before unscaling, as the reference masks)."""
-    b, t, offs, inside = _block(block_tensor, block_start, block_end, ALIGNED, BLOCK)
+    b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     first = tl.load(positions + t) + tl.load(block_start + b)
     k = first // step
     chunk = (tl.minimum(step, padded - k * step) // ranks).to(tl.int32)

@@ -99,13 +99,45 @@ def test_the_tables_tell_where_16_byte_accesses_are_safe():
     assert not TensorTable([torch.zeros(8), torch.zeros(12)], cuts=(10,)).blocks_aligned
     assert TensorTable([torch.zeros(8), torch.zeros(12)], cuts=(12,)).blocks_aligned
     flat = torch.zeros(64)
+    assert flat.data_ptr() % 16 == 0  # torch's CPU allocations: 64-byte aligned
     table = TensorTable([torch.zeros(8), torch.zeros(12)])
     table.pointers("exp_avg", [flat[0:8], flat[8:20]])
-    assert table._aligned["exp_avg"] == (flat.data_ptr() % 16 == 0)
+    assert table._aligned["exp_avg"] == [True, True]
     table.pointers("exp_avg", [flat[2:10], flat[10:22]])  # 8 bytes past an aligned start
-    assert not table._aligned["exp_avg"]
+    assert table._aligned["exp_avg"] == [False, False]
     table.pointers("masks", [None, None])  # no mask: never read
-    assert table._aligned["masks"]
+    assert table._aligned["masks"] == [True, True]
+
+
+def test_each_run_of_tensors_gets_its_own_alignment():
+    """A pass is launched once per run of consecutive tensors that agree on 16-byte
+    accesses, (first block, blocks, aligned), covering every block once in order; one
+    misaligned gradient (as DDP's bucket views place some) leaves the others aligned;
+    past MAX_RUNS runs, one launch without 16-byte accesses."""
+    import torch
+
+    from onebit_bert.kernels.multi_tensor import MAX_RUNS, TensorTable
+
+    sizes = [4100, 8, 12, 6, 16]  # 3, 1, 1, 1, 1 blocks of 2,048; the fourth ends at 6
+    table = TensorTable([torch.zeros(n) for n in sizes])
+    flat = torch.zeros(sum(sizes) + 16)
+    own = [torch.zeros(n) for n in sizes]
+    table.pointers("params", own)
+    assert table.runs(["params"]) == [(0, 5, True), (5, 1, False), (6, 1, True)]
+    shifted = [own[0], flat[2:10], own[2], own[3], own[4]]  # tensor 1 8 bytes off
+    table.pointers("grads", shifted)
+    assert table.runs(["params", "grads"]) == [(0, 3, True), (3, 1, False), (4, 1, True),
+                                               (5, 1, False), (6, 1, True)]  # fmt: skip
+    table.pointers("grads", [flat[2 : 2 + n] for n in sizes])  # every one off
+    assert table.runs(["params", "grads"]) == [(0, 7, False)]
+    table.pointers("grads", own)
+    assert table.runs(["params", "grads"]) == table.runs(["params"])
+    many = TensorTable([torch.zeros(n) for n in [8, 6] * MAX_RUNS])  # alternating
+    many.pointers("params", [torch.zeros(n) for n in [8, 6] * MAX_RUNS])
+    assert many.runs(["params"]) == [(0, 2 * MAX_RUNS, False)]
+    few = TensorTable([torch.zeros(n) for n in [8, 6] * (MAX_RUNS // 2)])
+    few.pointers("params", [torch.zeros(n) for n in [8, 6] * (MAX_RUNS // 2)])
+    assert len(few.runs(["params"])) == MAX_RUNS
 
 
 def test_sums_made_elsewhere_are_refused_where_they_cannot_fit():
