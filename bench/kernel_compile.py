@@ -30,7 +30,7 @@ divisible by 16, the compiler options, whether the recorded steps launched it (o
 added combination), the PTX and cubin sizes, its global loads and stores by width (vector:
 8 or 16 bytes at a time; scalar), its registers per thread and spilled bytes (``ptxas -v``)
 and warps per program, and the error if it failed. Exits 1 if any signature failed. It
-runs in under two minutes on 2 cores.
+runs in a few minutes on 2 cores.
 
     python -m bench.kernel_compile [--arch 90] [--model bert-tiny] [--vocab-size 300]
 

@@ -240,6 +240,35 @@ def check_gradients_in_one_buffer(device: str = "cpu") -> None:
         runs_seen.clear()
 
 
+def check_a_nan_gradient_reaches_the_factors(device: str = "cpu") -> None:
+    """A NaN in a gradient after the freeze: the fused step's factors are NaN where the
+    reference's are (the largest drift taken as torch takes it, NaN if any element is),
+    not a finite value that hides it."""
+    from onebit_bert.optim import OneBitLamb
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(40, 30), (3000,), (9,)]
+    init = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    grads[3][1][17] = float("nan")  # the last step, a compression step
+
+    def run(kernels, where):
+        params = [t.clone().to(where).requires_grad_(True) for t in init]
+        comm = Communicator(None, device=where)
+        opt = OneBitLamb(params, lr=0.01, freeze_step=2, kernels=kernels, comm=comm)
+        for step_grads in grads:
+            for p, grad in zip(params, step_grads, strict=True):
+                p.grad = grad.clone().to(where)
+            opt.step()
+        return opt.last_factors.cpu(), opt.last_step_kernels
+
+    want, want_path = run("reference", "cpu")
+    got, path = run("fused", device)
+    assert (want_path, path[:5]) == ("reference", "fused")
+    assert want.isnan().any(), want  # the reference's factors carry the NaN
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
 def check_onebit_lamb(device: str = "cpu") -> None:
     """1-bit LAMB with the fused kernels: 3 warmup steps (LAMB's reference either way),
     then 3 compressed ones, with a momentum mask on one layer, at world size 1 (which
@@ -566,6 +595,7 @@ CHECKS = {
         check_all_reduce,
         check_lamb,
         check_gradients_in_one_buffer,
+        check_a_nan_gradient_reaches_the_factors,
         check_onebit_lamb,
         check_onebit_lamb_expanded_in_the_update,
         check_onebit_lamb_blocks_cut_by_buckets,

@@ -25,6 +25,13 @@ def _at(pointers, t, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """The larger of ``a`` and ``b``, NaN where either is (as torch's maximum; Triton's
+    default maximum drops a NaN)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _block(block_tensor, block_start, block_end, block0, ALIGNED: tl.constexpr,
            BLOCK: tl.constexpr):  # fmt: skip
     """This program's block: its index ``b`` (the launch's first block ``block0`` plus the
@@ -45,7 +52,8 @@ def _block(block_tensor, block_start, block_end, block0, ALIGNED: tl.constexpr,
 @triton.jit
 def segment_reduce(first_block, block_count, partial, out, MAX: tl.constexpr,
                    BLOCK: tl.constexpr):  # fmt: skip
-    """``out[t]``: the sum (or ``MAX``: the maximum) of tensor ``t``'s block partials."""
+    """``out[t]``: the sum (or ``MAX``: the maximum, NaN if any is) of tensor ``t``'s block
+    partials."""
     t = tl.program_id(0)
     first = tl.load(first_block + t)
     count = tl.load(block_count + t)
@@ -57,12 +65,12 @@ def segment_reduce(first_block, block_count, partial, out, MAX: tl.constexpr,
         offs = start + tl.arange(0, BLOCK)
         if MAX:
             part = tl.load(partial + first + offs, mask=offs < count, other=float("-inf"))
-            acc = tl.maximum(acc, part)
+            acc = _max_nan(acc, part)
         else:
             part = tl.load(partial + first + offs, mask=offs < count, other=0.0)
             acc += part
     if MAX:
-        tl.store(out + t, tl.max(acc, axis=0))
+        tl.store(out + t, tl.reduce(acc, 0, _max_nan))
     else:
         tl.store(out + t, tl.sum(acc, axis=0))
 
@@ -173,7 +181,7 @@ def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_
     tl.store(fresh_at, fresh, mask=inside)
     denom = tl.sqrt_rn(v) + eps
     drift = tl.math.div_rn(denom, tl.sqrt_rn(fresh) + eps)
-    tl.store(part_drift + b, tl.max(tl.where(inside, drift, float("-inf")), axis=0))
+    tl.store(part_drift + b, tl.reduce(tl.where(inside, drift, float("-inf")), 0, _max_nan))
     if WD:
         u = tl.where(inside, tl.math.div_rn(m, denom), 0.0)
         p = tl.load(_at(p_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
