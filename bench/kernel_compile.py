@@ -157,6 +157,7 @@ def record(model: str, vocab_size: int) -> list[dict]:
     from triton.runtime import interpreter
 
     from bench.yardstick import optimizer_on_preset
+    from onebit_bert.kernels import triton_module
 
     seen: dict[str, dict] = {}
     executor = interpreter.GridExecutor
@@ -169,14 +170,15 @@ def record(model: str, vocab_size: int) -> list[dict]:
         signature = {
             n: "constexpr" if n in constexprs else triton_type(bound[n]) for n in self.arg_names
         }
+        module = _module_of(self.fn)
+        # arguments the kernel's file asks Triton not to specialise by value get no hint
+        fixed = set(constexprs) | set(getattr(triton_module(module), "UNSPECIALIZED", ()))
         entry = {
-            "module": _module_of(self.fn),
+            "module": module,
             "kernel": self.fn.__name__,
             "signature": signature,
             "constexprs": constexprs,
-            "divisible": [
-                n for n in self.arg_names if n not in constexprs and _divisible(bound[n])
-            ],
+            "divisible": [n for n in self.arg_names if n not in fixed and _divisible(bound[n])],
             # the compiler options the launch passed (the interpreter ignores them)
             "options": {k: v for k, v in kwargs.items() if k not in self.arg_names},
         }

@@ -12,6 +12,10 @@ a fixed order: the same bits on every rank and every run).
 import triton
 import triton.language as tl
 
+UNSPECIALIZED = ("block0",)
+"""Arguments Triton's launcher compiles no variant for by value (a run's first block: one
+kernel for every run, whatever block it starts at)."""
+
 
 @triton.jit
 def _at(pointers, t, ALIGNED: tl.constexpr):
@@ -25,10 +29,12 @@ def _at(pointers, t, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _max_nan(a, b):
-    """The larger of ``a`` and ``b``, NaN where either is (as torch's maximum; Triton's
-    default maximum drops a NaN)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def _largest(x):
+    """The largest element of ``x``, NaN if any is (as torch's max; Triton's drops a NaN).
+    Two built-in reductions rather than one with a NaN-keeping combine, which Triton's
+    interpreter runs element by element."""
+    nan = tl.max((x != x).to(tl.int32), axis=0)
+    return tl.where(nan > 0, float("nan"), tl.max(x, axis=0))
 
 
 @triton.jit
@@ -65,12 +71,12 @@ def segment_reduce(first_block, block_count, partial, out, MAX: tl.constexpr,
         offs = start + tl.arange(0, BLOCK)
         if MAX:
             part = tl.load(partial + first + offs, mask=offs < count, other=float("-inf"))
-            acc = _max_nan(acc, part)
+            acc = tl.maximum(acc, part, propagate_nan=tl.PropagateNan.ALL)
         else:
             part = tl.load(partial + first + offs, mask=offs < count, other=0.0)
             acc += part
     if MAX:
-        tl.store(out + t, tl.reduce(acc, 0, _max_nan))
+        tl.store(out + t, _largest(acc))
     else:
         tl.store(out + t, tl.sum(acc, axis=0))
 
@@ -90,7 +96,7 @@ def _update(m, v, p, eps, bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexp
     return u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def lamb_measure(block_tensor, block_start, block_end, block0, p_ptrs, g_ptrs, m_ptrs, v_ptrs,
                  part_w, part_u, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc1,
                  bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr, ALIGNED: tl.constexpr,
@@ -114,7 +120,7 @@ def lamb_measure(block_tensor, block_start, block_end, block0, p_ptrs, g_ptrs, m
     tl.store(part_u + b, tl.sum(u * u, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def scaled_step(block_tensor, block_start, block_end, block0, p_ptrs, m_ptrs, v_ptrs, coef, eps,
                 bc1, bc2_sqrt, wd, BIAS: tl.constexpr, WD: tl.constexpr, ALIGNED: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
@@ -129,7 +135,7 @@ def scaled_step(block_tensor, block_start, block_end, block0, p_ptrs, m_ptrs, v_
     tl.store(p_at, p + step, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def onebit_fold(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, prev_ptrs, coeffs,
                 grad_scale, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
                 ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -146,7 +152,7 @@ def onebit_fold(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, pr
     tl.store(m_at, m, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def onebit_fold_squares(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, x_ptrs,
                         e_ptrs, coeffs, grad_scale, part_x, part_xe, beta1, one_minus_beta1,
                         HAS_SCALE: tl.constexpr, SQUARES: tl.constexpr, ALIGNED: tl.constexpr,
@@ -181,7 +187,7 @@ def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_
     tl.store(fresh_at, fresh, mask=inside)
     denom = tl.sqrt_rn(v) + eps
     drift = tl.math.div_rn(denom, tl.sqrt_rn(fresh) + eps)
-    tl.store(part_drift + b, tl.reduce(tl.where(inside, drift, float("-inf")), 0, _max_nan))
+    tl.store(part_drift + b, _largest(tl.where(inside, drift, float("-inf"))))
     if WD:
         u = tl.where(inside, tl.math.div_rn(m, denom), 0.0)
         p = tl.load(_at(p_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
@@ -190,7 +196,7 @@ def _measure(m, prev, v, inside, b, t, offs, fresh_at, p_ptrs, part_drift, part_
         tl.store(part_ud + b, tl.sum(decayed * decayed, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def onebit_measure(block_tensor, block_start, block_end, block0, m_ptrs, prev_ptrs, fresh_ptrs,
                    v_ptrs, p_ptrs, coeffs, part_drift, part_u, part_ud, neg_beta1,
                    one_minus_beta1, beta2, one_minus_beta2, eps, wd,
@@ -215,7 +221,7 @@ def onebit_measure(block_tensor, block_start, block_end, block0, m_ptrs, prev_pt
              WD, ALIGNED)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def onebit_measure_signs(block_tensor, block_start, block_end, block0, m_ptrs, fresh_ptrs,
                          v_ptrs, p_ptrs, mask_ptrs, positions, messages, scales, step, padded,
                          ranks, coeffs, part_drift, part_u, part_ud, neg_beta1, one_minus_beta1,
