@@ -156,16 +156,9 @@ class TensorTable:
             blocks and all(self._aligned[role][t] for role in roles)
             for t, blocks in enumerate(self._tensor_blocks_aligned)
         ]
-        runs: list[tuple[int, int, bool]] = []
-        for t, flag in enumerate(flags):
-            if runs and runs[-1][2] == flag:
-                continue
-            if runs:  # close the previous run at this tensor's first block
-                first, _, aligned = runs[-1]
-                runs[-1] = (first, self._first[t] - first, aligned)
-            runs.append((self._first[t], 0, flag))
-        first, _, aligned = runs[-1]
-        runs[-1] = (first, self.blocks - first, aligned)
+        heads = [t for t in range(self.count) if t == 0 or flags[t] != flags[t - 1]]
+        bounds = [self._first[t] for t in heads] + [self.blocks]  # each run's first block
+        runs = [(a, b - a, flags[t]) for t, a, b in zip(heads, bounds, bounds[1:], strict=False)]
         if len(runs) > MAX_RUNS:
             return [(0, self.blocks, False)]
         return runs
