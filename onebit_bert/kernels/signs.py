@@ -82,13 +82,18 @@ class FusedSignOps:
         finally:
             self._measured = None
 
-    def _grid(self, n_bytes: int) -> tuple[int]:
-        if 8 * n_bytes > MAX_BUCKET:  # the kernels index a bucket's elements in int32
+    @staticmethod
+    def check_bucket(numel: int) -> None:
+        """Refuse a bucket of ``numel`` elements past the kernels' 32-bit indices."""
+        if numel > MAX_BUCKET:
             raise ValueError(
-                f"a 1-bit bucket of {8 * n_bytes:,} elements is past the fused kernels' "
+                f"a 1-bit bucket of {numel:,} elements is past the fused kernels' "
                 f"limit of {MAX_BUCKET:,}: set optimizer.bucket_numel to at most that "
                 "(or optimizer.kernels: reference)"
             )
+
+    def _grid(self, n_bytes: int) -> tuple[int]:
+        self.check_bucket(8 * n_bytes)
         return (max(1, -(-n_bytes // self.block)),)
 
     def _scale(self, partial: torch.Tensor, real: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from onebit_bert.distributed.codecs import Codec, OneBitCodec, TwoPhaseRun
-from onebit_bert.distributed.codecs.compression import padded_size, sign_ops
+from onebit_bert.distributed.codecs.compression import padded_size, plan_buckets, sign_ops
 from onebit_bert.distributed.codecs.packing import prepare
 from onebit_bert.distributed.comm import Communicator
 from onebit_bert.kernels import check_kernels
@@ -108,6 +108,11 @@ class CompressedOptimizer(Optimizer):
         the padded buffer (and overlappable with the backward pass); :meth:`set_codec`
         replaces it (``comm.compression.momentum`` other than onebit, or
         ``comm.hierarchy: node``)."""
+        check = getattr(self.codec.sign_ops, "check_bucket", None)
+        if check is not None:  # the fused kernels' limit, met now rather than at the freeze
+            numel = sum(p.numel() for group in self.param_groups for p in group["params"])
+            buckets = plan_buckets(numel, self.comm.world_size, bucket_numel)
+            check(max(bucket.size for bucket in buckets))
         self._own_codec = True
         self._flat: torch.Tensor | None = None
         self._flat_numel = 0

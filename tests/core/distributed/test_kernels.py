@@ -86,6 +86,29 @@ def test_a_bucket_past_the_kernels_32_bit_indices_is_refused_before_any_kernel()
     assert ops._grid(MAX_BUCKET // 8) == (-(-MAX_BUCKET // 8 // ops.block),)  # the largest
 
 
+@pytest.mark.skipif(not triton_available(), reason="needs Triton (pip install '.[gpu]')")
+@pytest.mark.skipif(
+    triton_available() and interpreter_problem() is not None, reason=str(interpreter_problem())
+)
+def test_an_optimizer_whose_bucket_the_kernels_cannot_take_is_refused_when_built(monkeypatch):
+    """The kernels' bucket limit is met when the optimizer is built, not at the first
+    compression step after a whole warmup stage (the limit lowered to 64 elements here);
+    buckets within it are taken."""
+    import torch
+
+    from onebit_bert.kernels import signs
+    from onebit_bert.optim import OneBitLamb
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the fused kernels on the CPU
+    monkeypatch.setattr(signs, "MAX_BUCKET", 64)
+    params = [torch.zeros(50, requires_grad=True), torch.zeros(30, requires_grad=True)]
+    comm = Communicator(None)
+    with pytest.raises(ValueError, match="a 1-bit bucket of 80 elements is past"):
+        OneBitLamb(params, kernels="fused", comm=comm)
+    OneBitLamb(params, kernels="fused", comm=comm, bucket_numel=64)  # buckets of 64 and 16
+    OneBitLamb(params, kernels="reference", comm=comm)  # the reference takes any size
+
+
 def test_the_tables_tell_where_16_byte_accesses_are_safe():
     """The fused kernels access memory 16 bytes at a time (``ALIGNED``) only where every
     block starts and ends at a multiple of 4 elements and every operand's address is a
