@@ -271,21 +271,20 @@ def mfu_table(summaries: list[dict]) -> list[str]:
 def mfu_explanation(summaries: list[dict]) -> str | None:
     """One sentence on what holds LAMB's compiled MFU at length 128 below the target, from
     the profiled row of the best MFU (None: the target is met, or nothing was profiled)."""
-    runs = [
-        r
+    profiled = [
+        (r, mfu_parts(r))
         for r in _ours(summaries)
         if r["optimizer"] == "lamb"
         and r.get("compile")
         and r["seq_length"] == 128
         and r.get("mfu") is not None
-        and mfu_parts(r) is not None
     ]
-    if not runs:
+    profiled = [(r, parts) for r, parts in profiled if parts is not None]
+    if not profiled:
         return None
-    run = max(runs, key=lambda r: r["mfu"])
+    run, parts = max(profiled, key=lambda pair: pair[0]["mfu"])
     if run["mfu"] >= MFU_TARGET:
         return None
-    parts = mfu_parts(run)
     rest = sorted(parts["rest_ms"].items(), key=lambda item: -item[1])
     others = ", ".join(f"{name} {ms:.1f} ms" for name, ms in rest if ms > 0)
     return (
