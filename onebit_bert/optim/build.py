@@ -94,7 +94,8 @@ class OptimizerConfig:
     """0/1 Adam: largest local-step interval (H)."""
     bucket_numel: int | None = None
     """1-bit LAMB, 1-bit Adam, 0/1 Adam: compress in buckets of at most this many
-    elements."""
+    elements (None: one bucket). The fused kernels take buckets of at most 2**31 - 8
+    elements: a larger one is refused when the optimizer is built."""
     kernels: Literal["auto", "reference", "fused"] = "auto"
     """lamb and onebit_lamb: auto runs the fused Triton kernels on CUDA (fewer passes over
     memory) and the reference elsewhere; reference: plain torch everywhere (what the golden
