@@ -8,13 +8,14 @@ v``), the per-tensor sums, the trust ratios as the reference computes them from 
 with ``u`` recomputed from ``m, v, w`` (reads 3, writes 1) instead of stored: 40 bytes
 per fp32 parameter against 28 for the least any LAMB step moves.
 
-1-bit LAMB's compression step: :func:`onebit_fold_squares` (the folded, scaled momentum
-written beside the old one, and the 1-bit worker's sums of squares: one pass), the 1-bit
-all-reduce (:mod:`onebit_bert.kernels.signs`) without its expansion, then
+1-bit LAMB's compression step: :func:`onebit_fold_compensated` (the folded, scaled
+momentum plus the worker's error written over the worker's stored values, with the
+worker's sums: one pass), the 1-bit all-reduce (:mod:`onebit_bert.kernels.signs`: the
+worker's signs of those values, the server's one pass) without its expansion, then
 :func:`onebit_measure_signs` (the average read from the servers' messages, unscaled and
 masked over the old momentum, the fresh second moment updated, the blocks' largest drift
 and, with weight decay, the two norms of the update: one pass), the per-tensor reductions,
-the factor as the reference computes it, and :func:`scaled_step`: 80.7 bytes per fp32
+the factor as the reference computes it, and :func:`scaled_step`: 68.6 bytes per fp32
 parameter at one rank against a floor of 56.5. With the fold and the expansion as passes
 of their own (:func:`onebit_fold`, the codec's expansion, :func:`onebit_measure`) it moves
 16 more.
@@ -56,7 +57,6 @@ POINTER_ARGUMENTS = {
     "exp_avg_sq": "v_ptrs",
     "exp_avg_sq_fresh": "fresh_ptrs",
     "previous": "prev_ptrs",
-    "folded": "x_ptrs",
     "worker_error": "e_ptrs",
     "masks": "mask_ptrs",
 }
@@ -390,50 +390,48 @@ def _measured(
     return largest, table.reduce(part_u).sqrt(), table.reduce(part_ud).sqrt()
 
 
-def onebit_fold_squares(
+def onebit_fold_compensated(
     table: TensorTable,
     grads: list[torch.Tensor],
     momenta: list[torch.Tensor],
-    folded: list[torch.Tensor],
-    errors: list[torch.Tensor] | None,
+    values: list[torch.Tensor],
+    positions: list[int],
+    pending: torch.Tensor,
+    step: int,
     coeffs: torch.Tensor,
     beta1: float,
     grad_scale: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``folded = (β1·m + (1-β1)·g·grad_scale) · coeffs[t]`` with the momenta left as they
-    are, and with ``errors``, per block the sums of ``folded²`` and of ``(folded +
-    errors)²`` (the 1-bit worker's first pass, done here so that it needs no pass of its
-    own; None without ``errors``), written to ``out`` when given (two contiguous fp32
-    tensors of ``table.blocks`` elements, e.g. slices of a larger table's partials)."""
-    squares = errors is not None
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 1-bit worker's values ``v = x + e`` written over ``values`` (each tensor's slice
+    of the worker's stored values, :class:`~onebit_bert.distributed.codecs.compression.
+    ErrorFeedback`), where ``x = (β1·m + (1-β1)·g·grad_scale) · coeffs[t]`` (the momenta
+    are left as they are) and ``e`` the error the stored values stand for with
+    ``pending[k]``, the pending scale of bucket ``k`` (``step`` elements each;
+    ``positions``: where each tensor starts in the compressed buffer). Returns per block
+    the sums of ``x²``, ``v²`` and ``|v|``, written to ``out`` when given (three
+    contiguous fp32 tensors of ``table.blocks`` elements, e.g. slices of a larger table's
+    partials)."""
     if out is not None and (
-        not squares or any(t.numel() != table.blocks or not t.is_contiguous() for t in out)
+        len(out) != 3 or any(t.numel() != table.blocks or not t.is_contiguous() for t in out)
     ):
-        raise ValueError(
-            f"out: two contiguous tensors of {table.blocks} block sums, with errors to sum"
-        )
-    if not squares:
-        part_x = part_xe = coeffs  # not written
-    else:
-        part_x, part_xe = out if out is not None else (table.partials(), table.partials())
+        raise ValueError(f"out: three contiguous tensors of {table.blocks} block sums")
+    sums = out if out is not None else (table.partials(), table.partials(), table.partials())
     table.launch(
-        "onebit_fold_squares",
-        {
-            "grads": grads,
-            "exp_avg": momenta,
-            "folded": folded,
-            "worker_error": errors if squares else momenta,  # not read without squares
-        },
+        "onebit_fold_compensated",
+        {"grads": grads, "exp_avg": momenta, "worker_error": values},
         coeffs=coeffs,
         grad_scale=grad_scale.float() if grad_scale is not None else coeffs,
-        part_x=part_x,
-        part_xe=part_xe,
+        positions=table.values("positions", positions),
+        step=step,
+        pending=pending,
+        part_x=sums[0],
+        part_v=sums[1],
+        part_abs=sums[2],
         **_decay("beta1", beta1),
         HAS_SCALE=grad_scale is not None,
-        SQUARES=squares,
     )
-    return (part_x, part_xe) if squares else None
+    return sums
 
 
 def onebit_measure_signs(

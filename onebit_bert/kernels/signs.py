@@ -1,22 +1,30 @@
 """The 1-bit all-reduce's per-bucket work as Triton kernels (:class:`FusedSignOps`).
 
 Same contract as the reference :class:`~onebit_bert.distributed.codecs.compression.SignOps`,
-whose passes over a bucket it replaces (elements: ``x`` the bucket, ``e`` an error):
+whose passes over a bucket it replaces (elements: ``x`` the bucket, ``e`` an error), but
+the errors are kept as the values last compressed with their bucket's scale pending
+(:class:`~onebit_bert.distributed.codecs.compression.ErrorFeedback`): the error left,
+``v - s·sign(v)``, needs ``s``, the root mean square of the whole bucket's ``v``, so
+writing it would take a second pass over the bucket; it is taken instead where the
+values are next read, in the pass that reads them anyway.
 
-- worker, :meth:`FusedSignOps.compress`: one pass sums ``(x+e)²`` over the real
-  elements into per-block partials (the scale ``s`` is their sum's root over
-  ``sqrt(real)``), a second writes the packed signs of ``x+e`` straight into the message
-  rows and ``e = x+e - s·sign(x+e)`` (0 on the padding). ``x`` itself is not written:
-  the bucket is overwritten by :meth:`~FusedSignOps.expand` before anyone reads it;
-- server, :meth:`FusedSignOps.serve`: the average of the ranks' ``±s_i`` for this rank's
-  chunk is recomputed from the received bytes in both passes instead of being stored;
+- worker, :meth:`FusedSignOps.compress`: one pass writes ``v = x + e`` over the stored
+  values and its packed signs straight into the message rows, and sums ``v²`` over the
+  real elements into per-block partials (the scale ``s`` is their sum's root over
+  ``sqrt(real)``); where the caller has written ``v`` already (1-bit LAMB's fold) and
+  summed it, the pass only packs the signs. ``x`` itself is not written: the bucket is
+  overwritten by :meth:`~FusedSignOps.expand` before anyone reads it;
+- server, :meth:`FusedSignOps.serve`: the same single pass on the average of the ranks'
+  ``±s_i`` for this rank's chunk, recomputed from the received bytes;
 - everyone, :meth:`FusedSignOps.expand`: one pass from the gathered bytes to ``±s_i``.
 
 Bits are the reference's: bit ``k`` of byte ``i`` is the sign of element ``8i+k``, 1 for
 ``>= 0`` (NaN packs as negative). The packed signs, the server's sum of ``±s_i`` (a sum of
-exact values in rank order, divided with IEEE rounding) and the expansion are bit for bit
-the reference's for the same inputs; a scale is a sum of squares in another order, so it
-and the errors it enters agree within rounding.
+exact values in rank order, divided with IEEE rounding), the expansion and an error taken
+from its value and scale are bit for bit the reference's for the same inputs; a scale is a
+sum of squares in another order, so it and the errors it enters agree within rounding.
+The error figure's ``‖e‖²`` is ``2·Σv² - 2s·Σ|v|`` per bucket (``s² = Σv²/real``), from the
+pass's sums.
 
 The kernels themselves are in ``onebit_bert/kernels/triton_src/signs.py``, loaded on first
 use for the current Triton mode (:func:`~onebit_bert.kernels.triton_module`).
@@ -29,6 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
+from onebit_bert.distributed.codecs.compression import settle
 from onebit_bert.kernels import COMPILE_OPTIONS, triton_module
 
 SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.codecs.compression)
@@ -66,7 +75,9 @@ class FusedSignOps:
 
     name = "fused"
     takes_squares = True
-    """:meth:`compress` takes the sum of squares from a caller that has it."""
+    """:meth:`compress` takes values and their sums from a caller that has them."""
+    keeps_values = True
+    """The errors' buffers hold the values last compressed, their scale pending."""
 
     def __init__(self, block: int = BYTES_PER_PROGRAM):
         self.block = block
@@ -96,71 +107,95 @@ class FusedSignOps:
         self.check_bucket(8 * n_bytes)
         return (max(1, -(-n_bytes // self.block)),)
 
-    def _scale(self, partial: torch.Tensor, real: int) -> torch.Tensor:
+    def _scale(self, squares: torch.Tensor, real: int) -> torch.Tensor:
         if real == 0:
-            return torch.zeros((), dtype=torch.float32, device=partial.device)
-        return partial.sum().sqrt() / math.sqrt(real)
+            return torch.zeros((), dtype=torch.float32, device=squares.device)
+        return squares.sum().sqrt() / math.sqrt(real)
 
     def _encode(
-        self, x, err, message, body, real, received, scales, ranks, stride, server, squares=None
-    ):
+        self, x, values, pending, message, body, real, received, scales, ranks, stride, server,
+        squares=None,
+    ):  # fmt: skip
+        """One pass (:func:`encode`) and the scale; ``pending``: the bucket's pending
+        scale (read, then replaced by the new one), or None to leave errors in
+        ``values``."""
         k = triton_module("signs")
-        n_bytes = err.numel() // 8
+        n_bytes = values.numel() // 8
         grid = self._grid(n_bytes)
-        partial = torch.empty(grid[0], dtype=torch.float32, device=err.device)
         measured = None if server else self._measured
-        sums = torch.empty(2, grid[0], dtype=torch.float32, device=err.device) if measured else None
-        input_sq, error_sq = (sums[0], sums[1]) if measured else (partial, partial)
-        common = dict(SERVER=server, MEASURE=measured is not None, BLOCK=self.block)
-        common.update(COMPILE_OPTIONS)
-        # both passes read the same sources: the received rows (a server) and the real count
-        sources = (received, scales, ranks, float(ranks), stride, real)
-        if squares is None:
-            k.sum_squares[grid](x, err, partial, input_sq, n_bytes, *sources, **common)
-            scale = self._scale(partial, real)
-        else:  # the caller summed (x + err)² over the real elements, and x² if measured
-            scale = self._scale(squares, real)
-            if measured is not None:
-                sums[0].zero_()
+        stored = squares is not None
         width = message.shape[-1] if message.dim() == 2 else message.numel()
-        k.pack[grid](x, err, scale, message, error_sq, n_bytes, body, width, *sources, **common)
+        if pending is None:
+            old = torch.zeros(1, dtype=torch.float32, device=values.device)
+        else:
+            old = pending
+        partial = torch.empty(3, grid[0], dtype=torch.float32, device=values.device)
+        common = dict(SERVER=server, MEASURE=measured is not None, STORED=stored, BLOCK=self.block)
+        common.update(COMPILE_OPTIONS)
+        k.encode[grid](
+            x, values, old, message, partial, n_bytes, body, width, received, scales, ranks,
+            float(ranks), stride, real, **common,
+        )  # fmt: skip
+        if stored:  # the caller wrote the values and summed their squares and sizes
+            square_sum, size_sum = squares[0], squares[1]
+        else:
+            square_sum, size_sum = partial[0], partial[2]
+        scale = self._scale(square_sum, real)
         message.view(-1, body + SCALE_BYTES)[:, body:] = scale.reshape(1).view(torch.uint8)
         if measured is not None:
-            totals = sums.sum(dim=1)
-            measured.input_sq += totals[0]
-            measured.error_sq += totals[1]
+            if not stored:  # else the caller adds the inputs' squares itself
+                measured.input_sq += partial[1].sum()
+            left = 2 * square_sum.sum() - 2 * scale * size_sum.sum()
+            measured.error_sq += left.clamp_min(0)
+        if pending is None:
+            settle(values, scale, real)
+        else:
+            pending.copy_(scale.reshape(1))
         return scale
 
     def compress(
         self,
         x: torch.Tensor,
-        error: torch.Tensor,
+        values: torch.Tensor,
         real: int,
         table,
         rows: int,
         squares: torch.Tensor | None = None,
+        pending: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Worker: ``(rows, x.numel()/8/rows + 4)`` message bytes, row ``j`` chunk ``j``'s
-        signs of ``x + error`` and the scale; ``error`` updated. ``x`` is left as it was
-        (the reference leaves ``x + error`` there; nobody reads it before the expansion
-        overwrites it). ``squares``: the sum of ``(x + error)²`` over the real elements,
-        where the caller has it (one pass fewer; inside :meth:`measure` the caller then
-        adds the inputs' squares itself)."""
+        signs of ``x + error`` and the scale; ``values`` then hold ``x + error``, with the
+        scale in ``pending`` (one element: the bucket's, which the error is taken with),
+        or, without ``pending``, the error left. ``x`` is left as it was (the reference
+        leaves ``x + error`` there; nobody reads it before the expansion overwrites it).
+        ``squares``: where the caller wrote ``x + error`` to ``values`` itself, the sums of
+        its squares and of its sizes over the real elements (one pass fewer: the pass
+        only packs signs; inside :meth:`measure` the caller then adds the inputs'
+        squares itself)."""
         body = x.numel() // 8 // rows
         message = torch.empty(rows, body + SCALE_BYTES, dtype=torch.uint8, device=x.device)
-        self._encode(x, error, message, body, real, x, error, 0, 0, False, squares)
+        self._encode(x, values, pending, message, body, real, x, values, 0, 0, False, squares)
         return message
 
-    def serve(self, incoming: torch.Tensor, error: torch.Tensor, real: int, table) -> torch.Tensor:
+    def serve(
+        self,
+        incoming: torch.Tensor,
+        values: torch.Tensor,
+        real: int,
+        table,
+        pending: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Server: average this rank's chunk over the rows of ``incoming`` (one per rank:
-        signs, then the sender's scale), compress it with ``error`` into one flat message."""
-        body = error.numel() // 8
-        message = torch.empty(body + SCALE_BYTES, dtype=torch.uint8, device=error.device)
+        signs, then the sender's scale), compress it with the error ``values`` stand for
+        into one flat message (``values`` and ``pending`` as in :meth:`compress`)."""
+        body = values.numel() // 8
+        message = torch.empty(body + SCALE_BYTES, dtype=torch.uint8, device=values.device)
         scales = _scales(incoming)
         incoming = incoming.contiguous()
         self._encode(
-            error,
-            error,
+            values,
+            values,
+            pending,
             message,
             body,
             real,

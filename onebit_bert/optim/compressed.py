@@ -351,10 +351,11 @@ class CompressedOptimizer(Optimizer):
         here the fused buffer, expanded."""
         return flat, False
 
-    def _bucket_squares(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """In an overlapped step, once every gradient of bucket ``index`` is folded: the
-        sums of ``x²`` and ``(x + worker error)²`` over it, where the folds made them
-        (subclasses whose folds sum them); None: the codec sums them itself."""
+    def _bucket_squares(self, index: int) -> torch.Tensor | None:
+        """In an overlapped step, once every gradient of bucket ``index`` is folded: where
+        the folds wrote its worker values ``x + worker error`` themselves (subclasses
+        whose folds do), the sums of ``x²``, of the values' squares and of their sizes
+        over it; None: the codec makes the values and sums itself."""
         return None
 
     def _fold_for_compression(

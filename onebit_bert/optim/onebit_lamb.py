@@ -431,27 +431,30 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         return True
 
     def _fold_summing(self, group: dict, p: torch.Tensor, grad_scale) -> None:
-        """An overlapped step's fold of ``p`` beside its momentum, with the worker's sums
-        of squares over ``p``'s blocks written to their places among the step's
-        (:class:`FoldedSquares`), so that the 1-bit worker takes its bucket's sums from
-        there (:meth:`_bucket_squares`) instead of a pass of its own."""
+        """An overlapped step's fold of ``p`` beside its momentum, with the worker's values
+        written over its stored ones and their sums over ``p``'s blocks written to their
+        places among the step's (:class:`FoldedSquares`), so that the 1-bit worker takes
+        its bucket's values and sums from there (:meth:`_bucket_squares`) instead of a
+        pass of its own."""
         folded = self._folded
         st = self.state[p]
         start = self._flat_offset(st["exp_avg"])
         table, first = folded.place(p)
-        multi_tensor.onebit_fold_squares(
+        multi_tensor.onebit_fold_compensated(
             table,
             self._gradients([p], None),
             [st["exp_avg"]],
-            self._views(self._scratch, [p], start),
-            self._views(folded.worker_error, [p], start),
+            self._views(folded.feedback.worker_values, [p], start),
+            [start],
+            folded.feedback.worker_scale,
+            folded.step,
             st["scaling_coeff"].reshape(1),
             group["betas"][0],
             grad_scale,
             out=folded.slices(first, table.blocks),
         )
 
-    def _bucket_squares(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _bucket_squares(self, index: int) -> torch.Tensor | None:
         return None if self._folded is None else self._folded.bucket(index)
 
     def _fused_compressed_update(self, group, params, previous, offset, refresh=False):
@@ -497,7 +500,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
                 ]
                 self._folded_plan = FoldedSquares(key, params, tables, starts, step, buckets)
             self._folded = self._folded_plan
-            self._folded.worker_error = feedback.worker_error
+            self._folded.feedback = feedback
             return self._scratch, True
         return flat, False
 
@@ -522,15 +525,15 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
 
     def _fold_and_compress(self, layout):
         """The fold and the 1-bit average in two passes fewer than :meth:`_fused_fold`
-        and the codec's: ``x = (β1·m + (1-β1)·g)·c`` goes to the scratch buffer, the
-        momentum stays where it is (the update reads it as the old one), the worker's sums
-        of squares come out of the same pass, and the average comes back as the servers'
-        messages (:class:`~onebit_bert.distributed.codecs.onebit.GatheredSigns`) for
-        :meth:`_update_from_signs` to read."""
+        and the codec's: ``x = (β1·m + (1-β1)·g)·c`` plus the worker's error is written
+        over the worker's stored values (:func:`~onebit_bert.kernels.multi_tensor.
+        onebit_fold_compensated`), the momentum stays where it is (the update reads it as
+        the old one), the worker's sums come out of the same pass, and the average comes
+        back as the servers' messages (:class:`~onebit_bert.distributed.codecs.onebit.
+        GatheredSigns`) for :meth:`_update_from_signs` to read."""
         feedback = self.codec.fused_feedback(FUSED, self._flat_numel)
         step = feedback.buckets[0].size
-        worker_error = feedback.worker_error
-        inputs, squares, placed = [], [], []
+        inputs, values, sizes, placed = [], [], [], []
         for group, params in layout:
             if not params:
                 continue
@@ -538,20 +541,24 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
             momenta = [st["exp_avg"] for st in states]
             start = self._flat_offset(momenta[0])
             table = self._bucket_table(params, start, step)
-            part_x, part_xe = multi_tensor.onebit_fold_squares(
+            part_x, part_v, part_abs = multi_tensor.onebit_fold_compensated(
                 table,
                 self._gradients(params, None),
                 momenta,
-                self._views(self._scratch, params, start),
-                self._views(worker_error, params, start),
+                self._views(feedback.worker_values, params, start),
+                [start + at for at in _starts(params)],
+                feedback.worker_scale,
+                step,
                 torch.stack([st["scaling_coeff"] for st in states]),
                 group["betas"][0],
             )
             inputs.append(part_x)
-            squares.append(part_xe)
+            values.append(part_v)
+            sizes.append(part_abs)
             placed.append((table, start))
-        per_bucket = multi_tensor.segment_sums(
-            torch.cat(squares), *self._bucket_segments(placed, step, len(feedback.buckets))
+        segments = self._bucket_segments(placed, step, len(feedback.buckets))
+        per_bucket = torch.stack(
+            [multi_tensor.segment_sums(torch.cat(parts), *segments) for parts in (values, sizes)]
         )
         before = self.comm.snapshot()
         with self.comm.traffic("momentum"):
@@ -648,40 +655,42 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
 
 class FoldedSquares:
     """Where an overlapped step's folds, one parameter at a time, put the 1-bit worker's
-    sums of squares: each parameter's blocks (cut at the bucket boundaries) have their
-    place in one table of block sums, in buffer order, as :meth:`OneBitLamb.
-    _fold_and_compress` lays out its own; a bucket's sums are its blocks', added in block
-    order (:meth:`bucket`). Built once per layout; ``worker_error`` is set each step."""
+    sums: each parameter's blocks (cut at the bucket boundaries) have their place in one
+    table of block sums, in buffer order, as :meth:`OneBitLamb._fold_and_compress` lays
+    out its own; a bucket's sums are its blocks', added in block order (:meth:`bucket`).
+    Built once per layout; ``feedback`` (the worker's stored values and pending scales)
+    is set each step."""
 
     def __init__(self, key, params, tables, starts, step: int, buckets: int):
         self.key = key
-        self.worker_error: torch.Tensor | None = None
+        self.step = step
+        self.feedback = None
         self._places, ids, first = {}, [], 0
         for p, table, start in zip(params, tables, starts, strict=True):
             self._places[id(p)] = (table, first)
             ids.extend((start + at) // step for at in table.block_positions)
             first += table.blocks
         device = params[0].device
-        self.sums = torch.empty(2, first, dtype=torch.float32, device=device)
-        """Row 0: each block's sum of ``x²``; row 1: of ``(x + worker error)²``."""
+        self.sums = torch.empty(3, first, dtype=torch.float32, device=device)
+        """Per block, row 0: the sum of ``x²``; row 1: of the values' squares
+        (``(x + worker error)²``); row 2: of their sizes."""
         starts_, counts = _segments(ids, buckets)
-        both = [[at, first + at] for at in starts_]
-        self._first = multi_tensor.to_device([v for pair in both for v in pair], device)
-        self._count = multi_tensor.to_device([c for c in counts for _ in range(2)], device)
+        rows = [[at + row * first for row in range(3)] for at in starts_]
+        self._first = multi_tensor.to_device([v for three in rows for v in three], device)
+        self._count = multi_tensor.to_device([c for c in counts for _ in range(3)], device)
 
     def place(self, p: torch.Tensor):
         """``p``'s block table and where its blocks' sums start."""
         return self._places[id(p)]
 
-    def slices(self, first: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.sums[0, first : first + blocks], self.sums[1, first : first + blocks]
+    def slices(self, first: int, blocks: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self.sums[row, first : first + blocks] for row in range(3))
 
-    def bucket(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bucket ``index``'s sums of ``x²`` and ``(x + worker error)²`` (0-d tensors), in
-        one launch."""
-        pair = slice(2 * index, 2 * index + 2)
-        out = multi_tensor.segment_sums(self.sums.view(-1), self._first[pair], self._count[pair])
-        return out[0], out[1]
+    def bucket(self, index: int) -> torch.Tensor:
+        """Bucket ``index``'s sums of ``x²``, of the values' squares and of their sizes
+        (three values), in one launch."""
+        three = slice(3 * index, 3 * index + 3)
+        return multi_tensor.segment_sums(self.sums.view(-1), self._first[three], self._count[three])
 
 
 def _refreshed_trust(states: list[dict], ratio: torch.Tensor, factor: torch.Tensor):

@@ -102,6 +102,55 @@ def check_server_step(device: str = "cpu") -> None:
         assert torch.equal(e_new, expected), f"server error at {ranks} ranks"
 
 
+def check_errors_kept_as_values(device: str = "cpu") -> None:
+    """Worker and server steps that keep what they compressed with the scale pending (as
+    the codec keeps its errors) send the same messages as steps that write the errors
+    each time, over three calls on one set of errors, and settle to the same errors bit
+    for bit; their error figure (from the pass's sums) is the written errors' within
+    rounding."""
+    from onebit_bert.distributed.codecs.compression import settle
+
+    ranks, numel, real = 2, 16 * 150, 16 * 150 - 9
+    g = torch.Generator().manual_seed(6)
+    start = torch.randn(numel, generator=g) * 0.1
+    start[real:] = 0
+    written, kept = start.clone().to(device), start.clone().to(device)
+    pending = torch.zeros(1, device=device)
+    ops = fused_ops()
+    for call in range(3):
+        x = torch.randn(numel, generator=g).to(device)
+        x[real:] = 0
+        if call == 2:  # every value the same: no error left, and an error figure of 0
+            x[:real] = 1.0
+            written[:real], kept[:real], pending[0] = 0.0, 0.0, 0.0
+        with ops.measure(device) as eager:
+            want = ops.compress(x, written, real, None, ranks)
+        with ops.measure(device) as lazy:
+            got = ops.compress(x, kept, real, None, ranks, pending=pending)
+        assert torch.equal(got.cpu(), want.cpu()), f"worker call {call}: messages differ"
+        direct = torch.linalg.vector_norm(written.cpu()) / torch.linalg.vector_norm(x.cpu())
+        torch.testing.assert_close(eager.relative_error().cpu(), direct, rtol=1e-5, atol=0)
+        torch.testing.assert_close(lazy.relative_error().cpu(), direct, rtol=1e-5, atol=1e-6)
+    settled = kept.clone()
+    settle(settled, pending, real)
+    assert torch.equal(settled.cpu(), written.cpu()), "worker errors differ"
+
+    chunk = numel // ranks
+    messages = [
+        SignOps().compress(rank_inputs(r, 0, numel, numel), torch.zeros(numel), numel, TABLE, ranks)
+        for r in range(ranks)
+    ]
+    incoming = torch.stack([m[1] for m in messages]).to(device)
+    written = (torch.randn(chunk, generator=g) * 0.05).to(device)
+    kept, pending = written.clone(), torch.zeros(1, device=device)
+    for call in range(3):
+        want = ops.serve(incoming, written, chunk - 5, None)
+        got = ops.serve(incoming, kept, chunk - 5, None, pending=pending)
+        assert torch.equal(got.cpu(), want.cpu()), f"server call {call}: messages differ"
+    settle(kept, pending, chunk - 5)
+    assert torch.equal(kept.cpu(), written.cpu()), "server errors differ"
+
+
 def check_expansion(device: str = "cpu") -> None:
     """Expansion gives the reference's values bit for bit, 0 past the real elements."""
     chunk, body = 8 * 33, 33
@@ -384,7 +433,9 @@ def check_onebit_lamb_blocks_cut_by_buckets(device: str = "cpu") -> None:
 def check_onebit_lamb_fused_resume(device: str = "cpu") -> None:
     """A fused 1-bit LAMB run saved after its second compressing step and continued by a
     new optimizer from that state ends bit for bit where the uninterrupted run ends (the
-    scratch buffer that holds the folded momentum is not state)."""
+    scratch buffer is not state, and the errors kept as values with their scales pending
+    are saved as the errors they stand for); so does a run whose state is taken after
+    every step."""
     import copy
 
     from onebit_bert.optim import OneBitLamb
@@ -400,16 +451,22 @@ def check_onebit_lamb_fused_resume(device: str = "cpu") -> None:
         opt = OneBitLamb(groups, lr=0.01, freeze_step=2, bucket_numel=1000, kernels="fused")
         return params, opt
 
-    def steps(params, opt, todo):
+    def steps(params, opt, todo, save=False):
         for step_grads in todo:
             for p, grad in zip(params, step_grads, strict=True):
                 p.grad = grad.clone().to(device)
             opt.step()
+            if save:  # as a run that checkpoints every step: the errors settle each time
+                opt.state_dict()
 
     params, opt = build(init)
     steps(params, opt, grads)
     straight = [p.detach().cpu() for p in params]
     assert opt.last_step_kernels == "fused, expanded in the update"
+    params, opt = build(init)
+    steps(params, opt, grads, save=True)
+    for a, b in zip(params, straight, strict=True):
+        assert torch.equal(a.detach().cpu(), b), "saving the state changed the run"
     params, opt = build(init)
     steps(params, opt, grads[:4])
     saved = copy.deepcopy(opt.state_dict())
@@ -446,7 +503,7 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool, overlap: boo
     if overlap:
         opt.enable_overlap(comm.side_channel())
     g = torch.Generator().manual_seed(comm.rank)
-    folds = {"onebit_fold": 0, "onebit_fold_squares": 0, "sum_squares": 0}
+    folds = {"onebit_fold": 0, "onebit_fold_compensated": 0, "sum_squares": 0}
     armed, paths, previous = [], [], [None] * len(params)
 
     def counted(name):
@@ -460,10 +517,10 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool, overlap: boo
 
     def worker_sums(encode):
         def call(*args, **kwargs):  # a worker's compression without the caller's squares
-            # (self, x, err, message, body, real, received, scales, ranks, stride, server,
-            # squares)
-            server = args[10] if len(args) > 10 else kwargs["server"]
-            squares = args[11] if len(args) > 11 else kwargs.get("squares")
+            # (self, x, values, pending, message, body, real, received, scales, ranks,
+            # stride, server, squares)
+            server = args[11] if len(args) > 11 else kwargs["server"]
+            squares = args[12] if len(args) > 12 else kwargs.get("squares")
             folds["sum_squares"] += not server and squares is None
             return encode(*args, **kwargs)
 
@@ -471,7 +528,7 @@ def _overlapped_steps(comm, kernels: str, clip: bool, expand: bool, overlap: boo
 
     with (
         patch.object(multi_tensor, "onebit_fold", counted("onebit_fold")),
-        patch.object(multi_tensor, "onebit_fold_squares", counted("onebit_fold_squares")),
+        patch.object(multi_tensor, "onebit_fold_compensated", counted("onebit_fold_compensated")),
         patch.object(FusedSignOps, "_encode", worker_sums(FusedSignOps._encode)),
     ):
         for _ in range(6):
@@ -515,7 +572,7 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
     update (by default) or into it with the separate expansion; both track the
     reference's overlapped steps (parameters and error figure), and the ranks agree."""
     expected = {True: "fused, expanded in the update", False: "fused"}
-    kernel = {True: "onebit_fold_squares", False: "onebit_fold"}
+    kernel = {True: "onebit_fold_compensated", False: "onebit_fold"}
     ranks = run_ranks(_overlap_variants, 2, device=device)
     for clip in (False, True):
         for expand in (True, False):
@@ -527,7 +584,7 @@ def check_onebit_lamb_overlapped_folds(device: str = "cpu") -> None:
                 assert new["folds"][kernel[not expand]] == 0, new["folds"]
                 # beside the momentum the folds sum the worker's squares: no pass of its own
                 assert (new["folds"]["sum_squares"] == 0) == expand, new["folds"]
-                assert ref["folds"]["onebit_fold"] == ref["folds"]["onebit_fold_squares"] == 0
+                assert ref["folds"]["onebit_fold"] == ref["folds"]["onebit_fold_compensated"] == 0
                 for a, b in zip(new["params"], ref["params"], strict=True):
                     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
                 # the fused buckets sum the error figure's squares as they compress
@@ -591,6 +648,7 @@ CHECKS = {
     for f in (
         check_worker_signs,
         check_server_step,
+        check_errors_kept_as_values,
         check_expansion,
         check_all_reduce,
         check_lamb,

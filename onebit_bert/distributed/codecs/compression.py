@@ -66,11 +66,29 @@ def plan_buckets(numel: int, world_size: int, bucket_numel: int | None) -> list[
     return buckets
 
 
+def settle(values: torch.Tensor, scale: torch.Tensor, real: int) -> None:
+    """Stored ``values`` made the error they stand for, in place: ``v - s·sign(v)`` on the
+    first ``real`` elements (``sign(v)`` +1 for ``v >= 0``; the reference's subtraction of
+    ``±s``, so the same bits as :func:`compress_in_place`'s error for the same ``v`` and
+    ``s``), 0 after them."""
+    head = values[:real]
+    head.copy_(torch.where(head >= 0, head - scale, head + scale))
+    values[real:].zero_()
+
+
 class ErrorFeedback:
     """This rank's compression errors for one flat buffer: what 1-bit rounding left out.
 
     ``worker_error`` covers the whole padded buffer; ``server_error`` covers the chunk this
     rank serves in every bucket (``padded_numel / world_size`` elements in all).
+
+    Per-bucket work that :attr:`~onebit_bert.kernels.signs.FusedSignOps.keeps_values`
+    saves a pass by storing what it compressed rather than the error left: it writes ``v``
+    to :attr:`worker_values` (:attr:`server_values`) and bucket ``k``'s scale ``s`` to
+    ``worker_scale[k]`` (``server_scale[k]``), and the error ``v - s·sign(v)`` is taken
+    where the values are next read, by the next compression or by :meth:`settle`. With
+    scale 0 the values are the errors. ``worker_error`` and ``server_error`` settle
+    first, so whoever reads or writes the errors sees errors.
     """
 
     def __init__(
@@ -93,12 +111,41 @@ class ErrorFeedback:
         self.bucket_numel = bucket_numel
         self.buckets = plan_buckets(numel, world_size, bucket_numel)
         self.padded_numel = padded_size(numel, world_size)
-        self.worker_error = torch.zeros(self.padded_numel, device=device)
-        self.server_error = torch.zeros(self.padded_numel // world_size, device=device)
+        self.worker_values = torch.zeros(self.padded_numel, device=device)
+        self.server_values = torch.zeros(self.padded_numel // world_size, device=device)
+        self.worker_scale = torch.zeros(len(self.buckets), device=device)
+        self.server_scale = torch.zeros(len(self.buckets), device=device)
+        self.pending = False
+        """Whether a scale may be pending (set by whoever stores values)."""
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        self.settle()
+        return self.worker_values
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        self.settle()
+        return self.server_values
+
+    def settle(self) -> None:
+        """Make the stored values the errors they stand for (:func:`settle`, bucket by
+        bucket) and the scales 0; the next compression gives the same bits either way."""
+        if not self.pending:
+            return
+        p = self.world_size
+        for k, b in enumerate(self.buckets):
+            settle(self.worker_values[b.start : b.start + b.size], self.worker_scale[k], b.real)
+            chunk = self.server_values[b.start // p : (b.start + b.size) // p]
+            settle(chunk, self.server_scale[k], b.chunk_real(self.rank, p))
+        self.worker_scale.zero_()
+        self.server_scale.zero_()
+        self.pending = False
 
     def reset(self) -> None:
-        self.worker_error.zero_()
-        self.server_error.zero_()
+        for t in (self.worker_values, self.server_values, self.worker_scale, self.server_scale):
+            t.zero_()
+        self.pending = False
 
     PLAN = ("numel", "world_size", "rank", "bucket_numel")
     """What the errors were laid out for: saved with them, checked on load."""
@@ -127,8 +174,9 @@ class ErrorFeedback:
             )
             self.reset()
             return False
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
+        self.reset()
+        self.worker_values.copy_(state["worker_error"])
+        self.server_values.copy_(state["server_error"])
         return True
 
 

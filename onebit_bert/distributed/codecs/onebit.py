@@ -30,7 +30,9 @@ class OneBitBucket:
     """The :class:`~onebit_bert.distributed.codecs.two_phase.TwoPhaseSteps` of bucket
     ``index`` of ``feedback``'s plan, in place on ``buffer``; ``ops``: the per-bucket
     implementation (default: :func:`~.compression.sign_ops` for the communicator's
-    device)."""
+    device). ``squares``: where the caller wrote the worker's values itself (ops that
+    :attr:`~onebit_bert.kernels.signs.FusedSignOps.takes_squares`), their sums of squares
+    and of sizes over the bucket's real elements."""
 
     def __init__(
         self,
@@ -45,15 +47,24 @@ class OneBitBucket:
         bucket = feedback.buckets[index]
         p = comm.world_size
         self.rows = p
+        self.ops = ops if ops is not None else sign_ops(comm.device)
+        self.feedback = feedback
+        # ops that keep values take them with their scales pending; the others, errors
+        self.keeps_values = getattr(self.ops, "keeps_values", False)
+        if self.keeps_values:
+            worker, server = feedback.worker_values, feedback.server_values
+            self.pending = (
+                feedback.worker_scale[index : index + 1],
+                feedback.server_scale[index : index + 1],
+            )
+        else:
+            worker, server = feedback.worker_error, feedback.server_error
         self.x = buffer[bucket.start : bucket.start + bucket.size]
-        self.worker_error = feedback.worker_error[bucket.start : bucket.start + bucket.size]
-        self.server_error = feedback.server_error[
-            bucket.start // p : (bucket.start + bucket.size) // p
-        ]
+        self.worker_error = worker[bucket.start : bucket.start + bucket.size]
+        self.server_error = server[bucket.start // p : (bucket.start + bucket.size) // p]
         self.real = bucket.real
         self.my_real = bucket.chunk_real(comm.rank, p)
         self.table = cached_sign_table(buffer.device)
-        self.ops = ops if ops is not None else sign_ops(comm.device)
         self.squares = squares
         self.keep = keep
         self.gathered: torch.Tensor | None = None
@@ -61,16 +72,28 @@ class OneBitBucket:
     def compress(self) -> torch.Tensor:
         """Worker: the local slice as ``(p, chunk/8 + 4)`` bytes, row j (chunk j's signs
         and this rank's scale) addressed to rank j."""
-        if self.squares is not None:
-            return self.ops.compress(
-                self.x, self.worker_error, self.real, self.table, self.rows, self.squares
-            )
-        return self.ops.compress(self.x, self.worker_error, self.real, self.table, self.rows)
+        if not self.keeps_values:
+            return self.ops.compress(self.x, self.worker_error, self.real, self.table, self.rows)
+        self.feedback.pending = True
+        return self.ops.compress(
+            self.x,
+            self.worker_error,
+            self.real,
+            self.table,
+            self.rows,
+            self.squares,
+            pending=self.pending[0],
+        )
 
     def serve(self, incoming: torch.Tensor) -> torch.Tensor:
         """Server: this rank's chunk averaged over the rows of ``incoming`` and compressed
         again into one message (signs and scale)."""
-        return self.ops.serve(incoming, self.server_error, self.my_real, self.table)
+        if not self.keeps_values:
+            return self.ops.serve(incoming, self.server_error, self.my_real, self.table)
+        self.feedback.pending = True
+        return self.ops.serve(
+            incoming, self.server_error, self.my_real, self.table, pending=self.pending[1]
+        )
 
     def expand(self, gathered: torch.Tensor) -> None:
         """Everyone: every server's message (row i of ``gathered``) expanded into its chunk
@@ -164,12 +187,13 @@ def average_signs(
 ) -> GatheredSigns:
     """:func:`compressed_all_reduce` without the expansion: ``buffer`` is compressed (its
     errors updated, the buffer itself left as it was) and the servers' messages come back
-    for the caller to read. ``squares[k]``: the sum of ``(x + worker error)²`` over bucket
-    ``k``'s real elements, which ``ops`` (one that ``takes_squares``) uses instead of a
-    pass of its own."""
+    for the caller to read. ``squares[:, k]``: where the caller wrote bucket ``k``'s
+    values ``x + worker error`` over the worker's stored values, the sums of their squares
+    and of their sizes over its real elements, which ``ops`` (one that ``takes_squares``)
+    uses instead of a pass of its own."""
     check_compressed(comm, buffer, feedback)
     parts = [
-        OneBitBucket(comm, buffer, feedback, index, ops, squares[index], keep=True)
+        OneBitBucket(comm, buffer, feedback, index, ops, squares[:, index], keep=True)
         for index in range(len(feedback.buckets))
     ]
     for part in parts:
@@ -198,9 +222,10 @@ class FusedOneBitBuckets:
         self._input_sq = self._error_sq = None
 
     def start(self, index: int, squares: tuple | None = None) -> TwoPhaseRun:
-        """Compress bucket ``index`` and issue its all-to-all. ``squares``: the sums of
-        ``x²`` and of ``(x + worker error)²`` over the bucket's real elements, where the
-        caller made them as it folded (ops that ``takes_squares``; no pass of their own)."""
+        """Compress bucket ``index`` and issue its all-to-all. ``squares``: where the
+        caller wrote the bucket's values ``x + worker error`` as it folded (ops that
+        ``takes_squares``; no pass of their own), the sums of ``x²``, of the values'
+        squares and of their sizes over the bucket's real elements."""
         takes = self.measures and getattr(self.ops, "takes_squares", False)
         if squares is not None and not takes:
             raise ValueError(f"the {self.ops.name} sign ops cannot take a bucket's squares")
@@ -210,7 +235,7 @@ class FusedOneBitBuckets:
             self.feedback,
             index,
             self.ops,
-            squares=None if squares is None else squares[1],
+            squares=None if squares is None else squares[1:],
             keep=self.keep,
         )
         self._parts[index] = bucket

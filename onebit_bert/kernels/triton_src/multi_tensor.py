@@ -153,14 +153,17 @@ def onebit_fold(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, pr
 
 
 @triton.jit(do_not_specialize=UNSPECIALIZED)
-def onebit_fold_squares(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, x_ptrs,
-                        e_ptrs, coeffs, grad_scale, part_x, part_xe, beta1, one_minus_beta1,
-                        HAS_SCALE: tl.constexpr, SQUARES: tl.constexpr, ALIGNED: tl.constexpr,
-                        BLOCK: tl.constexpr):  # fmt: skip
-    """1-bit LAMB's fold, written beside the momentum: ``x = (β1·m + (1-β1)·g) · coeff[t]``
-    (``g`` times ``grad_scale`` with ``HAS_SCALE``; ``m`` is left as it was); with
-    ``SQUARES``, per block the sums of ``x²`` and of ``(x + e)²`` with ``e`` the worker's
-    error at the same place (the 1-bit worker's first pass)."""
+def onebit_fold_compensated(block_tensor, block_start, block_end, block0, g_ptrs, m_ptrs, e_ptrs,
+                            coeffs, grad_scale, positions, step, pending, part_x, part_v,
+                            part_abs, beta1, one_minus_beta1, HAS_SCALE: tl.constexpr,
+                            ALIGNED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """1-bit LAMB's fold with the 1-bit worker's first pass: ``x = (β1·m + (1-β1)·g) ·
+    coeff[t]`` (``g`` times ``grad_scale`` with ``HAS_SCALE``; ``m`` is left as it was)
+    plus the worker's error at the same place, written over the error: ``v = x + e``.
+    The stored values ``e_v`` stand for the error ``e_v - p·sign(e_v)`` with ``p`` the
+    pending scale of their bucket (``pending[k]``, ``k`` = the element's position in the
+    compressed buffer, ``positions[t]`` plus its offset, over ``step``: a block never
+    spans two buckets). Per block the sums of ``x²``, ``v²`` and ``|v|``."""
     b, t, offs, inside = _block(block_tensor, block_start, block_end, block0, ALIGNED, BLOCK)
     m = tl.load(_at(m_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
     g = tl.load(_at(g_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
@@ -168,11 +171,15 @@ def onebit_fold_squares(block_tensor, block_start, block_end, block0, g_ptrs, m_
         g = g * tl.load(grad_scale)
     m = m * beta1
     x = (m + one_minus_beta1 * g) * tl.load(coeffs + t)
-    tl.store(_at(x_ptrs, t, ALIGNED) + offs, x, mask=inside)
-    if SQUARES:
-        v = x + tl.load(_at(e_ptrs, t, ALIGNED) + offs, mask=inside, other=0.0)
-        tl.store(part_x + b, tl.sum(x * x, axis=0))
-        tl.store(part_xe + b, tl.sum(v * v, axis=0))
+    p = tl.load(pending + (tl.load(positions + t) + tl.load(block_start + b)) // step)
+    e_at = _at(e_ptrs, t, ALIGNED) + offs
+    stored = tl.load(e_at, mask=inside, other=0.0)
+    v = x + tl.where(stored >= 0, stored - p, stored + p)
+    tl.store(e_at, v, mask=inside)
+    v = tl.where(inside, v, 0.0)
+    tl.store(part_x + b, tl.sum(x * x, axis=0))
+    tl.store(part_v + b, tl.sum(v * v, axis=0))
+    tl.store(part_abs + b, tl.sum(tl.abs(v), axis=0))
 
 
 @triton.jit

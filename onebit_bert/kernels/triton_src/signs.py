@@ -10,71 +10,66 @@ import triton.language as tl
 
 
 @triton.jit
-def _value(x, err, index, rows, cols, n_bytes, received, scales, ranks, ranks_f, stride, real,
-           SERVER: tl.constexpr):  # fmt: skip
-    """The values whose signs are sent: ``x + e`` (worker), or ``mean_i(±s_i)`` over the
-    received rows, 0 from ``real`` on, plus ``e`` (server: the reference's
-    ``combine_chunks``, then ``compress_in_place``'s addition)."""
+def _error(values, pending, index, inside, real):
+    """The error that stored ``values`` stand for: ``v - p·sign(v)`` with ``p`` the
+    pending scale (0 when the values are the errors themselves: the same bits), 0 from
+    ``real`` on. The reference's subtraction of ``±p``, as :func:`encode` would have
+    stored it."""
+    v = tl.load(values + index, mask=inside, other=0.0)
+    p = tl.load(pending)
+    return tl.where(index < real, tl.where(v >= 0, v - p, v + p), 0.0)
+
+
+@triton.jit
+def encode(x, values, pending, message, partial, n_bytes, body, row_stride, received, scales,
+           ranks, ranks_f, stride, real, SERVER: tl.constexpr, MEASURE: tl.constexpr,
+           STORED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The signs of the values compressed into ``message`` (byte ``r`` to row ``r // body``,
+    column ``r % body``, rows ``row_stride`` bytes apart).
+
+    With ``STORED`` the values are in ``values`` already (a caller wrote them) and only
+    the signs are written. Otherwise ``v`` is the error (:func:`_error`) plus ``x``
+    (worker) or plus ``mean_i(±s_i)`` over the received rows, 0 from ``real`` on (server:
+    the reference's ``combine_chunks``), written over ``values`` (0 on the padding);
+    ``partial[0, program]``: the sum of ``v²`` over the tile's real elements, with
+    ``MEASURE`` (worker) also ``partial[1, program]``: of ``x²``, and ``partial[2,
+    program]``: of ``|v|``. The error left, ``v - s·sign(v)``, needs the scale ``s`` of
+    the whole bucket: it is taken when the values are next read."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, 8)
+    index = rows[:, None] * 8 + cols[None, :]
     inside = rows[:, None] < n_bytes
-    e = tl.load(err + index, mask=inside, other=0.0)
-    if SERVER:
-        acc = tl.zeros((rows.shape[0], 8), dtype=tl.float32)
-        for i in range(ranks):
-            byte = tl.load(received + i * stride + rows, mask=rows < n_bytes, other=0)
-            bit = (byte.to(tl.int32)[:, None] >> cols[None, :]) & 1
-            s = tl.load(scales + i)
-            acc += tl.where(bit != 0, s, -s)
-        acc = tl.math.div_rn(acc, tl.zeros_like(acc) + ranks_f)
-        v = tl.where(index < real, acc, 0.0) + e
+    if STORED:
+        v = tl.load(values + index, mask=inside, other=0.0)
     else:
-        v = tl.load(x + index, mask=inside, other=0.0) + e
-    return v
-
-
-@triton.jit
-def sum_squares(x, err, partial, partial_input, n_bytes, received, scales, ranks, ranks_f,
-                stride, real, SERVER: tl.constexpr, MEASURE: tl.constexpr,
-                BLOCK: tl.constexpr):  # fmt: skip
-    """``partial[program]``: the sum of the squared values over this tile's real elements;
-    with ``MEASURE`` (worker) also ``partial_input[program]``, that of ``x`` alone (``x``
-    read once for both; only a worker measures)."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, 8)
-    index = rows[:, None] * 8 + cols[None, :]
-    if MEASURE:
-        plain = tl.load(x + index, mask=rows[:, None] < n_bytes, other=0.0)
-        v = plain + tl.load(err + index, mask=rows[:, None] < n_bytes, other=0.0)
-        tl.store(partial_input + tl.program_id(0), tl.sum(tl.sum(plain * plain, axis=1), axis=0))
-    else:
-        v = _value(x, err, index, rows, cols, n_bytes, received, scales, ranks, ranks_f, stride,
-                   real, SERVER)  # fmt: skip
-    v = tl.where(index < real, v, 0.0)
-    tl.store(partial + tl.program_id(0), tl.sum(tl.sum(v * v, axis=1), axis=0))
-
-
-@triton.jit
-def pack(x, err, scale, message, partial_error, n_bytes, body, row_stride, received, scales,
-         ranks, ranks_f, stride, real, SERVER: tl.constexpr, MEASURE: tl.constexpr,
-         BLOCK: tl.constexpr):  # fmt: skip
-    """The signs of the values into ``message`` (byte ``r`` to row ``r // body``, column
-    ``r % body``, rows ``row_stride`` bytes apart) and ``err = v - scale·sign(v)`` (0 from
-    ``real`` on); with ``MEASURE``, ``partial_error[program]``: the sum of its squares."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, 8)
-    index = rows[:, None] * 8 + cols[None, :]
-    v = _value(x, err, index, rows, cols, n_bytes, received, scales, ranks, ranks_f, stride,
-               real, SERVER)  # fmt: skip
-    positive = v >= 0
-    bits = tl.where(positive, 1, 0) << cols[None, :]
+        e = _error(values, pending, index, inside, real)
+        if SERVER:
+            acc = tl.zeros((BLOCK, 8), dtype=tl.float32)
+            for i in range(ranks):
+                byte = tl.load(received + i * stride + rows, mask=rows < n_bytes, other=0)
+                bit = (byte.to(tl.int32)[:, None] >> cols[None, :]) & 1
+                s = tl.load(scales + i)
+                acc += tl.where(bit != 0, s, -s)
+            acc = tl.math.div_rn(acc, tl.zeros_like(acc) + ranks_f)
+            plain = tl.where(index < real, acc, 0.0)
+        else:
+            plain = tl.load(x + index, mask=inside, other=0.0)
+        v = plain + e
+        tl.store(values + index, tl.where(index < real, v, 0.0), mask=inside)
+    bits = tl.where(v >= 0, 1, 0) << cols[None, :]
     byte = tl.sum(bits, axis=1).to(tl.uint8)
     at = (rows // body) * row_stride + rows % body
     tl.store(message + at, byte, mask=rows < n_bytes)
-    s = tl.load(scale)
-    left = tl.where(positive, v - s, v + s)  # v - (±s), the reference's subtraction
-    left = tl.where(index < real, left, 0.0)
-    tl.store(err + index, left, mask=rows[:, None] < n_bytes)
-    if MEASURE:
-        tl.store(partial_error + tl.program_id(0), tl.sum(tl.sum(left * left, axis=1), axis=0))
+    if not STORED:
+        real_v = tl.where(index < real, v, 0.0)
+        tl.store(partial + tl.program_id(0), tl.sum(tl.sum(real_v * real_v, axis=1), axis=0))
+        if MEASURE:
+            width = tl.num_programs(0)
+            plain = tl.where(index < real, plain, 0.0)
+            tl.store(partial + width + tl.program_id(0),
+                     tl.sum(tl.sum(plain * plain, axis=1), axis=0))  # fmt: skip
+            tl.store(partial + 2 * width + tl.program_id(0),
+                     tl.sum(tl.sum(tl.abs(real_v), axis=1), axis=0))  # fmt: skip
 
 
 @triton.jit

@@ -163,3 +163,47 @@ def test_error_feedback_state_round_trip_and_reset():
     assert torch.all(c.worker_error == 0) and torch.all(c.server_error == 0)
     with pytest.raises(ValueError, match="different model"):
         ErrorFeedback(51, 2, rank=1).load_state_dict(a.state_dict())
+
+
+def test_kept_values_are_read_as_the_errors_they_stand_for():
+    """Values stored with their buckets' scales pending read back, through the errors,
+    the state and a reset, as ``v - s·sign(v)`` on the real elements and 0 after them,
+    with the reference's bits; settling is done once and leaves nothing pending."""
+    from onebit_bert.distributed.codecs.packing import pack_signs, unpack_signs
+
+    fb = ErrorFeedback(45, 2, rank=1, bucket_numel=32)  # buckets of 32 and 16; 45 real
+    assert [b.real for b in fb.buckets] == [32, 13]
+    v = torch.randn(48, generator=torch.Generator().manual_seed(0))
+    v[:4] = torch.tensor([0.0, -0.0, 1.5, -1.5])
+    server = torch.randn(24, generator=torch.Generator().manual_seed(1))
+    fb.worker_values.copy_(v)
+    fb.server_values.copy_(server)
+    fb.worker_scale.copy_(torch.tensor([0.75, 0.5]))
+    fb.server_scale.copy_(torch.tensor([0.25, 2.0]))
+    fb.pending = True
+    want = torch.zeros(48)
+    for a, b, real, s in [(0, 32, 32, 0.75), (32, 48, 13, 0.5)]:
+        # the reference's error for these values and this scale (compress_in_place)
+        want[a:b] = v[a:b] - unpack_signs(pack_signs(v[a:b]), torch.tensor(s))
+        want[a + real : b] = 0
+    state = fb.state_dict()
+    assert not fb.pending and torch.all(fb.worker_scale == 0) and torch.all(fb.server_scale == 0)
+    assert torch.equal(state["worker_error"], want)
+    assert torch.equal(fb.worker_error, want)
+    # rank 1 serves the second half of each bucket: 16 real of 16, then 5 of 8
+    s_want = torch.zeros(24)
+    for a, b, real, s in [(0, 16, 16, 0.25), (16, 24, 5, 2.0)]:
+        s_want[a:b] = server[a:b] - unpack_signs(pack_signs(server[a:b]), torch.tensor(s))
+        s_want[a + real : b] = 0
+    assert torch.equal(fb.server_error, s_want)
+    fb.settle()  # nothing pending: the errors stay
+    assert torch.equal(fb.worker_error, want)
+    fb.worker_scale.fill_(3.0)
+    fb.pending = True
+    fb.reset()
+    assert not fb.pending and not fb.worker_error.any() and not fb.worker_scale.any()
+    other = ErrorFeedback(45, 2, rank=1, bucket_numel=32)
+    other.worker_scale.fill_(1.0)
+    other.pending = True
+    assert other.load_state_dict(state)
+    assert not other.pending and torch.equal(other.worker_error, want)

@@ -171,20 +171,20 @@ def test_sums_made_elsewhere_are_refused_where_they_cannot_fit():
 
     from onebit_bert.distributed.codecs.compression import ErrorFeedback
     from onebit_bert.distributed.codecs.onebit import FusedOneBitBuckets
-    from onebit_bert.kernels.multi_tensor import TensorTable, onebit_fold_squares
+    from onebit_bert.kernels.multi_tensor import TensorTable, onebit_fold_compensated
 
     p = torch.zeros(10)
     table = TensorTable([p], block=4)  # blocks of 4, 4, 2
-    fold = (table, [p], [p.clone()], [p.clone()], [p.clone()], torch.ones(1), 0.9)
-    with pytest.raises(ValueError, match="two contiguous tensors of 3 block sums"):
-        onebit_fold_squares(*fold, out=(torch.zeros(3), torch.zeros(2)))
-    with pytest.raises(ValueError, match="with errors to sum"):
-        onebit_fold_squares(*fold[:4], None, *fold[5:], out=(torch.zeros(3), torch.zeros(3)))
+    fold = (table, [p], [p.clone()], [p.clone()], [0], torch.zeros(1), 16, torch.ones(1), 0.9)
+    with pytest.raises(ValueError, match="three contiguous tensors of 3 block sums"):
+        onebit_fold_compensated(*fold, out=(torch.zeros(3), torch.zeros(3), torch.zeros(2)))
+    with pytest.raises(ValueError, match="three contiguous tensors of 3 block sums"):
+        onebit_fold_compensated(*fold, out=(torch.zeros(3), torch.zeros(3)))
     comm = Communicator(None)
     feedback = ErrorFeedback(16, 1, rank=0, device="cpu")
     buckets = FusedOneBitBuckets(comm, torch.zeros(16), feedback, sign_ops("cpu"))
     with pytest.raises(ValueError, match="reference sign ops cannot take a bucket's squares"):
-        buckets.start(0, (torch.zeros(()), torch.zeros(())))
+        buckets.start(0, torch.zeros(3))
 
 
 _RUN_ALL = """
