@@ -130,7 +130,9 @@ class FusedSignOps:
         else:
             old = pending
         partial = torch.empty(3, grid[0], dtype=torch.float32, device=values.device)
-        common = dict(SERVER=server, MEASURE=measured is not None, STORED=stored, BLOCK=self.block)
+        # (with STORED nothing is measured in the pass: one variant either way)
+        measure = measured is not None and not stored
+        common = dict(SERVER=server, MEASURE=measure, STORED=stored, BLOCK=self.block)
         common.update(COMPILE_OPTIONS)
         k.encode[grid](
             x, values, old, message, partial, n_bytes, body, width, received, scales, ranks,
