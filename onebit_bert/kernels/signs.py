@@ -37,7 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
-from onebit_bert.distributed.codecs.compression import settle
+from onebit_bert.distributed.codecs.packing import settle
 from onebit_bert.kernels import COMPILE_OPTIONS, triton_module
 
 SCALE_BYTES = 4  # the fp32 scale after each message row (as distributed.codecs.compression)

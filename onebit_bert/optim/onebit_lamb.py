@@ -116,11 +116,11 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     NAME = NAME
     SECTION = "onebit"
     expand_in_update = True
-    """With the fused kernels, fold beside the momentum and read the 1-bit average from
-    the servers' messages in the update (:meth:`_fold_and_compress`: 16 bytes per
-    parameter fewer than a separate fold and expansion; an overlapped step folds each
-    gradient beside the momentum as it arrives, :meth:`_overlap_buffer`); False keeps
-    those passes."""
+    """With the fused kernels, fold beside the momentum (straight into the 1-bit worker's
+    values) and read the 1-bit average from the servers' messages in the update
+    (:meth:`_fold_and_compress`: 16 bytes per parameter fewer than a separate fold and
+    expansion; an overlapped step folds each gradient so as it arrives,
+    :meth:`_overlap_buffer`); False keeps those passes."""
     OTHER_STATE_HINT = "load LAMB states into LAMB"
     deepspeed_kwargs = staticmethod(onebit_lamb_kwargs)
 
@@ -172,7 +172,7 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
         self._full_masks: dict = {}
         self._segments_cache: tuple | None = None  # the blocks' buckets, on the device
         self._folded_plan: FoldedSquares | None = None  # overlapped steps' sums, per layout
-        # the armed overlapped step folds beside the momentum and sums the squares there
+        # the armed overlapped step folds into the worker's values and sums them there
         self._folded: FoldedSquares | None = None
         self.last_trust_ratios: torch.Tensor | None = None
         self.last_factors: torch.Tensor | None = None
@@ -410,8 +410,9 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     ) -> bool:
         """:meth:`_fold_for_compression` in one kernel; in an overlapped step that reads
         the average in the update (armed with :class:`FoldedSquares`) each parameter's
-        folded momentum goes to the scratch buffer instead, the momentum stays and the
-        worker's sums are made (:meth:`_fold_summing`). False where it does not apply."""
+        folded momentum goes into the 1-bit worker's values instead, the momentum stays
+        and the worker's sums are made (:meth:`_fold_summing`). False where it does not
+        apply."""
         if not self._fits(params):
             return False
         if self._folded is not None:
@@ -484,8 +485,10 @@ class OneBitLamb(WarmupCheckpoint, FromDeepSpeed, WarmupThenCompress):
     # ------------------------------------------------- fused, expanded in the update
     def _overlap_buffer(self, layout, flat: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """An overlapped step that can read the average in the update folds each gradient
-        beside the momentum, into the scratch buffer, which the codec compresses and
-        leaves unexpanded; otherwise the fused buffer, as the base class does."""
+        beside the momentum, into the 1-bit worker's values (:meth:`_fold_summing`), and
+        the codec compresses those and leaves the average unexpanded (the buffer it is
+        handed, the scratch buffer, is then neither read nor written); otherwise the
+        fused buffer, as the base class does."""
         self._folded = None
         if self._expands_in_update(layout):
             feedback = self.codec.fused_feedback(FUSED, self._flat_numel)

@@ -108,7 +108,7 @@ def check_errors_kept_as_values(device: str = "cpu") -> None:
     each time, over three calls on one set of errors, and settle to the same errors bit
     for bit; their error figure (from the pass's sums) is the written errors' within
     rounding."""
-    from onebit_bert.distributed.codecs.compression import settle
+    from onebit_bert.distributed.codecs.packing import settle
 
     ranks, numel, real = 2, 16 * 150, 16 * 150 - 9
     g = torch.Generator().manual_seed(6)
@@ -129,8 +129,11 @@ def check_errors_kept_as_values(device: str = "cpu") -> None:
             got = ops.compress(x, kept, real, None, ranks, pending=pending)
         assert torch.equal(got.cpu(), want.cpu()), f"worker call {call}: messages differ"
         direct = torch.linalg.vector_norm(written.cpu()) / torch.linalg.vector_norm(x.cpu())
-        torch.testing.assert_close(eager.relative_error().cpu(), direct, rtol=1e-5, atol=0)
-        torch.testing.assert_close(lazy.relative_error().cpu(), direct, rtol=1e-5, atol=1e-6)
+        # the figure's ‖e‖² = 2·Σv² - 2s·Σ|v| rounds to about 1e-7 of Σv²: a figure near 0
+        # comes out near sqrt(1e-7) at most
+        atol = 1e-3 if call == 2 else 0.0
+        for figure in (eager, lazy):
+            torch.testing.assert_close(figure.relative_error().cpu(), direct, rtol=1e-5, atol=atol)
     settled = kept.clone()
     settle(settled, pending, real)
     assert torch.equal(settled.cpu(), written.cpu()), "worker errors differ"

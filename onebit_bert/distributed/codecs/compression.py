@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from onebit_bert.distributed.codecs.packing import pack_signs, unpack_signs
+from onebit_bert.distributed.codecs.packing import pack_signs, settle, unpack_signs
 from onebit_bert.kernels import use_fused
 
 # Bytes used to carry one fp32 scale next to the packed signs in the same message.
@@ -64,16 +64,6 @@ def plan_buckets(numel: int, world_size: int, bucket_numel: int | None) -> list[
         size = min(step, padded - start)
         buckets.append(Bucket(start, size, max(0, min(size, numel - start))))
     return buckets
-
-
-def settle(values: torch.Tensor, scale: torch.Tensor, real: int) -> None:
-    """Stored ``values`` made the error they stand for, in place: ``v - s·sign(v)`` on the
-    first ``real`` elements (``sign(v)`` +1 for ``v >= 0``; the reference's subtraction of
-    ``±s``, so the same bits as :func:`compress_in_place`'s error for the same ``v`` and
-    ``s``), 0 after them."""
-    head = values[:real]
-    head.copy_(torch.where(head >= 0, head - scale, head + scale))
-    values[real:].zero_()
 
 
 class ErrorFeedback:

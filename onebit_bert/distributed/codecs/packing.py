@@ -126,3 +126,14 @@ def _unpack_by_shifts(
         return torch.where(positive, scale, -scale).view(-1)
     torch.where(positive, scale, -scale, out=out.view(-1, 8))
     return out
+
+
+def settle(values: torch.Tensor, scale: torch.Tensor, real: int) -> None:
+    """Stored ``values`` made the error they stand for, in place: ``v - s·sign(v)`` on the
+    first ``real`` elements (``sign(v)`` +1 for ``v >= 0``; the reference's subtraction of
+    ``±s``, so the same bits as :func:`~.compression.compress_in_place`'s error for the
+    same ``v`` and ``s``), 0 after them: what the error-compensated compression left out
+    when it kept its values and their scale (:class:`~.compression.ErrorFeedback`)."""
+    head = values[:real]
+    head.copy_(torch.where(head >= 0, head - scale, head + scale))
+    values[real:].zero_()
