@@ -283,7 +283,9 @@ def our_loop(
         for impl in impls:
             figures[impl] = {
                 **rate(seconds[impl], batch),
-                **optimizer_figures(optimizer, optimizer_seconds[impl], params, args.bandwidth),
+                **optimizer_figures(
+                    optimizer, optimizer_seconds[impl], params, args.bandwidth, impl
+                ),
             }
             step_seconds = figures[impl]["step_seconds_median"]
             tflops = flops["model_flops_per_step"] / step_seconds / 1e12

@@ -9,6 +9,9 @@ invocation (the JSON line it printed) in one folder. This reads them and prints 
   floor and their ratio, and 1-bit LAMB's samples/s over LAMB's per implementation (the
   ratios come from one invocation: ``comparisons``);
 - the optimizer steps timed alone;
+- the fused steps' effective bandwidth (the bytes their kernels were counted to move in
+  Triton's interpreter over their measured time) and, for 1-bit LAMB, the bandwidth the
+  0.95× samples/s target needs (:func:`bandwidth_table`);
 - where a profiled step's time went (``profile``: shares of the wall time by category and
   the largest kernels);
 - what a profiled step's MFU is made of (:func:`mfu_table`): the matrix products' share of
@@ -183,6 +186,66 @@ def alone_table(summaries: list[dict]) -> list[str]:
     ]
     for r in rows:
         lines.append(_line(NAMES.get(r["optimizer"]), r["impl"], *_figures(r, STEP_KEYS, 2)))
+    return lines
+
+
+def _allowance_gbs(summary: dict, run: dict) -> float | None:
+    """For 1-bit LAMB's fused row ``run`` of our loop: the bandwidth at which the bytes its
+    step was counted to move beyond LAMB's fused step fit in what the 0.95× target allows
+    over LAMB's step of the same configuration and invocation (LAMB's step over 0.95, less
+    LAMB's step), if both steps' kernels ran at it; None without LAMB's row."""
+    lamb = next(
+        (
+            r
+            for r in summary["runs"]
+            if r.get("loop") == "ours"
+            and r["optimizer"] == "lamb"
+            and r.get("impl") == "fused"
+            and (r["seq_length"], r.get("compile")) == (run["seq_length"], run.get("compile"))
+            and r.get("step_seconds_median")
+        ),
+        None,
+    )
+    counted = lamb and lamb.get("optimizer_counted_bytes_per_parameter")
+    if not counted or not run.get("optimizer_params"):
+        return None
+    extra = (run["optimizer_counted_bytes_per_parameter"] - counted) * run["optimizer_params"]
+    allowed = lamb["step_seconds_median"] * (1 / SAMPLES_RATIO_TARGET - 1)
+    return extra / allowed / 1e9
+
+
+def bandwidth_table(summaries: list[dict]) -> list[str]:
+    """The fused steps' effective bandwidth: the bytes their kernels were counted to move
+    (``bench/kernel_bytes.py``) over the optimizer step's measured GPU time, and its share
+    of the memory's bandwidth; for 1-bit LAMB in our loop, also the bandwidth its extra
+    bytes over LAMB's step need for the 0.95× samples/s target (:func:`_allowance_gbs`)."""
+    lines = [
+        "| where | optimizer | kernels | step (ms) | counted bytes / parameter "
+        "| effective GB/s | share of bandwidth | 0.95× target needs (GB/s) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for summary in summaries:
+        rows = [(r, f"{r['seq_length']}, {_mode(r)}") for r in summary["runs"]
+                if r.get("loop") == "ours" and not r.get("packing")]  # fmt: skip
+        rows += [(r, "alone") for r in summary.get("optimizer_steps", [])]
+        for row, where in rows:
+            if "optimizer_effective_gbs" not in row:
+                continue
+            needs = None
+            if where != "alone" and row["optimizer"] == "onebit_lamb" and row["impl"] == "fused":
+                needs = _allowance_gbs(summary, row)
+            lines.append(
+                _line(
+                    where,
+                    NAMES.get(row["optimizer"], row["optimizer"]),
+                    row["impl"],
+                    _number(row.get("optimizer_step_ms"), 2),
+                    _number(row["optimizer_counted_bytes_per_parameter"], 2),
+                    _number(row["optimizer_effective_gbs"], 0),
+                    _number(row.get("optimizer_bandwidth_share"), 1, percent=True),
+                    _number(needs, 0),
+                )
+            )
     return lines
 
 
@@ -427,6 +490,7 @@ def render(folder: Path) -> str:
         ("Our loop", loop_table(summaries)),
         ("Ratios within one invocation", comparison_table(summaries)),
         ("Optimizer steps alone", alone_table(summaries)),
+        ("The fused steps' bandwidth (counted bytes over GPU time)", bandwidth_table(summaries)),
         ("Where a step's time goes (shares of the wall time)", profile_table(summaries)),
         ("What the MFU is made of (profiled steps)", mfu_table(summaries)),
         ("Packed against padded rows (LAMB, eager)", packing_table(summaries)),

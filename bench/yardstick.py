@@ -43,6 +43,17 @@ PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
 
 BYTES_PER_PARAMETER = {"lamb": 28.0, "adamw": 28.0}
 
+COUNTED_BYTES_PER_PARAMETER = {
+    ("lamb", "fused"): 40.07,
+    ("onebit_lamb", "fused"): 68.62,
+    ("onebit_lamb", "fused-separate"): 84.59,
+}
+"""What the fused kernels of one step move per fp32 parameter at one rank, by optimizer and
+implementation (1-bit LAMB in its compression stage), counted load by load in Triton's
+interpreter by ``python -m bench.kernel_bytes [--separate-passes]``
+(docs/results/2026-12-01-errors-kept-as-values.md; a slow test holds these to the count):
+over a step's measured time, the bandwidth the kernels reached."""
+
 
 def optimizer_bytes_per_parameter(name: str, world_size: int = 1) -> float | None:
     """The floor's bytes per fp32 parameter of one step of ``name`` (None: not modelled);
@@ -135,11 +146,28 @@ class StepClock:
 
 
 def optimizer_figures(
-    name: str, step_seconds: list[float], params: int, bandwidth_gbs: float | None
+    name: str,
+    step_seconds: list[float],
+    params: int,
+    bandwidth_gbs: float | None,
+    impl: str | None = None,
 ) -> dict:
-    """The optimizer step's median time beside its floor (bytes / bandwidth)."""
+    """The optimizer step's median time beside its floor (bytes / bandwidth); for an
+    implementation whose traffic was counted (:data:`COUNTED_BYTES_PER_PARAMETER`), the
+    bandwidth that traffic took: ``optimizer_effective_gbs`` and its share of
+    ``bandwidth_gbs``."""
     per_parameter = optimizer_bytes_per_parameter(name)
-    out = {"optimizer_step_ms": round(1000 * statistics.median(step_seconds), 3)}
+    median = statistics.median(step_seconds)
+    out = {"optimizer_step_ms": round(1000 * median, 3)}
+    counted = COUNTED_BYTES_PER_PARAMETER.get((name, impl))
+    if counted is not None and median > 0:
+        effective = counted * params / median / 1e9
+        out.update(
+            optimizer_counted_bytes_per_parameter=counted,
+            optimizer_effective_gbs=round(effective, 1),
+        )
+        if bandwidth_gbs:
+            out["optimizer_bandwidth_share"] = round(effective / bandwidth_gbs, 3)
     if per_parameter is None or not bandwidth_gbs:
         return out
     floor = per_parameter * params / (bandwidth_gbs * 1e9)
@@ -217,7 +245,7 @@ def standalone_optimizer_steps(args, device, impls: list[str], bandwidth_gbs) ->
                     "params": params,
                     "steps_timed": len(seconds[impl]),
                     "stage": getattr(opt, "stage", None),
-                    **optimizer_figures(name, seconds[impl], params, bandwidth_gbs),
+                    **optimizer_figures(name, seconds[impl], params, bandwidth_gbs, impl),
                 }
             )
         del opt  # the model goes with it: only the optimizer holds its parameters

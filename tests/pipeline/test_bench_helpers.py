@@ -628,6 +628,44 @@ def test_gpu_summary_judges_each_target_from_the_figures():
     assert {t["verdict"] for t in targets([])} == {"not measured"}  # nothing ran
 
 
+def test_gpu_summary_gives_the_fused_steps_bandwidth_and_what_the_ratio_needs(tmp_path):
+    """A fused step's counted bytes over its measured time, as GB/s and as a share of the
+    bandwidth (none for the reference, whose traffic was not counted); for 1-bit LAMB in
+    our loop, the bandwidth at which its extra bytes over LAMB's step fit the 0.95×
+    target's allowance over LAMB's step of the same configuration."""
+    from bench.gpu_summary import bandwidth_table, render
+    from bench.yardstick import COUNTED_BYTES_PER_PARAMETER, optimizer_figures
+
+    params = 10**9
+    fused = optimizer_figures("onebit_lamb", [0.02, 0.01, 0.03], params, 4000.0, "fused")
+    counted = COUNTED_BYTES_PER_PARAMETER[("onebit_lamb", "fused")]
+    assert fused["optimizer_counted_bytes_per_parameter"] == counted
+    assert fused["optimizer_effective_gbs"] == pytest.approx(counted * params / 0.02 / 1e9, abs=0.1)
+    assert fused["optimizer_bandwidth_share"] == pytest.approx(counted / 0.02 / 4000, abs=1e-3)
+    reference = optimizer_figures("onebit_lamb", [0.02], params, 4000.0, "reference")
+    assert "optimizer_effective_gbs" not in reference and reference["optimizer_vs_floor"] > 0
+    lamb_bytes = COUNTED_BYTES_PER_PARAMETER[("lamb", "fused")]
+    lamb = _row("lamb", 128, True, step_seconds_median=0.0592, optimizer_params=params,
+                **optimizer_figures("lamb", [0.004], params, 4000.0, "fused"))  # fmt: skip
+    onebit = _row("onebit_lamb", 128, True, step_seconds_median=0.063, optimizer_params=params,
+                  **fused)  # fmt: skip
+    alone = {"optimizer": "onebit_lamb", "impl": "fused", **fused}
+    summary = {"runs": [lamb, onebit], "optimizer_steps": [alone]}
+    table = bandwidth_table([summary])
+    needs = (counted - lamb_bytes) * params / (0.0592 * (1 / 0.95 - 1)) / 1e9
+    gbs, share = fused["optimizer_effective_gbs"], fused["optimizer_bandwidth_share"]
+    assert table[3] == (
+        f"| 128, compiled | 1-bit LAMB | fused | 20.00 | {counted:.2f} | {gbs:,.0f} "
+        f"| {100 * share:.1f} % | {needs:,.0f} |"
+    )
+    assert table[2].startswith("| 128, compiled | LAMB | fused | 4.00 |")
+    assert table[2].endswith("| – |") and table[4].startswith("| alone |")
+    # without LAMB's row in the same invocation nothing says what the target needs
+    assert bandwidth_table([{"runs": [onebit]}])[2].endswith("| – |")
+    (tmp_path / "bench-compiled-128.json").write_text(json.dumps(summary) + "\n")
+    assert table[3] in render(tmp_path).split("## The fused steps' bandwidth")[1]
+
+
 def _profiled(mfu, wall, **categories):
     """A compiled LAMB row at length 128 with a profile of ``categories`` (ms per step)."""
     from bench.step_profile import summarise
@@ -804,6 +842,13 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
 
     lamb, onebit = counted()
     assert lamb["optimizer"] == "lamb" and 40 <= lamb["bytes_per_parameter"] < 40.5
+    # what bench.gpu divides by a step's time for the kernels' bandwidth is this count
+    from bench.yardstick import COUNTED_BYTES_PER_PARAMETER as COUNTED
+
+    assert COUNTED[("lamb", "fused")] == pytest.approx(lamb["bytes_per_parameter"], abs=0.05)
+    assert COUNTED[("onebit_lamb", "fused")] == pytest.approx(
+        onebit["bytes_per_parameter"], abs=0.05
+    )
     assert set(lamb["kernels"]) == {"lamb_measure", "scaled_step", "segment_reduce"}
     assert lamb["kernels"]["lamb_measure"]["written_per_parameter"] == 8.0  # m and v
     assert onebit["stage"] == "compression"
@@ -830,6 +875,9 @@ def test_kernel_bytes_counts_what_the_fused_steps_move_in_the_interpreter():
     assert {"onebit_fold", "onebit_measure", "expand"} <= set(separate["kernels"])
     saved = separate["bytes_per_parameter"] - onebit["bytes_per_parameter"]
     assert 15.5 < saved < 16.5, saved
+    assert COUNTED[("onebit_lamb", "fused-separate")] == pytest.approx(
+        separate["bytes_per_parameter"], abs=0.05
+    )
     # overlapped with the backward pass: the folds, parameter by parameter, sum the
     # worker's squares as the plain step's fold does (no pass of their own), and the error
     # figure comes from the kernels' sums, not from norms outside them
