@@ -129,7 +129,8 @@ class FusedSignOps:
             old = torch.zeros(1, dtype=torch.float32, device=values.device)
         else:
             old = pending
-        partial = torch.empty(3, grid[0], dtype=torch.float32, device=values.device)
+        # the pass's sums (a pass that only packs signs writes none)
+        partial = old if stored else torch.empty(3, grid[0], device=values.device)
         # (with STORED nothing is measured in the pass: one variant either way)
         measure = measured is not None and not stored
         common = dict(SERVER=server, MEASURE=measure, STORED=stored, BLOCK=self.block)

@@ -78,7 +78,10 @@ class ErrorFeedback:
     ``worker_scale[k]`` (``server_scale[k]``), and the error ``v - s·sign(v)`` is taken
     where the values are next read, by the next compression or by :meth:`settle`. With
     scale 0 the values are the errors. ``worker_error`` and ``server_error`` settle
-    first, so whoever reads or writes the errors sees errors.
+    first, so whoever reads or writes the errors sees errors. A caller may write a
+    bucket's values itself ahead of its compression (1-bit LAMB's fold: ``x + e``, the
+    error taken with the pending scale); until that bucket is compressed its values and
+    scale belong to no error, and nothing reads them in between.
     """
 
     def __init__(
