@@ -522,7 +522,9 @@ def _gpu_check_limit(elapsed: int, cap: int, reserve: int) -> int:
     import re
 
     function = re.search(r"^limit\(\) \{.*?^\}", GPU_CHECK.read_text(), re.M | re.S).group(0)
-    script = f"{function}\nstarted=$(($(date +%s) - {elapsed}))\nlimit {cap} {reserve}"
+    # one clock for both readings: a second ticking between them would shorten the limit
+    clock = "now=$(command date +%s)\ndate() { echo $now; }"
+    script = f"{function}\n{clock}\nstarted=$((now - {elapsed}))\nlimit {cap} {reserve}"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
     return int(out.stdout)
 
