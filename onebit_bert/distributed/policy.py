@@ -114,11 +114,12 @@ class CommConfig:
     overlap: bool = False
     """1-bit LAMB and 1-bit Adam after freeze_step: start each bucket's momentum update and
     compressed all-reduce during the last micro-batch's backward, as soon as the bucket's
-    gradients are complete (same numbers as without, except clipping: with clip_grad_norm
-    > 0 each bucket is clipped by the norm estimated when it is sent, exact with one
-    bucket)."""
+    gradients are complete (same numbers as without, in the same buckets, except
+    clipping: with clip_grad_norm > 0 each bucket is clipped by the norm estimated when it
+    is sent, exact with one bucket)."""
     bucket_mb: float = 25.0
-    """overlap: momentum buckets of about this many MB (fp32)."""
+    """overlap: momentum buckets of about this many MB (fp32) where optimizer.bucket_numel
+    does not set them (without overlap, that default is one bucket)."""
 
     def __post_init__(self):
         if self.int8_block < 1:

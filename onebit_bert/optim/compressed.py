@@ -108,11 +108,7 @@ class CompressedOptimizer(Optimizer):
         the padded buffer (and overlappable with the backward pass); :meth:`set_codec`
         replaces it (``comm.compression.momentum`` other than onebit, or
         ``comm.hierarchy: node``)."""
-        check = getattr(self.codec.sign_ops, "check_bucket", None)
-        if check is not None:  # the fused kernels' limit, met now rather than at the freeze
-            numel = sum(p.numel() for group in self.param_groups for p in group["params"])
-            buckets = plan_buckets(numel, self.comm.world_size, bucket_numel)
-            check(max(bucket.size for bucket in buckets))
+        self._check_buckets(bucket_numel)
         self._own_codec = True
         self._flat: torch.Tensor | None = None
         self._flat_numel = 0
@@ -127,6 +123,18 @@ class CompressedOptimizer(Optimizer):
         ``gradients`` (:mod:`onebit_bert.optim.ddp_traffic`)."""
         self.register_step_pre_hook(self.ddp_traffic.before_step)
         self.register_step_post_hook(self.ddp_traffic.after_step)
+
+    def _check_buckets(self, bucket_numel: int | None) -> None:
+        """Refuse a bucket size the compression steps could not use (below ``8 ×`` world
+        size elements, or past the fused kernels' limit) now, rather than at the freeze."""
+        numel = sum(p.numel() for group in self.param_groups for p in group["params"])
+        try:
+            buckets = plan_buckets(numel, self.comm.world_size, bucket_numel)
+        except ValueError as err:
+            raise ValueError(f"{self.NAME}: {err}") from None
+        check = getattr(self.codec.sign_ops, "check_bucket", None)
+        if check is not None:
+            check(max(bucket.size for bucket in buckets))
 
     def _check_single_fp32_device(self) -> None:
         devices = set()
@@ -299,16 +307,38 @@ class CompressedOptimizer(Optimizer):
         return self.codec.overlaps_fused and self.codec.comm is self.comm
 
     # ------------------------------------------------------------------ overlap
-    def enable_overlap(self, comm: Communicator) -> None:
+    def enable_overlap(self, comm: Communicator, bucket_numel: int | None = None) -> None:
         """Let compression steps start their bucket all-reduces during the backward pass
         (:class:`OverlappedCompression`), on ``comm`` (a side channel of this optimizer's
-        communicator). Registers a post-accumulate-grad hook on every parameter."""
+        communicator). Registers a post-accumulate-grad hook on every parameter.
+
+        ``bucket_numel``: the buckets' size where this optimizer was built without one
+        (one bucket leaves nothing to overlap: its all-reduce can start only once every
+        gradient is folded); ignored where it was built with one. Call it before any
+        compression step or state load: errors are laid out by bucket."""
+        if bucket_numel is not None and self.bucket_numel is None:
+            self._set_bucket_numel(bucket_numel)
         self._overlap_comm = comm
         self._overlapped: OverlappedCompression | None = None
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _set_bucket_numel(self, bucket_numel: int) -> None:
+        """Compress in buckets of at most ``bucket_numel`` elements from now on (the
+        default codec's; a codec set by :meth:`set_codec` keeps its own)."""
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be a positive element count, got {bucket_numel}")
+        self._check_buckets(bucket_numel)
+        if self._own_codec:
+            if self.codec.feedback:
+                raise RuntimeError(
+                    f"{self.NAME}: the bucket size can change only before the first "
+                    "compression step or state load (the errors are laid out by bucket)"
+                )
+            self.codec.bucket_numel = bucket_numel
+        self.bucket_numel = bucket_numel
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         run = getattr(self, "_overlapped", None)

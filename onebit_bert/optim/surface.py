@@ -57,8 +57,9 @@ class OverlappingOptimizer(SelfSyncingOptimizer, Protocol):
     """A self-syncing optimizer that can start its all-reduces during the backward pass
     (``comm.overlap``)."""
 
-    def enable_overlap(self, comm) -> None:
-        """Use side communicator ``comm`` for the overlapped all-reduces."""
+    def enable_overlap(self, comm, bucket_numel: int | None = None) -> None:
+        """Use side communicator ``comm`` for the overlapped all-reduces, in buckets of
+        ``bucket_numel`` elements where the optimizer was built without a size."""
         ...
 
     def begin_overlap(self, clip=None) -> bool:

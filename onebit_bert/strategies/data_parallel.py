@@ -114,10 +114,11 @@ class SelfSyncingDataParallel(DataParallel):
         bucket, and for the whole step when there is one bucket). The first compression
         step (of a run, or after a resume without those norms) does not overlap and clips
         as the plain step does."""
-        opt = self.optimizer
-        if opt.bucket_numel is None:
-            opt.bucket_numel = max(1, int(bucket_mb * (1 << 20)) // 4)
-        opt.enable_overlap(self.comm.side_channel())
+        bucket_numel = max(1, int(bucket_mb * (1 << 20)) // 4)
+        try:
+            self.optimizer.enable_overlap(self.comm.side_channel(), bucket_numel)
+        except ValueError as err:
+            raise ValueError(f"comm.bucket_mb {bucket_mb}: {err}") from None
         self.overlap_clip = clip_grad_norm
 
     def backward_context(self, last_micro_batch: bool):

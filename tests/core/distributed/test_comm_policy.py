@@ -34,6 +34,32 @@ def _assert_same_runs(dir_a, ranks_a: list[dict], dir_b, ranks_b: list[dict]) ->
 # ----------------------------------------------------------------------------- overlap
 
 
+def _overlap_buckets(comm, bucket_mb, bucket_numel):
+    from onebit_bert.distributed.policy import CommConfig
+    from onebit_bert.optim.build import OptimizerConfig
+    from onebit_bert.strategies import StrategyConfig, build_strategy
+    from tests.helpers.runs import dist_context
+    from tests.helpers.toy import ToyConfig, build_model
+
+    model = build_model(ToyConfig(width=4, inputs=3))
+    strategy = build_strategy(
+        StrategyConfig(),
+        OptimizerConfig(name="onebit_lamb", bucket_numel=bucket_numel),
+        model,
+        model,
+        dist_context(comm),
+        comm_cfg=CommConfig(overlap=True, bucket_mb=bucket_mb),
+    )
+    return strategy.optimizer.codec.bucket_numel
+
+
+def test_overlap_cuts_the_momentum_into_buckets_of_bucket_mb():
+    """comm.overlap without optimizer.bucket_numel compresses in buckets of
+    comm.bucket_mb (in fp32 elements); optimizer.bucket_numel, where set, wins."""
+    assert run_ranks(_overlap_buckets, 2, 0.5, None) == [131_072] * 2
+    assert run_ranks(_overlap_buckets, 2, 0.5, 4096) == [4096] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["onebit_lamb", "onebit_adam"])
 def test_overlap_with_backward_is_bit_identical(tiny_corpus, tmp_path, optimizer):

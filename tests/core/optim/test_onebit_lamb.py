@@ -371,6 +371,52 @@ def test_bad_hyperparameters(kwargs, match):
         OneBitLamb([torch.nn.Parameter(torch.ones(2))], **kwargs)
 
 
+def test_a_bucket_too_small_for_the_ranks_is_refused_when_built():
+    """Below 8 × world size elements a bucket cannot be cut into one byte of signs per
+    rank: refused by the constructor, with either implementation, not at the freeze."""
+    with pytest.raises(ValueError, match=r"1-bit LAMB: bucket size 4 is below the minimum"):
+        OneBitLamb([torch.nn.Parameter(torch.ones(40))], bucket_numel=4, kernels="reference")
+
+
+def _buckets_after_overlapped_steps(comm, built, overlap_bucket):
+    """The bucket count of the compressed momentum after compression steps of an optimizer
+    built with ``built`` and overlapped with ``overlap_bucket``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    opt = OneBitLamb(model.parameters(), comm=comm, lr=0.01, freeze_step=1, bucket_numel=built)
+    opt.enable_overlap(comm.side_channel(), overlap_bucket)
+    armed = []
+    for _ in range(3):
+        opt.zero_grad()
+        armed.append(opt.begin_overlap())
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        opt.step()
+    late = OneBitLamb(model.parameters(), comm=comm, lr=0.01, freeze_step=1)
+    for _ in range(2):
+        model(torch.randn(4, 32)).pow(2).mean().backward()
+        late.step()
+    try:
+        late.enable_overlap(comm.side_channel(), 512)
+        refused = None
+    except RuntimeError as err:
+        refused = str(err)
+    return armed, len(opt.codec.feedback["fused"].buckets), opt.bucket_numel, refused
+
+
+def test_overlap_compresses_in_the_buckets_it_is_given_where_none_were_built():
+    """``enable_overlap(comm, bucket_numel)`` (what ``comm.bucket_mb`` sets) cuts the
+    momentum of an optimizer built without a bucket size into buckets, so that its
+    all-reduces can start during the backward pass (one bucket can start only when every
+    gradient is folded); one built with a size keeps it; one that has compressed already
+    refuses a size (its errors are laid out by bucket)."""
+    # 2,112 parameters: buckets of 512 (a multiple of 16) make 5
+    given = run_ranks(_buckets_after_overlapped_steps, 2, None, 512)[0]
+    assert given[:3] == ([False, True, True], 5, 512)
+    assert "only before the first compression step" in given[3]
+    built = run_ranks(_buckets_after_overlapped_steps, 2, 1024, 512)[0]
+    assert built[:3] == ([False, True, True], 3, 1024)
+
+
 def test_rejects_non_float_and_half_params():
     with pytest.raises(TypeError, match="floating-point"):
         OneBitLamb([torch.zeros(3, dtype=torch.int32)])
